@@ -1,0 +1,43 @@
+# Transactional outbox toolkit. `make help` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+export DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
+export AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/%2f
+export TEST_DATABASE_URL ?= $(DATABASE_URL)
+export TEST_AMQP_URL ?= $(AMQP_URL)
+CARGO ?= cargo
+
+.PHONY: help services build test lint fmt demo bench bench-smoke clean-test-schemas
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-20s %s\n", $$1, $$2}'
+
+services: ## make sure PostgreSQL and RabbitMQ run on loopback (install/start them if needed)
+	@./scripts/services.sh
+
+build: ## build everything
+	$(CARGO) build --workspace --all-targets
+
+test: ## run every test (unit, database, broker, end-to-end) against the real services
+	$(CARGO) nextest run --workspace --no-fail-fast
+	$(CARGO) test --workspace --doc
+
+lint: ## rustfmt and clippy, warnings are errors
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+fmt: ## format the code
+	$(CARGO) fmt --all
+
+demo: services ## the whole story on this machine: migrate, produce, relay, consume, report
+	$(CARGO) run --release -q -p demo
+
+bench: services ## benchmark against the local services; writes target/bench/results.json
+	$(CARGO) run --release -q -p bench -- --out target/bench/results.json
+
+bench-smoke: ## the benchmark with tiny counts (CI runs this so it cannot rot)
+	$(CARGO) run -q -p bench -- --smoke --out target/bench/smoke.json
+
+clean-test-schemas: ## drop schemas left behind by failed test runs
+	psql "$(TEST_DATABASE_URL)" -qAt -c "SELECT 'DROP SCHEMA \"' || nspname || '\" CASCADE;' FROM pg_namespace WHERE nspname LIKE 't\_%'" | psql "$(TEST_DATABASE_URL)" -q

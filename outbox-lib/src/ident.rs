@@ -1,0 +1,84 @@
+use crate::error::{Error, Result};
+
+/// Longest schema name accepted. The wake-up channel is `outbox_<schema>`,
+/// and PostgreSQL truncates identifiers (channel names too) at 63 bytes.
+pub(crate) const MAX_SCHEMA_LEN: usize = 56;
+
+/// A validated SQL identifier: `[a-z_][a-z0-9_]*`, so it never needs
+/// escaping and means the same quoted or not.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Ident(String);
+
+impl Ident {
+    /// Validates `value` as the identifier named `what` (used in the error).
+    pub fn new(what: &'static str, value: &str) -> Result<Self> {
+        let mut chars = value.chars();
+        let ok = value.len() <= MAX_SCHEMA_LEN
+            && matches!(chars.next(), Some('a'..='z' | '_'))
+            && chars.all(|c| matches!(c, 'a'..='z' | '0'..='9' | '_'));
+        if ok {
+            Ok(Self(value.to_owned()))
+        } else {
+            Err(Error::InvalidIdentifier {
+                what,
+                value: value.to_owned(),
+                max: MAX_SCHEMA_LEN,
+            })
+        }
+    }
+
+    /// The bare name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The name double-quoted, ready for SQL text.
+    pub fn quoted(&self) -> String {
+        format!("\"{}\"", self.0)
+    }
+}
+
+impl std::fmt::Display for Ident {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The NOTIFY channel relays of `schema` listen on.
+pub fn wakeup_channel(schema: &Ident) -> String {
+    format!("outbox_{}", schema.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_plain_identifiers() {
+        for ok in ["public", "_x", "tenant_42", &"a".repeat(MAX_SCHEMA_LEN)] {
+            assert_eq!(Ident::new("schema", ok).unwrap().as_str(), ok);
+        }
+    }
+
+    #[test]
+    fn rejects_anything_that_would_need_escaping() {
+        for bad in [
+            "",
+            "1abc",
+            "Public",
+            "a-b",
+            "a\"; drop table outbox; --",
+            "a b",
+            "é",
+            &"a".repeat(MAX_SCHEMA_LEN + 1),
+        ] {
+            assert!(
+                matches!(
+                    Ident::new("schema", bad),
+                    Err(Error::InvalidIdentifier { .. })
+                ),
+                "{bad:?} accepted"
+            );
+        }
+    }
+}

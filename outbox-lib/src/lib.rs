@@ -1,0 +1,59 @@
+//! Transactional outbox for PostgreSQL: write your business state and the
+//! events about it in **one transaction**; the relay (`outbox-relay`)
+//! publishes the events to RabbitMQ at least once, and consumers built with
+//! `consumer-lib` apply each event's effect exactly once.
+//!
+//! ```no_run
+//! use outbox::{NewEvent, Outbox, OutboxConfig};
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://app@127.0.0.1/shop").await?;
+//! outbox::migrate(&pool, "public").await?; // or: outbox-relay migrate
+//! let outbox = Outbox::new(&pool, OutboxConfig::default()).await?;
+//!
+//! let mut tx = pool.begin().await?;
+//! sqlx::query("UPDATE stock SET reserved = reserved + 1 WHERE sku = $1")
+//!     .bind("A-1")
+//!     .execute(&mut *tx)
+//!     .await?;
+//! outbox
+//!     .enqueue(&mut *tx, NewEvent::new("order", "o-42", "OrderPlaced", &serde_json::json!({"sku": "A-1"}))?)
+//!     .await?;
+//! outbox.commit(tx).await?; // both rows or neither; then the relay is woken
+//! # Ok(()) }
+//! ```
+//!
+//! The outbox table is a public contract (`docs/OUTBOX_TABLE.md`): services
+//! in other languages may insert into it directly.
+
+mod error;
+mod event;
+mod ident;
+mod migrate;
+mod outbox;
+mod wakeup;
+pub mod wire;
+
+use sqlx::PgPool;
+
+pub use crate::error::{Error, Result};
+pub use crate::event::{EVENT_ID_NAMESPACE, NewEvent};
+pub use crate::ident::{Ident, wakeup_channel};
+pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, Outbox, OutboxConfig};
+pub use crate::wakeup::Wakeup;
+
+/// Applies the producer's migrations (outbox, dead letters, idempotency
+/// keys) to `schema`, creating it if needed. Safe to run concurrently and
+/// repeatedly: re-running is a no-op. Returns the versions applied.
+pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>> {
+    let schema = Ident::new("schema", schema)?;
+    migrate::apply(pool, &migrate::PRODUCER, &schema).await
+}
+
+/// Machinery shared with the relay and the consumer crates of this
+/// toolkit. Not a stable API.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::error::is_transient_db;
+    pub use crate::migrate::{Migration, MigrationSet, PRODUCER, apply, ensure_migrated};
+}

@@ -1,0 +1,214 @@
+use std::sync::Arc;
+
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, SqlSafeStr, SqlStr, Transaction};
+use uuid::Uuid;
+
+use crate::error::Result;
+use crate::event::NewEvent;
+use crate::ident::{Ident, wakeup_channel};
+use crate::migrate::{PRODUCER, ensure_migrated};
+use crate::wakeup::{Notifier, Wakeup};
+
+/// Default payload limit: 1 MiB, far below RabbitMQ's maximum message size
+/// (128 MiB by default) and small enough that one event never stalls a
+/// relay batch.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+
+/// Settings of an [`Outbox`] handle.
+#[derive(Debug, Clone)]
+pub struct OutboxConfig {
+    schema: String,
+    max_payload_bytes: usize,
+    wakeup: Wakeup,
+}
+
+impl Default for OutboxConfig {
+    fn default() -> Self {
+        Self {
+            schema: "public".to_owned(),
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            wakeup: Wakeup::default(),
+        }
+    }
+}
+
+impl OutboxConfig {
+    /// The schema holding the outbox tables (default `public`). Validated by
+    /// [`Outbox::new`]: `[a-z_][a-z0-9_]*`, at most 56 characters.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// Largest accepted payload, in bytes of JSON text (default
+    /// [`DEFAULT_MAX_PAYLOAD_BYTES`]).
+    pub fn max_payload_bytes(mut self, limit: usize) -> Self {
+        self.max_payload_bytes = limit;
+        self
+    }
+
+    /// How relays learn of new events (default [`Wakeup::AfterCommit`]).
+    pub fn wakeup(mut self, wakeup: Wakeup) -> Self {
+        self.wakeup = wakeup;
+        self
+    }
+}
+
+/// The producer's handle on the outbox. Cheap to clone; create one per
+/// service at start-up.
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    schema: Ident,
+    max_payload_bytes: usize,
+    insert_many: SqlStr,
+    channel: String,
+    wakeup: Wakeup,
+    notifier: Option<Notifier>,
+}
+
+impl Outbox {
+    /// Validates `config` and checks that the schema is migrated
+    /// ([`crate::Error::NotMigrated`] names the command that fixes it).
+    /// With [`Wakeup::AfterCommit`] it starts the background notifier, so it
+    /// must be called inside a Tokio runtime.
+    pub async fn new(pool: &PgPool, config: OutboxConfig) -> Result<Self> {
+        let schema = Ident::new("schema", &config.schema)?;
+        ensure_migrated(pool, &PRODUCER, &schema).await?;
+        let channel = wakeup_channel(&schema);
+        let notifier = match config.wakeup {
+            Wakeup::AfterCommit => Some(Notifier::start(pool, channel.clone())),
+            Wakeup::InTransaction | Wakeup::PollOnly => None,
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                insert_many: insert_many_sql(&schema),
+                schema,
+                max_payload_bytes: config.max_payload_bytes,
+                channel,
+                wakeup: config.wakeup,
+                notifier,
+            }),
+        })
+    }
+
+    /// The schema this outbox writes to.
+    pub fn schema(&self) -> &str {
+        self.inner.schema.as_str()
+    }
+
+    /// Writes one event in the caller's transaction and returns its id.
+    ///
+    /// The row commits or rolls back with the caller's transaction: an event
+    /// of a transaction that rolls back is never published. Enqueueing an id
+    /// that is still in the outbox is a no-op (the first write wins) and
+    /// returns the same id.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: sqlx::PgPool, outbox: outbox::Outbox) -> anyhow::Result<()> {
+    /// use outbox::NewEvent;
+    /// let mut tx = pool.begin().await?;
+    /// sqlx::query("INSERT INTO orders (id, sku) VALUES ($1, $2)")
+    ///     .bind("o-42").bind("A-1")
+    ///     .execute(&mut *tx).await?;
+    /// let id = outbox
+    ///     .enqueue(&mut *tx, NewEvent::new("order", "o-42", "OrderPlaced", &serde_json::json!({"sku": "A-1"}))?)
+    ///     .await?;
+    /// outbox.commit(tx).await?; // commits, then wakes the relay
+    /// # let _ = id; Ok(()) }
+    /// ```
+    pub async fn enqueue(&self, conn: &mut PgConnection, event: NewEvent) -> Result<Uuid> {
+        let ids = self.enqueue_many(conn, std::iter::once(event)).await?;
+        Ok(ids[0])
+    }
+
+    /// Writes many events in the caller's transaction with **one** statement
+    /// whatever their number (array binds, constant SQL text). Returns the
+    /// ids in input order. Every event is validated before anything is
+    /// written, so an error leaves the transaction untouched.
+    pub async fn enqueue_many(
+        &self,
+        conn: &mut PgConnection,
+        events: impl IntoIterator<Item = NewEvent>,
+    ) -> Result<Vec<Uuid>> {
+        let events: Vec<NewEvent> = events.into_iter().collect();
+        for e in &events {
+            e.validate(self.inner.max_payload_bytes)?;
+        }
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = events.len();
+        let mut ids = Vec::with_capacity(n);
+        let mut agg_types = Vec::with_capacity(n);
+        let mut agg_ids = Vec::with_capacity(n);
+        let mut types = Vec::with_capacity(n);
+        let mut payloads = Vec::with_capacity(n);
+        let mut headers = Vec::with_capacity(n);
+        let mut exchanges = Vec::with_capacity(n);
+        let mut keys = Vec::with_capacity(n);
+        for e in events {
+            ids.push(e.id);
+            agg_types.push(e.aggregate_type);
+            agg_ids.push(e.aggregate_id);
+            types.push(e.event_type);
+            payloads.push(e.payload);
+            headers.push(serde_json::Value::Object(e.headers).to_string());
+            exchanges.push(e.exchange);
+            keys.push(e.routing_key);
+        }
+        sqlx::query(self.inner.insert_many.clone())
+            .bind(&ids)
+            .bind(&agg_types)
+            .bind(&agg_ids)
+            .bind(&types)
+            .bind(&payloads)
+            .bind(&headers)
+            .bind(&exchanges)
+            .bind(&keys)
+            .execute(&mut *conn)
+            .await?;
+        if self.inner.wakeup == Wakeup::InTransaction {
+            sqlx::query("SELECT pg_notify($1, '')")
+                .bind(&self.inner.channel)
+                .execute(&mut *conn)
+                .await?;
+        }
+        Ok(ids)
+    }
+
+    /// Commits `tx`, then wakes the relay ([`Outbox::wake`]).
+    pub async fn commit(&self, tx: Transaction<'_, Postgres>) -> Result<()> {
+        tx.commit().await?;
+        self.wake();
+        Ok(())
+    }
+
+    /// Tells relays that events were committed. Call it after committing a
+    /// transaction that enqueued events (or use [`Outbox::commit`]). It never
+    /// blocks: with [`Wakeup::AfterCommit`] it flags the background notifier,
+    /// which coalesces concurrent calls into one NOTIFY sent outside any
+    /// producer transaction. With the other modes it does nothing.
+    pub fn wake(&self) {
+        if let Some(n) = &self.inner.notifier {
+            n.wake();
+        }
+    }
+}
+
+// The schema is a validated `Ident`; everything else is bound.
+fn insert_many_sql(schema: &Ident) -> SqlStr {
+    AssertSqlSafe(format!(
+        "INSERT INTO {}.outbox (id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key)
+         SELECT id, aggregate_type, aggregate_id, event_type, payload::jsonb, headers::jsonb, exchange, routing_key
+         FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[])
+              AS e(id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key)
+         ON CONFLICT (id) DO NOTHING",
+        schema.quoted()
+    ))
+    .into_sql_str()
+}

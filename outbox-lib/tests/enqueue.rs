@@ -1,0 +1,409 @@
+//! The write side against a real PostgreSQL.
+
+mod common;
+
+use common::*;
+use outbox::{Error, NewEvent, Outbox, OutboxConfig, Wakeup};
+use serde_json::json;
+use sqlx::Row;
+
+async fn outbox(pool: &sqlx::PgPool, schema: &str) -> Outbox {
+    Outbox::new(
+        pool,
+        OutboxConfig::default()
+            .schema(schema)
+            .wakeup(Wakeup::PollOnly),
+    )
+    .await
+    .expect("outbox")
+}
+
+#[tokio::test]
+async fn committed_event_has_every_contract_column() {
+    let (pool, schema) = migrated("commit").await;
+    let outbox = outbox(&pool, &schema).await;
+    let mut tx = pool.begin().await.unwrap();
+    let event = NewEvent::new(
+        "order",
+        "o-1",
+        "OrderPlaced",
+        &json!({"sku": "A-1", "qty": 2}),
+    )
+    .unwrap()
+    .header(
+        "traceparent",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    )
+    .exchange("orders")
+    .routing_key("orders.placed");
+    let id = outbox.enqueue(&mut *tx, event).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key,
+                created_at, available_at, attempts, last_error, error_history
+         FROM \"{schema}\".outbox"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(row.get::<uuid::Uuid, _>("id"), id);
+    assert_eq!(id.get_version_num(), 7);
+    assert_eq!(row.get::<String, _>("aggregate_type"), "order");
+    assert_eq!(row.get::<String, _>("aggregate_id"), "o-1");
+    assert_eq!(row.get::<String, _>("event_type"), "OrderPlaced");
+    assert_eq!(
+        row.get::<serde_json::Value, _>("payload"),
+        json!({"sku": "A-1", "qty": 2})
+    );
+    assert_eq!(
+        row.get::<serde_json::Value, _>("headers"),
+        json!({"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
+    );
+    assert_eq!(
+        row.get::<Option<String>, _>("exchange").as_deref(),
+        Some("orders")
+    );
+    assert_eq!(
+        row.get::<Option<String>, _>("routing_key").as_deref(),
+        Some("orders.placed")
+    );
+    let created: chrono::DateTime<chrono::Utc> = row.get("created_at");
+    assert!((chrono::Utc::now() - created).num_seconds().abs() < 60);
+    assert_eq!(
+        row.get::<chrono::DateTime<chrono::Utc>, _>("available_at"),
+        created
+    );
+    assert_eq!(row.get::<i32, _>("attempts"), 0);
+    assert_eq!(row.get::<Option<String>, _>("last_error"), None);
+    assert_eq!(row.get::<serde_json::Value, _>("error_history"), json!([]));
+    drop_schema(&pool, &schema).await;
+}
+
+#[tokio::test]
+async fn rolled_back_transaction_leaves_nothing() {
+    let (pool, schema) = migrated("rollback").await;
+    let outbox = outbox(&pool, &schema).await;
+    let mut tx = pool.begin().await.unwrap();
+    outbox
+        .enqueue(
+            &mut *tx,
+            NewEvent::new("order", "o-1", "OrderPlaced", &json!({})).unwrap(),
+        )
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    // A dropped (never committed) transaction rolls back too.
+    {
+        let mut tx = pool.begin().await.unwrap();
+        outbox
+            .enqueue(
+                &mut *tx,
+                NewEvent::new("order", "o-2", "OrderPlaced", &json!({})).unwrap(),
+            )
+            .await
+            .unwrap();
+    }
+    assert_eq!(count(&pool, &schema, "outbox").await, 0);
+    drop_schema(&pool, &schema).await;
+}
+
+#[tokio::test]
+async fn enqueue_many_writes_a_thousand_events_in_one_statement() {
+    let (pool, schema) = migrated("many").await;
+    let outbox = outbox(&pool, &schema).await;
+    let mut tx = pool.begin().await.unwrap();
+    // A first statement, so the batch cannot be command 0 by accident.
+    outbox
+        .enqueue(
+            &mut *tx,
+            NewEvent::new("order", "first", "E", &json!({})).unwrap(),
+        )
+        .await
+        .unwrap();
+    let events: Vec<_> = (0..1000)
+        .map(|i| NewEvent::new("order", format!("o-{i}"), "OrderPlaced", &json!({"i": i})).unwrap())
+        .collect();
+    let expected: Vec<_> = events.iter().map(NewEvent::id).collect();
+    let ids = outbox.enqueue_many(&mut *tx, events).await.unwrap();
+    assert_eq!(ids, expected, "ids come back in input order");
+    tx.commit().await.unwrap();
+
+    // Every statement in a transaction gets its own command id (cmin): one
+    // distinct cmin over the 1,000 rows means one statement wrote them.
+    let (rows, commands): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*), count(DISTINCT cmin::text) FROM \"{schema}\".outbox WHERE aggregate_id <> 'first'"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((rows, commands), (1000, 1));
+    drop_schema(&pool, &schema).await;
+}
+
+#[tokio::test]
+async fn deterministic_id_enqueued_twice_yields_one_event() {
+    let (pool, schema) = migrated("detid").await;
+    let outbox = outbox(&pool, &schema).await;
+    let make = |qty: i32| {
+        NewEvent::new("payment", "p-9", "PaymentCaptured", &json!({"qty": qty}))
+            .unwrap()
+            .id_from_key("stripe-ch_123")
+    };
+    let mut first = None;
+    for qty in [1, 2] {
+        let mut tx = pool.begin().await.unwrap();
+        let id = outbox.enqueue(&mut *tx, make(qty)).await.unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(*first.get_or_insert(id), id);
+    }
+    // Twice in one call too.
+    let mut tx = pool.begin().await.unwrap();
+    let ids = outbox
+        .enqueue_many(&mut *tx, [make(3), make(4)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(ids, vec![first.unwrap(); 2]);
+
+    let payloads: Vec<serde_json::Value> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT payload FROM \"{schema}\".outbox"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(payloads, vec![json!({"qty": 1})], "the first write wins");
+    drop_schema(&pool, &schema).await;
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_typed_error_and_writes_nothing() {
+    let (pool, schema) = migrated("bad").await;
+    let config = OutboxConfig::default()
+        .schema(&schema)
+        .wakeup(Wakeup::PollOnly)
+        .max_payload_bytes(64);
+    let outbox = Outbox::new(&pool, config).await.unwrap();
+    let ok = || NewEvent::new("order", "o-1", "E", &json!({})).unwrap();
+    let cases: Vec<(NewEvent, fn(&Error) -> bool)> = vec![
+        (NewEvent::new("", "o-1", "E", &json!({})).unwrap(), |e| {
+            matches!(
+                e,
+                Error::EmptyField {
+                    field: "aggregate_type"
+                }
+            )
+        }),
+        (NewEvent::new("order", "", "E", &json!({})).unwrap(), |e| {
+            matches!(
+                e,
+                Error::EmptyField {
+                    field: "aggregate_id"
+                }
+            )
+        }),
+        (
+            NewEvent::new("order", "o-1", " ", &json!({})).unwrap(),
+            |e| {
+                matches!(
+                    e,
+                    Error::EmptyField {
+                        field: "event_type"
+                    }
+                )
+            },
+        ),
+        (
+            NewEvent::new("order", "o-1", "E", &"x".repeat(100)).unwrap(),
+            |e| {
+                matches!(
+                    e,
+                    Error::PayloadTooLarge {
+                        size: 102,
+                        limit: 64
+                    }
+                )
+            },
+        ),
+    ];
+    for (bad, is_expected) in cases {
+        let mut tx = pool.begin().await.unwrap();
+        // A valid event beside the bad one: the whole call must write nothing.
+        let err = outbox
+            .enqueue_many(&mut *tx, [ok(), bad])
+            .await
+            .unwrap_err();
+        assert!(is_expected(&err), "unexpected error {err:?}");
+        // The transaction is still usable: nothing was sent to the database.
+        tx.commit().await.unwrap();
+    }
+    assert!(matches!(
+        ok().headers(&json!(["not", "an", "object"])),
+        Err(Error::HeadersNotObject { found: "an array" })
+    ));
+    assert!(matches!(
+        NewEvent::from_json("order", "o-1", "E", "{oops"),
+        Err(Error::InvalidJson(_))
+    ));
+    for bad_schema in ["Bad-Schema", "x; DROP TABLE outbox", ""] {
+        let err = Outbox::new(&pool, OutboxConfig::default().schema(bad_schema))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidIdentifier { what: "schema", .. }),
+            "{err:?}"
+        );
+        let err = outbox::migrate(&pool, bad_schema).await.unwrap_err();
+        assert!(matches!(err, Error::InvalidIdentifier { .. }), "{err:?}");
+    }
+    assert_eq!(count(&pool, &schema, "outbox").await, 0);
+    drop_schema(&pool, &schema).await;
+}
+
+#[tokio::test]
+async fn migrating_twice_is_a_no_op() {
+    let pool = pool().await;
+    let schema = unique_schema("mig");
+    let first = outbox::migrate(&pool, &schema).await.unwrap();
+    assert_eq!(first, vec![1]);
+    let second = outbox::migrate(&pool, &schema).await.unwrap();
+    assert!(second.is_empty());
+    // Concurrent runs are serialised too.
+    let other = unique_schema("mig2");
+    let (a, b) = tokio::join!(
+        outbox::migrate(&pool, &other),
+        outbox::migrate(&pool, &other)
+    );
+    let mut applied = [a.unwrap(), b.unwrap()];
+    applied.sort();
+    assert_eq!(applied, [vec![], vec![1]]);
+    drop_schema(&pool, &schema).await;
+    drop_schema(&pool, &other).await;
+}
+
+#[tokio::test]
+async fn unmigrated_database_names_the_fix() {
+    let pool = pool().await;
+    let schema = unique_schema("nomig");
+    let err = Outbox::new(&pool, OutboxConfig::default().schema(&schema))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::NotMigrated { found: 0, .. }),
+        "{err:?}"
+    );
+    let message = err.to_string();
+    assert!(message.contains("outbox-relay migrate"), "{message}");
+    assert!(message.contains(&schema), "{message}");
+}
+
+#[tokio::test]
+async fn wakeup_after_commit_notifies_listeners_outside_the_transaction() {
+    let (pool, schema) = migrated("wake").await;
+    let outbox = Outbox::new(&pool, OutboxConfig::default().schema(&schema))
+        .await
+        .unwrap();
+    let mut listener = sqlx::postgres::PgListener::connect_with(&pool)
+        .await
+        .unwrap();
+    listener
+        .listen(&outbox::wakeup_channel(
+            &outbox::Ident::new("schema", &schema).unwrap(),
+        ))
+        .await
+        .unwrap();
+
+    let mut tx = pool.begin().await.unwrap();
+    outbox
+        .enqueue(
+            &mut *tx,
+            NewEvent::new("order", "o-1", "E", &json!({})).unwrap(),
+        )
+        .await
+        .unwrap();
+    outbox.commit(tx).await.unwrap();
+    let n = tokio::time::timeout(std::time::Duration::from_secs(10), listener.recv())
+        .await
+        .expect("a wake-up within the deadline")
+        .unwrap();
+    assert_eq!(n.channel(), format!("outbox_{schema}"));
+    drop_schema(&pool, &schema).await;
+}
+
+#[tokio::test]
+async fn wakeup_in_transaction_notifies_on_commit_only() {
+    let (pool, schema) = migrated("wakeintx").await;
+    let config = OutboxConfig::default()
+        .schema(&schema)
+        .wakeup(Wakeup::InTransaction);
+    let outbox = Outbox::new(&pool, config).await.unwrap();
+    let mut listener = sqlx::postgres::PgListener::connect_with(&pool)
+        .await
+        .unwrap();
+    listener.listen(&format!("outbox_{schema}")).await.unwrap();
+
+    let mut tx = pool.begin().await.unwrap();
+    outbox
+        .enqueue(
+            &mut *tx,
+            NewEvent::new("order", "o-1", "E", &json!({})).unwrap(),
+        )
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    outbox
+        .enqueue(
+            &mut *tx,
+            NewEvent::new("order", "o-2", "E", &json!({})).unwrap(),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let n = tokio::time::timeout(std::time::Duration::from_secs(10), listener.recv())
+        .await
+        .expect("a wake-up within the deadline")
+        .unwrap();
+    assert_eq!(n.channel(), format!("outbox_{schema}"));
+    drop_schema(&pool, &schema).await;
+}
+
+#[tokio::test]
+async fn a_plain_sql_insert_gets_the_documented_defaults() {
+    // What a producer in another language does: only the required columns.
+    let (pool, schema) = migrated("rawsql").await;
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('order', 'o-1', 'OrderPlaced', '{{\"sku\":\"A-1\"}}')
+         RETURNING id, headers, exchange, routing_key, attempts, available_at <= now() AS due"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let id: uuid::Uuid = row.get("id");
+    assert_eq!(id.get_version_num(), 7, "default ids are UUIDv7");
+    let ts = id.get_timestamp().unwrap().to_unix().0 as i64;
+    assert!(
+        (chrono::Utc::now().timestamp() - ts).abs() < 60,
+        "v7 carries the current time"
+    );
+    assert_eq!(row.get::<serde_json::Value, _>("headers"), json!({}));
+    assert_eq!(row.get::<Option<String>, _>("exchange"), None);
+    assert_eq!(row.get::<Option<String>, _>("routing_key"), None);
+    assert_eq!(row.get::<i32, _>("attempts"), 0);
+    assert!(row.get::<bool, _>("due"));
+    // The table itself refuses what the library refuses.
+    for bad in [
+        "('', 'o', 'E', '{}', '{}')",
+        "('order', 'o', 'E', '{}', '[]')",
+    ] {
+        let err = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO \"{schema}\".outbox (aggregate_type, aggregate_id, event_type, payload, headers) VALUES {bad}"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap_err();
+        assert!(err.to_string().contains("check constraint"), "{err}");
+    }
+    drop_schema(&pool, &schema).await;
+}
