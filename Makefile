@@ -20,8 +20,10 @@ build: ## build everything
 	$(CARGO) build --workspace --all-targets
 
 test: ## run every test (unit, database, broker, end-to-end) against the real services
-	$(CARGO) nextest run --workspace --no-fail-fast
-	$(CARGO) test --workspace --doc
+	$(CARGO) nextest run --workspace --all-features --no-fail-fast -E 'not test(/^disruptive_/)'
+	@# Tests that restart the shared broker or database run alone, after the rest.
+	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^disruptive_/)'
+	$(CARGO) test --workspace --all-features --doc
 
 lint: ## rustfmt and clippy, warnings are errors
 	$(CARGO) fmt --all --check

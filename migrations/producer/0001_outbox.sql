@@ -57,6 +57,21 @@ CREATE TABLE outbox_dead_letters (
 
 CREATE INDEX outbox_dead_letters_at_idx ON outbox_dead_letters (dead_lettered_at);
 
+-- Delivered events, kept only when the relay runs with --archive.
+CREATE TABLE outbox_published (
+    id             uuid        PRIMARY KEY,
+    aggregate_type text        NOT NULL,
+    aggregate_id   text        NOT NULL,
+    event_type     text        NOT NULL,
+    payload        jsonb       NOT NULL,
+    headers        jsonb       NOT NULL,
+    exchange       text,
+    routing_key    text,
+    created_at     timestamptz NOT NULL,
+    attempts       integer     NOT NULL,
+    published_at   timestamptz NOT NULL DEFAULT now()
+);
+
 -- Wake-up hint for relays. Not attached to any table by default: a NOTIFY
 -- inside a producer's transaction takes a database-wide lock until commit
 -- and serialises producers. See docs/WAKEUP.md for when to attach it.

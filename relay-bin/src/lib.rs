@@ -1,1 +1,50 @@
-//! wip
+//! The relay engine behind `outbox-relay`: publishes the transactional
+//! outbox to RabbitMQ **at least once**.
+//!
+//! It claims due events with `FOR UPDATE SKIP LOCKED` (so several relays
+//! share one outbox), publishes a whole batch with publisher confirms
+//! pipelined, counts an event delivered only on an `Ack` that carries no
+//! returned message, and removes delivered rows in the claim's
+//! transaction. Failed events are retried with exponential backoff and
+//! jitter, then dead-lettered. A crash anywhere re-runs work; nothing is
+//! lost, and the only duplicates are publishes whose settle did not commit.
+//!
+//! ```no_run
+//! # async fn demo() -> anyhow::Result<()> {
+//! use outbox_relay::{Relay, RelayConfig};
+//! let pool = sqlx::PgPool::connect("postgres://app@127.0.0.1/shop").await?;
+//! let config = RelayConfig {
+//!     amqp_url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
+//!     ..RelayConfig::default()
+//! };
+//! let relay = Relay::new(pool, config).await?;
+//! let shutdown = tokio_util::sync::CancellationToken::new();
+//! tokio::spawn({
+//!     let shutdown = shutdown.clone();
+//!     async move {
+//!         let _ = tokio::signal::ctrl_c().await;
+//!         shutdown.cancel();
+//!     }
+//! });
+//! relay.run(shutdown).await?;
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod engine;
+mod error;
+mod message;
+mod outage;
+mod publish;
+mod queries;
+pub mod redact;
+mod settle;
+pub mod status;
+mod wake;
+
+pub use crate::config::RelayConfig;
+pub use crate::engine::{BatchReport, BrokerSession, Health, Relay};
+pub use crate::error::{Error, Result};
+pub use crate::message::ClaimedEvent;
+pub use crate::publish::Outcome;
+pub use crate::settle::Settled;

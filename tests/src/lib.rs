@@ -1,1 +1,270 @@
-//! wip
+//! Test support: real PostgreSQL and RabbitMQ, one schema and one set of
+//! exchange and queue names per test, and waits on conditions with
+//! deadlines (never sleep-and-hope).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
+    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgPool};
+
+/// PostgreSQL URL of the test database.
+pub fn database_url() -> String {
+    std::env::var("TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+/// RabbitMQ URL of the test broker.
+pub fn amqp_url() -> String {
+    std::env::var("TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
+/// A short random suffix for names.
+pub fn suffix() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..10].to_owned()
+}
+
+/// A pool on the test database whose sessions carry `application_name`
+/// (so a test can find and terminate exactly its own backends).
+pub async fn pool(application_name: &str, max: u32) -> PgPool {
+    let options: PgConnectOptions = database_url().parse().expect("TEST_DATABASE_URL");
+    PgPoolOptions::new()
+        .max_connections(max)
+        .connect_with(options.application_name(application_name))
+        .await
+        .expect("test database reachable (run `make services`)")
+}
+
+/// A migrated producer schema of its own.
+#[derive(Debug, Clone)]
+pub struct TestDb {
+    /// Pool for the test's own queries.
+    pub pool: PgPool,
+    /// The schema (`t_<prefix>_<random>`).
+    pub schema: String,
+}
+
+impl TestDb {
+    /// Creates and migrates a fresh schema.
+    pub async fn producer(prefix: &str) -> Self {
+        let schema = format!("t_{prefix}_{}", suffix());
+        let pool = pool(&format!("test-{schema}"), 8).await;
+        outbox::migrate(&pool, &schema).await.expect("migrate");
+        Self { pool, schema }
+    }
+
+    /// Rows in `table` of this schema.
+    pub async fn count(&self, table: &str) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM \"{}\".{table}",
+            self.schema
+        )))
+        .fetch_one(&self.pool)
+        .await
+        .expect("count")
+    }
+
+    /// Drops the schema.
+    pub async fn cleanup(self) {
+        let _ = sqlx::raw_sql(AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+            self.schema
+        )))
+        .execute(&self.pool)
+        .await;
+    }
+}
+
+/// A topic exchange and a durable queue bound to it with `#`, named for
+/// this test only.
+#[derive(Debug, Clone)]
+pub struct TestBroker {
+    /// The exchange.
+    pub exchange: String,
+    /// The queue.
+    pub queue: String,
+}
+
+impl TestBroker {
+    /// Declares the exchange and queue (queue arguments optional).
+    pub async fn new(prefix: &str, queue_args: FieldTable) -> Self {
+        let s = suffix();
+        let b = Self {
+            exchange: format!("test.{prefix}.{s}"),
+            queue: format!("test.{prefix}.{s}.q"),
+        };
+        let conn = connect().await;
+        let ch = conn.create_channel().await.expect("channel");
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        ch.exchange_declare(
+            b.exchange.as_str().into(),
+            ExchangeKind::Topic,
+            durable,
+            FieldTable::default(),
+        )
+        .await
+        .expect("exchange");
+        let q = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        ch.queue_declare(b.queue.as_str().into(), q, queue_args)
+            .await
+            .expect("queue");
+        ch.queue_bind(
+            b.queue.as_str().into(),
+            b.exchange.as_str().into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind");
+        let _ = conn.close(200, "ok".into()).await;
+        b
+    }
+
+    /// Deletes the exchange and queue.
+    pub async fn cleanup(self) {
+        let conn = connect().await;
+        if let Ok(ch) = conn.create_channel().await {
+            let _ = ch
+                .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+                .await;
+            let _ = ch
+                .exchange_delete(
+                    self.exchange.as_str().into(),
+                    ExchangeDeleteOptions::default(),
+                )
+                .await;
+        }
+        let _ = conn.close(200, "ok".into()).await;
+    }
+}
+
+/// A plain connection to the test broker.
+pub async fn connect() -> Connection {
+    Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .expect("test broker reachable (run `make services`)")
+}
+
+/// What a [`Collector`] received, keyed by message id.
+#[derive(Debug, Default)]
+pub struct Received {
+    /// Deliveries per message id (more than one: a duplicate on the wire).
+    pub counts: HashMap<String, usize>,
+    /// The first delivery of each message id.
+    pub first: HashMap<String, lapin::message::Delivery>,
+}
+
+impl Received {
+    /// Duplicates seen on the wire.
+    pub fn duplicates(&self) -> usize {
+        self.counts.values().map(|c| c - 1).sum()
+    }
+}
+
+/// Consumes a queue in the background, acking and recording every message;
+/// reconnects by itself (for broker-restart tests).
+#[derive(Debug, Clone)]
+pub struct Collector {
+    /// What arrived so far.
+    pub received: Arc<Mutex<Received>>,
+    task: Arc<tokio::task::JoinHandle<()>>,
+}
+
+impl Collector {
+    /// Starts consuming `queue`.
+    pub fn start(queue: &str) -> Self {
+        let received = Arc::new(Mutex::new(Received::default()));
+        let queue = queue.to_owned();
+        let r = received.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let _ = collect(&queue, &r).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        Self {
+            received,
+            task: Arc::new(task),
+        }
+    }
+
+    /// Distinct message ids received.
+    pub fn distinct(&self) -> usize {
+        self.received.lock().unwrap().counts.len()
+    }
+
+    /// Whether `id` arrived.
+    pub fn has(&self, id: &str) -> bool {
+        self.received.lock().unwrap().counts.contains_key(id)
+    }
+
+    /// Stops consuming.
+    pub fn stop(&self) {
+        self.task.abort();
+    }
+}
+
+async fn collect(queue: &str, r: &Arc<Mutex<Received>>) -> anyhow::Result<()> {
+    let conn = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(500, Default::default()).await?;
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "collector".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    while let Some(d) = consumer.next().await {
+        let d = d?;
+        let id = d
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.to_string())
+            .unwrap_or_default();
+        d.acker.ack(BasicAckOptions::default()).await?;
+        let mut g = r.lock().unwrap();
+        *g.counts.entry(id.clone()).or_default() += 1;
+        g.first.entry(id).or_insert(d);
+    }
+    Ok(())
+}
+
+/// Waits until `check` returns true, polling every 20 ms; panics with
+/// `what` after `timeout`.
+pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,434 @@
+//! Flags and environment → one validated config → the command.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args as ClapArgs, Parser, Subcommand, ValueEnum};
+use outbox::Ident;
+use outbox_relay::redact::{redact_url, scrub};
+use outbox_relay::status::{self, Selection};
+use outbox_relay::{Relay, RelayConfig};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Connection, PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// `println!` that treats a closed pipe as success and other errors as errors.
+macro_rules! say {
+    ($($t:tt)*) => { emit(&format!("{}\n", format_args!($($t)*)))? };
+}
+
+/// Publishes events from a PostgreSQL transactional outbox to RabbitMQ, at
+/// least once, and manages the outbox (migrations, status, dead letters).
+///
+/// Every flag can also be set with the environment variable shown. URLs
+/// may carry passwords; they are never printed (not here, not in logs).
+#[derive(Debug, Parser)]
+#[command(name = "outbox-relay", version, about, long_about = None)]
+pub(crate) struct Args {
+    /// PostgreSQL URL of the producer's database. TLS with `?sslmode=require`
+    /// (or verify-full with `sslrootcert=`).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
+    database_url: Option<String>,
+
+    /// Schema holding the outbox tables.
+    #[arg(long, env = "OUTBOX_SCHEMA", default_value = "public", global = true)]
+    schema: String,
+
+    /// Log format on stderr.
+    #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub(crate) log_format: LogFormat,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Publish the outbox until SIGTERM or SIGINT (then drain and exit 0).
+    Run(RunArgs),
+    /// Create or upgrade the outbox tables (a no-op when up to date).
+    Migrate,
+    /// Backlog, age of the oldest pending event, retries and dead letters.
+    Status {
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Inspect, replay or purge events that exhausted their attempts.
+    #[command(subcommand)]
+    DeadLetters(DeadLetterCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum DeadLetterCommand {
+    /// List dead letters, newest first.
+    List {
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put dead letters back in the outbox (same event id, attempts reset).
+    Replay {
+        #[command(flatten)]
+        target: Target,
+        /// Consumers' dedup retention window: replaying an event older than
+        /// this is allowed but warned about (consumers may have forgotten it).
+        #[arg(long, env = "OUTBOX_RETENTION", default_value = "7d", value_parser = humantime::parse_duration)]
+        retention: Duration,
+    },
+    /// Delete dead letters for good.
+    Purge {
+        #[command(flatten)]
+        target: Target,
+    },
+}
+
+#[derive(Debug, ClapArgs)]
+#[group(required = true, multiple = false)]
+struct Target {
+    /// Every dead letter.
+    #[arg(long)]
+    all: bool,
+    /// These event ids.
+    ids: Vec<Uuid>,
+}
+
+impl Target {
+    fn selection(&self) -> Selection {
+        if self.all {
+            Selection::All
+        } else {
+            Selection::Ids(self.ids.clone())
+        }
+    }
+}
+
+#[derive(Debug, ClapArgs)]
+struct RunArgs {
+    /// RabbitMQ URL (`amqp://` or `amqps://` for TLS).
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    amqp_url: String,
+    /// Exchange for events whose `exchange` column is NULL.
+    #[arg(long, env = "OUTBOX_EXCHANGE", default_value = "outbox.events")]
+    exchange: String,
+    /// Declare that exchange (durable) at start with this type, or `none`
+    /// to leave the broker's topology alone.
+    #[arg(long, env = "OUTBOX_DECLARE_EXCHANGE", default_value = "topic")]
+    declare_exchange: String,
+    /// Events published per batch (one database transaction each).
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500)]
+    batch_size: usize,
+    /// Batches in flight at once.
+    #[arg(long, env = "OUTBOX_WORKERS", default_value_t = 2)]
+    workers: usize,
+    /// Longest wait between polls without a wake-up.
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "500ms", value_parser = humantime::parse_duration)]
+    poll_interval: Duration,
+    /// Do not LISTEN for wake-ups (poll only).
+    #[arg(long, env = "OUTBOX_NO_LISTEN")]
+    no_listen: bool,
+    /// Attempts before an event is dead-lettered.
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 10)]
+    max_attempts: i32,
+    /// First retry delay (doubles per attempt, with jitter).
+    #[arg(long, env = "OUTBOX_RETRY_BASE", default_value = "1s", value_parser = humantime::parse_duration)]
+    retry_base: Duration,
+    /// Longest retry delay.
+    #[arg(long, env = "OUTBOX_RETRY_MAX", default_value = "5m", value_parser = humantime::parse_duration)]
+    retry_max: Duration,
+    /// How long to wait for a batch's publisher confirms.
+    #[arg(long, env = "OUTBOX_CONFIRM_TIMEOUT", default_value = "15s", value_parser = humantime::parse_duration)]
+    confirm_timeout: Duration,
+    /// Bound on connecting and every other broker operation.
+    #[arg(long, env = "OUTBOX_BROKER_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    broker_timeout: Duration,
+    /// Largest payload published; bigger events are dead-lettered.
+    #[arg(long, env = "OUTBOX_MAX_PAYLOAD_BYTES", default_value_t = outbox::DEFAULT_MAX_PAYLOAD_BYTES)]
+    max_payload_bytes: usize,
+    /// Keep delivered events in `outbox_published` instead of deleting them.
+    #[arg(long, env = "OUTBOX_ARCHIVE")]
+    archive: bool,
+    /// On SIGTERM/SIGINT, how long to finish the batches in flight.
+    #[arg(long, env = "OUTBOX_DRAIN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    drain_timeout: Duration,
+    /// Serve /metrics (Prometheus), /healthz and /readyz on this address.
+    #[arg(long, env = "OUTBOX_METRICS_ADDR")]
+    metrics_addr: Option<SocketAddr>,
+}
+
+pub(crate) fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// Strips passwords of the URLs in the environment from `text`.
+pub(crate) fn scrub_secrets(text: &str) -> String {
+    ["DATABASE_URL", "AMQP_URL"]
+        .iter()
+        .filter_map(|v| std::env::var(v).ok())
+        .fold(text.to_owned(), |t, url| scrub(&t, &url))
+}
+
+pub(crate) async fn run(args: Args) -> Result<ExitCode> {
+    let schema = Ident::new("schema", &args.schema)?;
+    let Some(url) = args.database_url.as_deref() else {
+        bail!("no database URL: set DATABASE_URL or pass --database-url");
+    };
+    let result = dispatch(&args, url, &schema).await;
+    // Errors of the libraries below may quote the URLs they were given.
+    result.map_err(|e| anyhow::anyhow!(scrub(&scrub(&format!("{e:#}"), url), &amqp_url(&args))))
+}
+
+fn amqp_url(args: &Args) -> String {
+    match &args.command {
+        Command::Run(r) => r.amqp_url.clone(),
+        _ => String::new(),
+    }
+}
+
+async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
+    let pool = connect_db(url, 8).await?;
+    match &args.command {
+        Command::Migrate => {
+            let applied = outbox::migrate(&pool, schema.as_str())
+                .await
+                .context("migration failed")?;
+            if applied.is_empty() {
+                say!("schema {schema} is up to date");
+            } else {
+                say!("schema {schema}: applied migrations {applied:?}");
+            }
+        }
+        Command::Status { json } => {
+            let s = status::status(&pool, schema)
+                .await
+                .context("reading the outbox status")?;
+            if *json {
+                say!("{}", serde_json::to_string_pretty(&s)?);
+            } else {
+                print_status(&s)?;
+            }
+        }
+        Command::DeadLetters(cmd) => dead_letters(&pool, schema, cmd).await?,
+        Command::Run(r) => return run_relay(url, schema, r).await,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn connect_db(url: &str, max: u32) -> Result<PgPool> {
+    let options: PgConnectOptions = url
+        .parse()
+        .with_context(|| format!("invalid database URL {}", redact_url(url)))?;
+    // Bounds on the database side: no statement runs forever, and a relay
+    // frozen inside a transaction (SIGSTOP, a hung broker) loses its
+    // session and its row locks instead of holding them for ever.
+    let options = options.application_name("outbox-relay").options([
+        ("statement_timeout", "30s"),
+        ("idle_in_transaction_session_timeout", "60s"),
+    ]);
+    // One direct connection first: its error names the cause (refused,
+    // auth, TLS), where a pool would only report a timeout.
+    let probe = tokio::time::timeout(
+        Duration::from_secs(10),
+        PgConnection::connect_with(&options),
+    )
+    .await;
+    let context = || format!("cannot connect to the database at {}", redact_url(url));
+    match probe {
+        Ok(conn) => conn
+            .with_context(context)?
+            .close()
+            .await
+            .with_context(context)?,
+        Err(_) => bail!("{}: no answer within 10s", context()),
+    }
+    Ok(PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_lazy_with(options))
+}
+
+async fn run_relay(url: &str, schema: &Ident, r: &RunArgs) -> Result<ExitCode> {
+    let config = RelayConfig {
+        amqp_url: r.amqp_url.clone(),
+        schema: schema.to_string(),
+        default_exchange: r.exchange.clone(),
+        declare_exchange: (r.declare_exchange != "none").then(|| r.declare_exchange.clone()),
+        batch_size: r.batch_size,
+        workers: r.workers,
+        poll_interval: r.poll_interval,
+        listen: !r.no_listen,
+        max_attempts: r.max_attempts,
+        retry_base: r.retry_base,
+        retry_max: r.retry_max,
+        confirm_timeout: r.confirm_timeout,
+        broker_timeout: r.broker_timeout,
+        max_payload_bytes: r.max_payload_bytes,
+        archive: r.archive,
+        drain_timeout: r.drain_timeout,
+        ..RelayConfig::default()
+    };
+    config.validate()?;
+    let pool = connect_db(url, r.workers as u32 + 3).await?;
+    let relay = Relay::new(pool.clone(), config).await?;
+    // Fail fast with one line when the broker is unreachable at start;
+    // after that the supervisor reconnects by itself.
+    drop(relay.connect().await?);
+    if let Some(addr) = r.metrics_addr {
+        crate::http::serve(addr, relay.health(), pool.clone(), schema.clone()).await?;
+    }
+    let shutdown = CancellationToken::new();
+    let signals = tokio::spawn(wait_for_signal(shutdown.clone()));
+    tracing::info!(schema = %schema, exchange = %r.exchange, broker = %redact_url(&r.amqp_url), "relay started");
+    let mut run = tokio::spawn({
+        let relay = relay.clone();
+        let shutdown = shutdown.clone();
+        async move { relay.run(shutdown).await }
+    });
+    tokio::select! {
+        res = &mut run => {
+            signals.abort();
+            res.context("relay task failed")??;
+            return Ok(ExitCode::SUCCESS);
+        }
+        _ = shutdown.cancelled() => {}
+    }
+    tracing::info!(drain_timeout = ?r.drain_timeout, "shutting down: finishing batches in flight");
+    match tokio::time::timeout(r.drain_timeout, run).await {
+        Ok(res) => {
+            res.context("relay task failed")??;
+            tracing::info!("drained; bye");
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(_) => bail!(
+            "batches in flight did not finish within the drain timeout of {:?}; their events stay in the outbox and will be published again",
+            r.drain_timeout
+        ),
+    }
+}
+
+async fn wait_for_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+    shutdown.cancel();
+}
+
+/// Writes command output to stdout; a closed pipe (`| head`) is not an error.
+fn emit(text: &str) -> Result<()> {
+    use std::io::Write;
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
+fn print_status(s: &status::Status) -> Result<()> {
+    let age = s
+        .oldest_pending_age_s
+        .map_or("-".to_owned(), |a| format!("{a:.1}s"));
+    say!("{:<24}{}", "backlog", s.backlog);
+    say!("{:<24}{}", "due now", s.due);
+    say!("{:<24}{}", "oldest pending age", age);
+    say!("{:<24}{}", "retrying", s.retrying);
+    say!("{:<24}{}", "dead letters", s.dead_letters);
+    if !s.failing.is_empty() {
+        say!("\nfailing events (most attempts first):");
+        say!(
+            "{:<38} {:<24} {:>8}  {:<25} last error",
+            "id",
+            "event type",
+            "attempts",
+            "next attempt"
+        );
+        for f in &s.failing {
+            say!(
+                "{:<38} {:<24} {:>8}  {:<25} {}",
+                f.id,
+                f.event_type,
+                f.attempts,
+                f.next_attempt_at.format("%Y-%m-%d %H:%M:%S%.3f"),
+                f.last_error.as_deref().unwrap_or("")
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn dead_letters(pool: &PgPool, schema: &Ident, cmd: &DeadLetterCommand) -> Result<()> {
+    match cmd {
+        DeadLetterCommand::List { limit, json } => {
+            let rows = status::list_dead_letters(pool, schema, *limit).await?;
+            if *json {
+                say!("{}", serde_json::to_string_pretty(&rows)?);
+            } else if rows.is_empty() {
+                say!("no dead letters");
+            } else {
+                say!(
+                    "{:<38} {:<24} {:>8}  {:<20} last error",
+                    "id",
+                    "event type",
+                    "attempts",
+                    "dead-lettered at"
+                );
+                for d in rows {
+                    say!(
+                        "{:<38} {:<24} {:>8}  {:<20} {}",
+                        d.id,
+                        d.event_type,
+                        d.attempts,
+                        d.dead_lettered_at.format("%Y-%m-%d %H:%M:%S"),
+                        d.last_error
+                    );
+                }
+            }
+        }
+        DeadLetterCommand::Replay { target, retention } => {
+            let r =
+                status::replay_dead_letters(pool, schema, &target.selection(), *retention).await?;
+            say!("replayed {} event(s) into the outbox", r.replayed);
+            if !r.older_than_retention.is_empty() {
+                eprintln!(
+                    "warning: {} replayed event(s) are older than the retention window ({}); consumers may apply them again: {:?}",
+                    r.older_than_retention.len(),
+                    humantime::format_duration(*retention),
+                    r.older_than_retention
+                );
+            }
+        }
+        DeadLetterCommand::Purge { target } => {
+            let n = status::purge_dead_letters(pool, schema, &target.selection()).await?;
+            say!("purged {n} dead letter(s)");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,233 @@
+use std::time::Duration;
+
+use outbox::Ident;
+
+use crate::error::{Error, Result};
+
+/// Everything the relay engine needs, validated. The CLI builds one from
+/// flags and environment; an embedding service builds one in code.
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    /// AMQP URL (`amqp://` or `amqps://`).
+    pub amqp_url: String,
+    /// Schema holding the outbox tables.
+    pub schema: String,
+    /// Exchange for events whose `exchange` column is NULL.
+    pub default_exchange: String,
+    /// Declare `default_exchange` at start (durable) with this type
+    /// (`topic`, `direct`, `fanout`, `headers`); `None` leaves topology alone.
+    pub declare_exchange: Option<String>,
+    /// Events claimed and published per batch.
+    pub batch_size: usize,
+    /// Batches in flight at once (each on its own database connection and
+    /// AMQP channel), so database and broker work overlap.
+    pub workers: usize,
+    /// Longest wait between polls when no wake-up arrives.
+    pub poll_interval: Duration,
+    /// Listen for wake-up notifications (polling stays the safety net).
+    pub listen: bool,
+    /// Attempts before an event moves to the dead-letter table.
+    pub max_attempts: i32,
+    /// First retry delay; doubles per attempt, with jitter.
+    pub retry_base: Duration,
+    /// Cap on the retry delay.
+    pub retry_max: Duration,
+    /// How long to wait for the broker's confirms of a batch.
+    pub confirm_timeout: Duration,
+    /// Bound on connecting and on every other broker operation.
+    pub broker_timeout: Duration,
+    /// Largest payload published; bigger events are dead-lettered at once.
+    pub max_payload_bytes: usize,
+    /// Keep delivered events in `outbox_published` instead of deleting them.
+    pub archive: bool,
+    /// How long a shutdown may spend finishing the batches in flight.
+    pub drain_timeout: Duration,
+    /// First reconnect delay after a broker or database outage.
+    pub reconnect_min: Duration,
+    /// Cap on the reconnect delay.
+    pub reconnect_max: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        Self {
+            amqp_url: "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned(),
+            schema: "public".to_owned(),
+            default_exchange: "outbox.events".to_owned(),
+            declare_exchange: Some("topic".to_owned()),
+            batch_size: 500,
+            workers: 2,
+            poll_interval: Duration::from_millis(500),
+            listen: true,
+            max_attempts: 10,
+            retry_base: Duration::from_secs(1),
+            retry_max: Duration::from_secs(300),
+            confirm_timeout: Duration::from_secs(15),
+            broker_timeout: Duration::from_secs(10),
+            max_payload_bytes: outbox::DEFAULT_MAX_PAYLOAD_BYTES,
+            archive: false,
+            drain_timeout: Duration::from_secs(30),
+            reconnect_min: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(10),
+        }
+    }
+}
+
+impl RelayConfig {
+    /// Checks every setting; returns the validated schema identifier.
+    pub fn validate(&self) -> Result<Ident> {
+        let schema = Ident::new("schema", &self.schema)?;
+        let bad = |m: String| Err(Error::Config(m));
+        if !(self.amqp_url.starts_with("amqp://") || self.amqp_url.starts_with("amqps://")) {
+            return bad(format!(
+                "AMQP URL must start with amqp:// or amqps://, got {}",
+                crate::redact::redact_url(&self.amqp_url)
+            ));
+        }
+        if self.batch_size == 0 || self.batch_size > 10_000 {
+            return bad(format!(
+                "batch size must be 1..=10000, got {}",
+                self.batch_size
+            ));
+        }
+        if self.workers == 0 || self.workers > 64 {
+            return bad(format!("workers must be 1..=64, got {}", self.workers));
+        }
+        if self.max_attempts < 1 {
+            return bad(format!(
+                "max attempts must be at least 1, got {}",
+                self.max_attempts
+            ));
+        }
+        if let Some(kind) = &self.declare_exchange
+            && !matches!(kind.as_str(), "topic" | "direct" | "fanout" | "headers")
+        {
+            return bad(format!(
+                "exchange type must be topic, direct, fanout or headers, got {kind:?}"
+            ));
+        }
+        if self.declare_exchange.is_some() && self.default_exchange.is_empty() {
+            return bad("cannot declare the default exchange \"\" (it always exists)".to_owned());
+        }
+        for (name, d) in [
+            ("poll interval", self.poll_interval),
+            ("confirm timeout", self.confirm_timeout),
+            ("broker timeout", self.broker_timeout),
+            ("retry base", self.retry_base),
+            ("reconnect min", self.reconnect_min),
+        ] {
+            if d.is_zero() {
+                return bad(format!("{name} must be greater than zero"));
+            }
+        }
+        if self.retry_max < self.retry_base {
+            return bad("retry max must be at least retry base".to_owned());
+        }
+        if self.reconnect_max < self.reconnect_min {
+            return bad("reconnect max must be at least reconnect min".to_owned());
+        }
+        Ok(schema)
+    }
+}
+
+/// Exponential backoff with full jitter: a random delay in
+/// `[d/2, d]` where `d = min(max, base * 2^(attempt-1))`.
+pub(crate) fn backoff(base: Duration, max: Duration, attempt: u32) -> Duration {
+    let exp = base.saturating_mul(
+        1u32.checked_shl(attempt.saturating_sub(1).min(30))
+            .unwrap_or(u32::MAX),
+    );
+    let d = exp.min(max);
+    let half = d / 2;
+    half + d.saturating_sub(half).mul_f64(rand::random::<f64>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        assert_eq!(
+            RelayConfig::default().validate().unwrap().as_str(),
+            "public"
+        );
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        let cases: Vec<(RelayConfig, &str)> = vec![
+            (
+                RelayConfig {
+                    amqp_url: "http://x".into(),
+                    ..Default::default()
+                },
+                "amqp://",
+            ),
+            (
+                RelayConfig {
+                    batch_size: 0,
+                    ..Default::default()
+                },
+                "batch size",
+            ),
+            (
+                RelayConfig {
+                    workers: 0,
+                    ..Default::default()
+                },
+                "workers",
+            ),
+            (
+                RelayConfig {
+                    max_attempts: 0,
+                    ..Default::default()
+                },
+                "max attempts",
+            ),
+            (
+                RelayConfig {
+                    declare_exchange: Some("hash".into()),
+                    ..Default::default()
+                },
+                "exchange type",
+            ),
+            (
+                RelayConfig {
+                    schema: "Bad".into(),
+                    ..Default::default()
+                },
+                "schema",
+            ),
+            (
+                RelayConfig {
+                    poll_interval: Duration::ZERO,
+                    ..Default::default()
+                },
+                "poll interval",
+            ),
+        ];
+        for (cfg, needle) in cases {
+            let err = cfg.validate().unwrap_err().to_string();
+            assert!(err.contains(needle), "{err:?} should mention {needle:?}");
+        }
+    }
+
+    #[test]
+    fn backoff_grows_is_capped_and_jittered() {
+        let base = Duration::from_secs(1);
+        let max = Duration::from_secs(60);
+        for attempt in 1..40 {
+            let d = backoff(base, max, attempt);
+            let cap = (base * 2u32.pow((attempt - 1).min(10))).min(max);
+            assert!(
+                d >= cap / 2 && d <= cap,
+                "attempt {attempt}: {d:?} not in [{:?}, {cap:?}]",
+                cap / 2
+            );
+        }
+        let samples: std::collections::HashSet<_> =
+            (0..20).map(|_| backoff(base, max, 5)).collect();
+        assert!(samples.len() > 1, "jitter varies the delay");
+    }
+}

@@ -1,0 +1,63 @@
+use thiserror::Error;
+
+/// Errors of the relay engine.
+///
+/// Broker outcomes of single events (nacked, returned, timed out) are not
+/// errors of the relay: they are [`crate::Outcome`]s that reschedule the event.
+/// These variants stop a batch; the supervisor reconnects and retries.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The configuration is invalid.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The outbox library refused (not migrated, bad schema name, ...).
+    #[error(transparent)]
+    Outbox(#[from] outbox::Error),
+    /// PostgreSQL failed.
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    /// Connecting to the broker failed.
+    #[error("cannot connect to the broker at {url}")]
+    BrokerConnect {
+        /// The broker URL, password redacted.
+        url: String,
+        /// What lapin reported.
+        #[source]
+        source: lapin::Error,
+    },
+    /// The broker connection or channel was lost or refused an operation.
+    #[error("broker: {0}")]
+    Broker(#[from] lapin::Error),
+    /// A broker operation did not finish within its timeout.
+    #[error("broker did not answer {what} within {timeout:?}")]
+    BrokerTimeout {
+        /// The operation that timed out.
+        what: &'static str,
+        /// The bound that was exceeded.
+        timeout: std::time::Duration,
+    },
+}
+
+impl Error {
+    /// True when the broker side failed (the supervisor reconnects).
+    pub fn is_broker(&self) -> bool {
+        matches!(
+            self,
+            Error::Broker(_) | Error::BrokerConnect { .. } | Error::BrokerTimeout { .. }
+        )
+    }
+
+    /// True when a later retry of the same operation may succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Config(_) => false,
+            Error::Outbox(e) => e.is_transient(),
+            Error::Database(e) => outbox::__private::is_transient_db(e),
+            Error::BrokerConnect { .. } | Error::Broker(_) | Error::BrokerTimeout { .. } => true,
+        }
+    }
+}
+
+/// The result type of the relay engine.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

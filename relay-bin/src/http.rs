@@ -1,0 +1,68 @@
+//! `/metrics`, `/healthz` and `/readyz`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::get;
+use metrics_exporter_prometheus::PrometheusBuilder;
+use outbox::Ident;
+use outbox_relay::Health;
+use sqlx::PgPool;
+
+pub(crate) async fn serve(
+    addr: SocketAddr,
+    health: Arc<Health>,
+    pool: PgPool,
+    schema: Ident,
+) -> Result<()> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets(&[
+            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 50.0,
+            100.0, 250.0, 500.0, 1000.0,
+        ])
+        .context("metrics buckets")?
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let app = Router::new()
+        .route("/metrics", get(move || std::future::ready(handle.render())))
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let ready = health.is_ready();
+                async move {
+                    if ready {
+                        (StatusCode::OK, "ready")
+                    } else {
+                        (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+                    }
+                }
+            }),
+        );
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "metrics server stopped");
+        }
+    });
+    // Backlog gauges, refreshed off the hot path.
+    tokio::spawn(async move {
+        loop {
+            if let Ok(s) = outbox_relay::status::status(&pool, &schema).await {
+                metrics::gauge!("outbox_relay_backlog").set(s.backlog as f64);
+                metrics::gauge!("outbox_relay_oldest_pending_seconds")
+                    .set(s.oldest_pending_age_s.unwrap_or(0.0));
+                metrics::gauge!("outbox_relay_dead_letters").set(s.dead_letters as f64);
+            }
+            tokio::time::sleep(Duration::from_secs(10)).await;
+        }
+    });
+    tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+    Ok(())
+}

@@ -1,0 +1,293 @@
+//! Publishing a batch with pipelined publisher confirms.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::types::FieldTable;
+use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+
+use crate::error::{Error, Result};
+use crate::message::ClaimedEvent;
+use crate::redact::redact_url;
+
+/// What the broker said about one event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Acked and not returned: the broker has it. Only this counts as
+    /// delivered.
+    Delivered,
+    /// The broker refused it (for example a full queue with
+    /// `reject-publish` overflow).
+    Nacked,
+    /// Unroutable: returned under `mandatory` (no queue bound for it).
+    Returned {
+        /// AMQP reply code (312 `NO_ROUTE`).
+        code: u16,
+        /// Broker's reply text.
+        text: String,
+    },
+    /// No confirm within the confirm timeout: not delivered as far as we
+    /// know (it may still arrive; the consumer absorbs the duplicate).
+    TimedOut,
+    /// The exchange does not exist.
+    ExchangeNotFound(String),
+    /// The payload is over the relay's limit; it is dead-lettered at once.
+    TooLarge {
+        /// Payload size in bytes.
+        size: usize,
+        /// The limit.
+        limit: usize,
+    },
+}
+
+impl Outcome {
+    /// The text recorded as `last_error` (`None` for a delivery).
+    pub fn error(&self) -> Option<String> {
+        match self {
+            Outcome::Delivered => None,
+            Outcome::Nacked => Some("nacked by the broker".to_owned()),
+            Outcome::Returned { code, text } => Some(format!(
+                "returned by the broker: {code} {text} (no queue is bound for this exchange and routing key)"
+            )),
+            Outcome::TimedOut => Some("no publisher confirm within the confirm timeout".to_owned()),
+            Outcome::ExchangeNotFound(x) => Some(format!("exchange {x:?} does not exist")),
+            Outcome::TooLarge { size, limit } => Some(format!(
+                "payload is {size} bytes, over the relay's limit of {limit} bytes"
+            )),
+        }
+    }
+
+    /// True when retrying cannot help.
+    pub fn is_permanent(&self) -> bool {
+        matches!(self, Outcome::TooLarge { .. })
+    }
+}
+
+/// Opens a connection, bounded by `timeout`. lapin's own recovery is not
+/// used: the relay's supervisor reconnects.
+pub(crate) async fn connect(url: &str, timeout: Duration) -> Result<Connection> {
+    let props = ConnectionProperties::default().with_connection_name("outbox-relay".into());
+    match tokio::time::timeout(timeout, Connection::connect(url, props)).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(source)) => Err(Error::BrokerConnect {
+            url: redact_url(url),
+            source,
+        }),
+        Err(_) => Err(Error::BrokerTimeout {
+            what: "connect",
+            timeout,
+        }),
+    }
+}
+
+pub(crate) async fn bounded<T>(
+    what: &'static str,
+    timeout: Duration,
+    f: impl Future<Output = lapin::Result<T>>,
+) -> Result<T> {
+    match tokio::time::timeout(timeout, f).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(Error::BrokerTimeout { what, timeout }),
+    }
+}
+
+/// Declares `name` durable with `kind`, idempotently.
+pub(crate) async fn declare_exchange(
+    conn: &Connection,
+    name: &str,
+    kind: &str,
+    timeout: Duration,
+) -> Result<()> {
+    let ch = bounded("channel open", timeout, conn.create_channel()).await?;
+    let kind = match kind {
+        "direct" => ExchangeKind::Direct,
+        "fanout" => ExchangeKind::Fanout,
+        "headers" => ExchangeKind::Headers,
+        _ => ExchangeKind::Topic,
+    };
+    let opts = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    bounded(
+        "exchange.declare",
+        timeout,
+        ch.exchange_declare(name.into(), kind, opts, FieldTable::default()),
+    )
+    .await?;
+    let _ = bounded("channel close", timeout, ch.close(200, "OK".into())).await;
+    Ok(())
+}
+
+/// One confirm-mode channel, used by one worker.
+pub(crate) struct Publisher {
+    conn: Arc<Connection>,
+    channel: Channel,
+    /// Exchanges seen to exist; cleared whenever the channel is replaced.
+    known_exchanges: HashSet<String>,
+    broker_timeout: Duration,
+}
+
+impl Publisher {
+    pub(crate) async fn open(conn: &Arc<Connection>, broker_timeout: Duration) -> Result<Self> {
+        let channel = bounded("channel open", broker_timeout, conn.create_channel()).await?;
+        bounded(
+            "confirm.select",
+            broker_timeout,
+            channel.confirm_select(ConfirmSelectOptions::default()),
+        )
+        .await?;
+        let mut known_exchanges = HashSet::new();
+        known_exchanges.insert(String::new()); // the default exchange always exists
+        Ok(Self {
+            conn: conn.clone(),
+            channel,
+            known_exchanges,
+            broker_timeout,
+        })
+    }
+
+    /// Whether the connection and channel are still usable.
+    pub(crate) fn is_open(&self) -> bool {
+        self.conn.status().connected() && self.channel.status().connected()
+    }
+
+    /// Passive-declares exchanges not seen before, each on a throwaway
+    /// channel (a missing exchange closes the channel that asked).
+    async fn missing_exchanges<'a>(
+        &mut self,
+        names: impl Iterator<Item = &'a str>,
+    ) -> Result<HashSet<String>> {
+        let mut missing = HashSet::new();
+        let unknown: HashSet<&str> = names
+            .filter(|n| !self.known_exchanges.contains(*n))
+            .collect();
+        for name in unknown {
+            let ch = bounded(
+                "channel open",
+                self.broker_timeout,
+                self.conn.create_channel(),
+            )
+            .await?;
+            let passive = ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            let r = tokio::time::timeout(
+                self.broker_timeout,
+                ch.exchange_declare(
+                    name.into(),
+                    ExchangeKind::Topic,
+                    passive,
+                    FieldTable::default(),
+                ),
+            )
+            .await;
+            match r {
+                Ok(Ok(())) => {
+                    self.known_exchanges.insert(name.to_owned());
+                    let _ =
+                        tokio::time::timeout(self.broker_timeout, ch.close(200, "OK".into())).await;
+                }
+                Ok(Err(e)) if is_not_found(&e) => {
+                    missing.insert(name.to_owned());
+                }
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) => {
+                    return Err(Error::BrokerTimeout {
+                        what: "exchange.declare (passive)",
+                        timeout: self.broker_timeout,
+                    });
+                }
+            }
+        }
+        Ok(missing)
+    }
+
+    /// Publishes every event of the batch, then awaits all confirms at once.
+    /// Returns one outcome per event, in order. `Err` means the channel or
+    /// connection failed: outcomes are unknown, the batch must be rolled
+    /// back (retried without counting an attempt) and the publisher
+    /// replaced. [`Outcome::TimedOut`] also means the publisher should be
+    /// replaced, after the batch is settled.
+    pub(crate) async fn publish_batch(
+        &mut self,
+        events: &[ClaimedEvent],
+        default_exchange: &str,
+        max_payload_bytes: usize,
+        confirm_timeout: Duration,
+    ) -> Result<Vec<Outcome>> {
+        let missing = self
+            .missing_exchanges(events.iter().map(|e| e.exchange_or(default_exchange)))
+            .await?;
+        let mut outcomes: Vec<Option<Outcome>> = vec![None; events.len()];
+        let mut pending = Vec::with_capacity(events.len());
+        let opts = BasicPublishOptions {
+            mandatory: true,
+            ..Default::default()
+        };
+        let started = Instant::now();
+        for (i, e) in events.iter().enumerate() {
+            let exchange = e.exchange_or(default_exchange);
+            if e.payload.len() > max_payload_bytes {
+                outcomes[i] = Some(Outcome::TooLarge {
+                    size: e.payload.len(),
+                    limit: max_payload_bytes,
+                });
+                continue;
+            }
+            if missing.contains(exchange) {
+                outcomes[i] = Some(Outcome::ExchangeNotFound(exchange.to_owned()));
+                continue;
+            }
+            // Hands the frames to lapin's IO loop; the confirm comes later.
+            let confirm = bounded(
+                "basic.publish",
+                self.broker_timeout,
+                self.channel.basic_publish(
+                    exchange.into(),
+                    e.routing_key().into(),
+                    opts,
+                    e.payload.as_bytes(),
+                    e.properties(),
+                ),
+            )
+            .await?;
+            pending.push((i, confirm));
+        }
+        // Every publish is on the wire; now collect the confirms against one
+        // deadline. Awaiting them in order costs no round trips: they are
+        // all in flight already.
+        let deadline = tokio::time::Instant::now() + confirm_timeout;
+        for (i, confirm) in pending {
+            outcomes[i] = Some(match tokio::time::timeout_at(deadline, confirm).await {
+                Err(_) => Outcome::TimedOut,
+                Ok(confirmation) => match confirmation? {
+                    Confirmation::Ack(None) => Outcome::Delivered,
+                    Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
+                        Outcome::Returned {
+                            code: returned.reply_code,
+                            text: returned.reply_text.to_string(),
+                        }
+                    }
+                    Confirmation::Nack(None) => Outcome::Nacked,
+                    // Confirm mode is always on; no confirm is no delivery.
+                    Confirmation::NotRequested => Outcome::Nacked,
+                },
+            });
+        }
+        metrics::histogram!("outbox_relay_confirm_seconds").record(started.elapsed().as_secs_f64());
+        Ok(outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or(Outcome::Nacked))
+            .collect())
+    }
+}
+
+fn is_not_found(e: &lapin::Error) -> bool {
+    matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp)
+        if *amqp.kind() == AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND))
+}

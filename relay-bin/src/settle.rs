@@ -1,0 +1,81 @@
+//! Recording what the broker said, in the claim's transaction.
+
+use crate::config::{RelayConfig, backoff};
+use crate::error::Result;
+use crate::message::ClaimedEvent;
+use crate::publish::Outcome;
+use crate::queries::Queries;
+use sqlx::PgConnection;
+
+/// Counts of one settled batch.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Settled {
+    /// Delivered and removed (or archived).
+    pub delivered: usize,
+    /// Failed and rescheduled with backoff.
+    pub retried: usize,
+    /// Moved to the dead-letter table.
+    pub dead_lettered: usize,
+}
+
+/// Deletes (or archives) delivered events, reschedules failed ones with
+/// backoff and dead-letters those out of attempts. At most three
+/// statements per batch, whatever its size.
+pub(crate) async fn settle(
+    conn: &mut PgConnection,
+    queries: &Queries,
+    config: &RelayConfig,
+    events: &[ClaimedEvent],
+    outcomes: &[Outcome],
+) -> Result<Settled> {
+    let mut delivered = Vec::new();
+    let (mut retry_ids, mut retry_delays, mut retry_errors) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut dead_ids, mut dead_errors) = (Vec::new(), Vec::new());
+    for (e, o) in events.iter().zip(outcomes) {
+        let Some(error) = o.error() else {
+            delivered.push(e.id);
+            continue;
+        };
+        let attempt = e.attempts.saturating_add(1);
+        if o.is_permanent() || attempt >= config.max_attempts {
+            dead_ids.push(e.id);
+            dead_errors.push(error);
+        } else {
+            let delay = backoff(config.retry_base, config.retry_max, attempt as u32);
+            retry_ids.push(e.id);
+            retry_delays.push(delay.as_millis() as i64);
+            retry_errors.push(error);
+        }
+    }
+    if !delivered.is_empty() {
+        let q = if config.archive {
+            &queries.archive
+        } else {
+            &queries.delete
+        };
+        sqlx::query(q.clone())
+            .bind(&delivered)
+            .execute(&mut *conn)
+            .await?;
+    }
+    if !retry_ids.is_empty() {
+        sqlx::query(queries.reschedule.clone())
+            .bind(&retry_ids)
+            .bind(&retry_delays)
+            .bind(&retry_errors)
+            .execute(&mut *conn)
+            .await?;
+    }
+    if !dead_ids.is_empty() {
+        sqlx::query(queries.dead_letter.clone())
+            .bind(&dead_ids)
+            .bind(&dead_errors)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(Settled {
+        delivered: delivered.len(),
+        retried: retry_ids.len(),
+        dead_lettered: dead_ids.len(),
+    })
+}

@@ -1,0 +1,402 @@
+//! The `outbox-relay` binary as a process: SIGKILL at random points,
+//! SIGTERM drain, broker restart, the CLI's errors and secrets.
+
+use std::collections::HashSet;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use e2e::{Collector, TestBroker, TestDb, amqp_url, database_url, wait_until};
+use lapin::types::FieldTable;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use outbox::{NewEvent, Outbox, OutboxConfig};
+use serde_json::json;
+
+const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+
+fn relay_cmd(db: &TestDb, broker: &TestBroker) -> Command {
+    let mut c = Command::new(BIN);
+    c.env("DATABASE_URL", database_url())
+        .env("AMQP_URL", amqp_url())
+        .env("OUTBOX_SCHEMA", &db.schema)
+        .env("OUTBOX_EXCHANGE", &broker.exchange)
+        .env("OUTBOX_DECLARE_EXCHANGE", "none")
+        .env("OUTBOX_POLL_INTERVAL", "100ms")
+        .env("RUST_LOG", "warn")
+        .arg("run")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    c
+}
+
+async fn produce(db: &TestDb, n: usize, per_tx: usize) -> Vec<String> {
+    let ob = Outbox::new(&db.pool, OutboxConfig::default().schema(&db.schema))
+        .await
+        .unwrap();
+    let mut ids = Vec::new();
+    for start in (0..n).step_by(per_tx) {
+        let events = (start..(start + per_tx).min(n)).map(|i| {
+            NewEvent::new(
+                "order",
+                format!("o-{}", i % 31),
+                "OrderPlaced",
+                &json!({"i": i}),
+            )
+            .unwrap()
+        });
+        let mut tx = db.pool.begin().await.unwrap();
+        ids.extend(
+            ob.enqueue_many(&mut *tx, events)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|i| i.to_string()),
+        );
+        ob.commit(tx).await.unwrap();
+    }
+    ids
+}
+
+fn signal(child: &Child, sig: Signal) {
+    kill(Pid::from_raw(child.id() as i32), sig).expect("signal");
+}
+
+fn assert_all_delivered(collector: &Collector, ids: &[String], scenario: &str) {
+    let got = collector.received.lock().unwrap();
+    let seen: HashSet<&String> = got.counts.keys().collect();
+    assert_eq!(
+        seen,
+        ids.iter().collect(),
+        "{scenario}: every event delivered, nothing else"
+    );
+    println!(
+        "{scenario}: {} events, {} duplicates on the wire",
+        ids.len(),
+        got.duplicates()
+    );
+}
+
+#[tokio::test]
+async fn relay_sigkilled_at_random_points_again_and_again_loses_nothing() {
+    let db = TestDb::producer("proc_kill").await;
+    let broker = TestBroker::new("kill", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let ids = produce(&db, 20_000, 500).await;
+    let mut kills = 0;
+    // Kill points: after the relay has made progress, plus a pseudo-random
+    // 0-127 ms, so kills land mid-batch (between publish, confirm, settle
+    // and commit), not only during start-up.
+    let jitter: Vec<u64> = ids
+        .iter()
+        .take(10)
+        .map(|id| (id.as_bytes()[35] as u64 * 13) % 128)
+        .collect();
+    for delay in jitter {
+        let before = collector.distinct();
+        if before >= ids.len() {
+            break;
+        }
+        let mut child = relay_cmd(&db, &broker)
+            .env("OUTBOX_BATCH_SIZE", "100")
+            .spawn()
+            .unwrap();
+        wait_until(
+            Duration::from_secs(60),
+            "progress before the kill",
+            || async { collector.distinct() > before || collector.distinct() >= ids.len() },
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+        signal(&child, Signal::SIGKILL);
+        child.wait().unwrap();
+        kills += 1;
+    }
+    let mut child = relay_cmd(&db, &broker).spawn().unwrap();
+    wait_until(
+        Duration::from_secs(120),
+        "all events after the kills",
+        || async { collector.distinct() >= ids.len() },
+    )
+    .await;
+    signal(&child, Signal::SIGKILL);
+    child.wait().unwrap();
+    assert!(kills >= 1);
+    assert_all_delivered(&collector, &ids, &format!("relay SIGKILLed {kills} times"));
+    collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+#[tokio::test]
+async fn sigterm_finishes_the_batch_in_flight_and_exits_zero() {
+    let db = TestDb::producer("proc_term").await;
+    let broker = TestBroker::new("term", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let ids = produce(&db, 20_000, 1000).await;
+    let mut child = relay_cmd(&db, &broker)
+        .env("OUTBOX_BATCH_SIZE", "1000")
+        .spawn()
+        .unwrap();
+    wait_until(Duration::from_secs(60), "publishing to start", || async {
+        collector.distinct() > 0
+    })
+    .await;
+    signal(&child, Signal::SIGTERM);
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "drained and exited 0");
+    // Nothing was left half-done: every event is either delivered and
+    // gone from the outbox, or still in the outbox; none is locked.
+    let remaining: Vec<uuid::Uuid> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT id FROM \"{}\".outbox FOR UPDATE NOWAIT",
+        db.schema
+    )))
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let remaining: HashSet<String> = remaining.into_iter().map(|i| i.to_string()).collect();
+    let delivered = ids.len() - remaining.len();
+    wait_until(
+        Duration::from_secs(30),
+        "the delivered events to arrive",
+        || async { collector.distinct() >= delivered },
+    )
+    .await;
+    for id in &ids {
+        if !remaining.contains(id) {
+            assert!(
+                collector.has(id),
+                "event {id} left the outbox without being delivered"
+            );
+        }
+    }
+    assert!(
+        !remaining.is_empty(),
+        "the relay stopped early rather than draining the whole outbox"
+    );
+    collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+/// Restarts the shared broker: run alone (`make test` runs `disruptive_`
+/// tests after the others, one at a time).
+#[tokio::test]
+async fn disruptive_broker_restart_mid_stream_loses_nothing() {
+    let db = TestDb::producer("proc_brk").await;
+    let broker = TestBroker::new("brk", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let ids = produce(&db, 10_000, 500).await;
+    let mut child = relay_cmd(&db, &broker)
+        .env("OUTBOX_BATCH_SIZE", "100")
+        .spawn()
+        .unwrap();
+    wait_until(Duration::from_secs(60), "publishing to start", || async {
+        collector.distinct() > 0
+    })
+    .await;
+    let ok = Command::new("rabbitmqctl")
+        .arg("stop_app")
+        .status()
+        .unwrap()
+        .success()
+        && Command::new("rabbitmqctl")
+            .arg("start_app")
+            .status()
+            .unwrap()
+            .success();
+    assert!(ok, "rabbitmqctl could not restart the broker");
+    wait_until(
+        Duration::from_secs(180),
+        "all events after the broker restart",
+        || async { collector.distinct() >= ids.len() },
+    )
+    .await;
+    signal(&child, Signal::SIGTERM);
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    assert_all_delivered(&collector, &ids, "broker restart");
+    collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+fn output(cmd: &mut Command) -> (Option<i32>, String) {
+    let out = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+#[tokio::test]
+async fn bad_configuration_gets_one_line_and_a_non_zero_exit_and_no_password_is_printed() {
+    let db = TestDb::producer("proc_badcfg").await;
+    let db_url = "postgres://postgres:pg-S3cret-pw@127.0.0.1:5432/test";
+    let amqp = "amqp://guest:mq-S3cret-pw@127.0.0.1:5672/%2f";
+    let base = |args: &[&str]| {
+        let mut c = Command::new(BIN);
+        c.env_clear()
+            .env("DATABASE_URL", db_url)
+            .env("AMQP_URL", amqp)
+            .env("OUTBOX_SCHEMA", &db.schema)
+            .args(args);
+        c
+    };
+    let cases: Vec<(Vec<&str>, &str, Vec<(&str, &str)>)> = vec![
+        (vec!["run", "--batch-size", "0"], "batch size", vec![]),
+        (
+            vec!["--schema", "Bad-Name", "status"],
+            "invalid schema",
+            vec![],
+        ),
+        (
+            vec!["run", "--declare-exchange", "hash"],
+            "exchange type",
+            vec![],
+        ),
+        (
+            vec!["run"],
+            "cannot connect to the broker",
+            vec![("AMQP_URL", "amqp://guest:mq-S3cret-pw@127.0.0.1:1/%2f")],
+        ),
+        (
+            vec!["status"],
+            "cannot connect to the database",
+            vec![("DATABASE_URL", "postgres://u:pg-S3cret-pw@127.0.0.1:1/x")],
+        ),
+        (
+            vec!["run"],
+            "amqp:// or amqps://",
+            vec![("AMQP_URL", "http://guest:mq-S3cret-pw@x/")],
+        ),
+        (
+            vec!["status"],
+            "no database URL",
+            vec![("DATABASE_URL", "")],
+        ),
+    ];
+    for (args, needle, env) in cases {
+        let mut cmd = base(&args);
+        for (k, v) in &env {
+            if v.is_empty() {
+                cmd.env_remove(k);
+            } else {
+                cmd.env(k, v);
+            }
+        }
+        let (code, text) = output(&mut cmd);
+        assert_ne!(code, Some(0), "{args:?} should fail");
+        assert!(
+            text.contains(needle),
+            "{args:?}: {text:?} should mention {needle:?}"
+        );
+        assert!(
+            !text.contains("S3cret"),
+            "{args:?} printed a password: {text}"
+        );
+        assert_eq!(
+            text.trim_end().lines().count(),
+            1,
+            "{args:?}: one line, got {text:?}"
+        );
+    }
+    for args in [
+        &["--help"][..],
+        &["run", "--help"],
+        &["dead-letters", "replay", "--help"],
+    ] {
+        let (code, text) = output(&mut base(args));
+        assert_eq!(code, Some(0));
+        assert!(
+            !text.contains("S3cret"),
+            "--help printed a password: {text}"
+        );
+        assert!(text.contains("Usage: outbox-relay"), "{text}");
+    }
+    let (_, help) = output(&mut base(&["run", "--help"]));
+    for flag in [
+        "--amqp-url",
+        "--batch-size",
+        "--max-attempts",
+        "--drain-timeout",
+        "--metrics-addr",
+        "[env: AMQP_URL]",
+    ] {
+        assert!(help.contains(flag), "run --help lacks {flag}");
+    }
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn migrate_status_and_dead_letter_commands_work_end_to_end() {
+    let db = TestDb::producer("proc_cli").await;
+    let cmd = |args: &[&str]| {
+        let mut c = Command::new(BIN);
+        c.env("DATABASE_URL", database_url())
+            .env("OUTBOX_SCHEMA", &db.schema)
+            .env("RUST_LOG", "warn")
+            .args(args);
+        output(&mut c)
+    };
+    let (code, text) = cmd(&["migrate"]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("up to date"), "{text}");
+    // A dead letter to look at.
+    let id = uuid::Uuid::now_v7();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts, last_error)
+         VALUES ($1, 'order', 'o-1', 'OrderPlaced', '{{}}', '{{}}', now() - interval '30 days', 10, 'returned: NO_ROUTE')",
+        db.schema
+    )))
+    .bind(id)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (code, text) = cmd(&["status", "--json"]);
+    assert_eq!(code, Some(0), "{text}");
+    let s: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(s["dead_letters"], 1);
+    assert_eq!(s["backlog"], 0);
+    let (_, text) = cmd(&["status"]);
+    assert!(
+        text.contains("dead letters") && text.contains('1'),
+        "{text}"
+    );
+    let (_, text) = cmd(&["dead-letters", "list"]);
+    assert!(
+        text.contains(&id.to_string()) && text.contains("NO_ROUTE"),
+        "{text}"
+    );
+    let (code, text) = cmd(&["dead-letters", "replay", &id.to_string()]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("replayed 1"), "{text}");
+    assert!(
+        text.contains("older than the retention window"),
+        "30-day-old replay warns: {text}"
+    );
+    assert_eq!(db.count("outbox").await, 1);
+    assert_eq!(db.count("outbox_dead_letters").await, 0);
+    let (code, _) = cmd(&["dead-letters", "purge"]);
+    assert_ne!(code, Some(0), "purge needs --all or ids");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{0}\".outbox_dead_letters SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key, created_at, 10, 'x' FROM \"{0}\".outbox",
+        db.schema
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (code, text) = cmd(&["dead-letters", "purge", "--all"]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("purged 1"), "{text}");
+    db.cleanup().await;
+}

@@ -1,0 +1,447 @@
+//! The relay engine in-process against the real services.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use e2e::{Collector, TestBroker, TestDb, amqp_url, wait_until};
+use lapin::types::{AMQPValue, FieldTable};
+use outbox::{NewEvent, Outbox, OutboxConfig};
+use outbox_relay::{Relay, RelayConfig};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
+    RelayConfig {
+        amqp_url: amqp_url(),
+        schema: db.schema.clone(),
+        default_exchange: broker.exchange.clone(),
+        declare_exchange: None,
+        poll_interval: Duration::from_millis(200),
+        retry_base: Duration::from_millis(50),
+        retry_max: Duration::from_millis(400),
+        reconnect_min: Duration::from_millis(50),
+        reconnect_max: Duration::from_millis(500),
+        ..RelayConfig::default()
+    }
+}
+
+async fn outbox(db: &TestDb) -> Outbox {
+    Outbox::new(&db.pool, OutboxConfig::default().schema(&db.schema))
+        .await
+        .unwrap()
+}
+
+/// Enqueues `n` events in transactions of `per_tx`; returns their ids.
+async fn produce(db: &TestDb, outbox: &Outbox, n: usize, per_tx: usize) -> Vec<String> {
+    let mut ids = Vec::with_capacity(n);
+    for chunk in (0..n).collect::<Vec<_>>().chunks(per_tx) {
+        let events = chunk.iter().map(|i| {
+            NewEvent::new(
+                "order",
+                format!("o-{}", i % 97),
+                "OrderPlaced",
+                &json!({"i": i, "pad": "x".repeat(100)}),
+            )
+            .unwrap()
+        });
+        let mut tx = db.pool.begin().await.unwrap();
+        ids.extend(
+            outbox
+                .enqueue_many(&mut *tx, events)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|id| id.to_string()),
+        );
+        outbox.commit(tx).await.unwrap();
+    }
+    ids
+}
+
+fn spawn(
+    relay: &Relay,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<outbox_relay::Result<()>>,
+) {
+    let stop = CancellationToken::new();
+    let r = relay.clone();
+    let s = stop.clone();
+    (stop, tokio::spawn(async move { r.run(s).await }))
+}
+
+#[tokio::test]
+async fn rolled_back_events_are_never_published_and_committed_ones_carry_the_contract() {
+    let db = TestDb::producer("relay_contract").await;
+    let broker = TestBroker::new("contract", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let ob = outbox(&db).await;
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let rolled_back = ob
+        .enqueue(
+            &mut *tx,
+            NewEvent::new("order", "o-0", "OrderPlaced", &json!({"n": 0})).unwrap(),
+        )
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let mut tx = db.pool.begin().await.unwrap();
+    let id = ob
+        .enqueue(
+            &mut *tx,
+            NewEvent::new(
+                "order",
+                "o-1",
+                "OrderPlaced",
+                &json!({"sku": "A-1", "qty": 2}),
+            )
+            .unwrap()
+            .header("traceparent", traceparent)
+            .header("tenant", "acme"),
+        )
+        .await
+        .unwrap();
+    let created_at: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT created_at FROM \"{}\".outbox WHERE id = $1",
+            db.schema
+        )))
+        .bind(id)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    ob.commit(tx).await.unwrap();
+
+    let relay = Relay::new(db.pool.clone(), config(&db, &broker))
+        .await
+        .unwrap();
+    let (stop, task) = spawn(&relay);
+    wait_until(DEADLINE, "the committed event", || async {
+        collector.has(&id.to_string())
+    })
+    .await;
+    wait_until(DEADLINE, "the outbox to empty", || async {
+        db.count("outbox").await == 0
+    })
+    .await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+
+    let got = collector.received.lock().unwrap();
+    assert!(
+        !got.counts.contains_key(&rolled_back.to_string()),
+        "a rolled-back event was published"
+    );
+    assert_eq!(got.counts.len(), 1);
+    let d = &got.first[&id.to_string()];
+    let p = &d.properties;
+    assert_eq!(p.message_id().as_ref().unwrap().as_str(), id.to_string());
+    assert_eq!(p.kind().as_ref().unwrap().as_str(), "OrderPlaced");
+    assert_eq!(
+        p.content_type().as_ref().unwrap().as_str(),
+        "application/json"
+    );
+    assert_eq!(*p.delivery_mode(), Some(2), "persistent");
+    assert_eq!(*p.timestamp(), Some(created_at.timestamp() as u64));
+    let h = p.headers().as_ref().unwrap().inner();
+    assert_eq!(h["x-aggregate-type"], AMQPValue::LongString("order".into()));
+    assert_eq!(h["x-aggregate-id"], AMQPValue::LongString("o-1".into()));
+    assert_eq!(
+        h["traceparent"],
+        AMQPValue::LongString(traceparent.into()),
+        "traceparent untouched"
+    );
+    assert_eq!(h["tenant"], AMQPValue::LongString("acme".into()));
+    assert_eq!(d.routing_key.as_str(), "order.OrderPlaced");
+    let body: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
+    assert_eq!(body, json!({"sku": "A-1", "qty": 2}));
+    drop(got);
+    collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+#[tokio::test]
+async fn unroutable_event_is_retried_with_backoff_dead_lettered_and_replayable() {
+    let db = TestDb::producer("relay_noroute").await;
+    let broker = TestBroker::new("noroute", FieldTable::default()).await;
+    let ob = outbox(&db).await;
+    // Routed to the default exchange "" with a key no queue has: returned.
+    let mut tx = db.pool.begin().await.unwrap();
+    let id = ob
+        .enqueue(
+            &mut *tx,
+            NewEvent::new("order", "o-1", "OrderPlaced", &json!({}))
+                .unwrap()
+                .exchange("")
+                .routing_key(format!("{}.missing", broker.queue)),
+        )
+        .await
+        .unwrap();
+    ob.commit(tx).await.unwrap();
+
+    let cfg = RelayConfig {
+        max_attempts: 4,
+        ..config(&db, &broker)
+    };
+    let relay = Relay::new(db.pool.clone(), cfg).await.unwrap();
+    let (stop, task) = spawn(&relay);
+    let schema = outbox::Ident::new("schema", &db.schema).unwrap();
+    // While retrying, it stays in the outbox and status says why.
+    wait_until(DEADLINE, "a recorded retry", || async {
+        let s = outbox_relay::status::status(&db.pool, &schema)
+            .await
+            .unwrap();
+        s.retrying == 1
+            && s.failing[0]
+                .last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("NO_ROUTE"))
+    })
+    .await;
+    wait_until(DEADLINE, "the dead letter", || async {
+        db.count("outbox_dead_letters").await == 1
+    })
+    .await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!(db.count("outbox").await, 0);
+
+    let dl = outbox_relay::status::list_dead_letters(&db.pool, &schema, 10)
+        .await
+        .unwrap();
+    assert_eq!(dl[0].id, id);
+    assert_eq!(dl[0].attempts, 4);
+    assert!(
+        dl[0].last_error.contains("NO_ROUTE"),
+        "{}",
+        dl[0].last_error
+    );
+    // The history shows backoff between attempts, not a hot loop: each gap
+    // is at least half the capped exponential delay.
+    let history: serde_json::Value = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT error_history FROM \"{}\".outbox_dead_letters WHERE id = $1",
+        db.schema
+    )))
+    .bind(id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let times: Vec<chrono::DateTime<chrono::Utc>> = history
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["at"].as_str().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(times.len(), 4);
+    for (n, w) in times.windows(2).enumerate() {
+        let min = (50u64 << n).min(400) / 2;
+        let gap = (w[1] - w[0]).num_milliseconds();
+        assert!(
+            gap >= min as i64,
+            "attempt {} came {gap} ms after the previous, less than {min} ms",
+            n + 2
+        );
+    }
+
+    // Replay, now with a route: delivered.
+    let collector = Collector::start(&broker.queue);
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE \"{}\".outbox_dead_letters SET exchange = NULL, routing_key = NULL",
+        db.schema
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let replayed = outbox_relay::status::replay_dead_letters(
+        &db.pool,
+        &schema,
+        &outbox_relay::status::Selection::Ids(vec![id]),
+        Duration::from_secs(3600),
+    )
+    .await
+    .unwrap();
+    assert_eq!(replayed.replayed, 1);
+    assert!(replayed.older_than_retention.is_empty());
+    let (stop, task) = spawn(&relay);
+    wait_until(DEADLINE, "the replayed event", || async {
+        collector.has(&id.to_string())
+    })
+    .await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!(db.count("outbox_dead_letters").await, 0);
+    collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+#[tokio::test]
+async fn broker_nacks_are_retried_with_backoff_without_a_hot_loop() {
+    let db = TestDb::producer("relay_nack").await;
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(0));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    let broker = TestBroker::new("nack", args).await;
+    let ob = outbox(&db).await;
+    let ids = produce(&db, &ob, 3, 3).await;
+    let relay = Relay::new(
+        db.pool.clone(),
+        RelayConfig {
+            max_attempts: 100,
+            ..config(&db, &broker)
+        },
+    )
+    .await
+    .unwrap();
+    let (stop, task) = spawn(&relay);
+    wait_until(DEADLINE, "three nacked attempts each", || async {
+        let min: Option<i32> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT min(attempts) FROM \"{}\".outbox",
+            db.schema
+        )))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        min >= Some(3)
+    })
+    .await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    let rows: Vec<(i32, String, serde_json::Value)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT attempts, last_error, error_history FROM \"{}\".outbox",
+        db.schema
+    )))
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), ids.len(), "nacked events stay in the outbox");
+    for (attempts, last_error, history) in rows {
+        assert!(last_error.contains("nacked"), "{last_error}");
+        let times: Vec<chrono::DateTime<chrono::Utc>> = history
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["at"].as_str().unwrap().parse().unwrap())
+            .collect();
+        assert_eq!(times.len(), attempts as usize);
+        for (n, w) in times.windows(2).enumerate() {
+            let min = (50i64 << n).min(400) / 2;
+            assert!(
+                (w[1] - w[0]).num_milliseconds() >= min,
+                "retry {} too soon: hot loop",
+                n + 2
+            );
+        }
+    }
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+#[tokio::test]
+async fn three_relays_deliver_every_one_of_20000_events() {
+    let db = TestDb::producer("relay_three").await;
+    let broker = TestBroker::new("three", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let ob = outbox(&db).await;
+    let mut relays = Vec::new();
+    for _ in 0..3 {
+        let pool = e2e::pool(&format!("relay-{}", db.schema), 4).await;
+        let relay = Relay::new(
+            pool,
+            RelayConfig {
+                batch_size: 200,
+                ..config(&db, &broker)
+            },
+        )
+        .await
+        .unwrap();
+        relays.push(spawn(&relay));
+    }
+    // Produce while the relays run.
+    let ids = produce(&db, &ob, 20_000, 250).await;
+    wait_until(Duration::from_secs(180), "all 20,000 events", || async {
+        collector.distinct() >= ids.len()
+    })
+    .await;
+    for (stop, task) in relays {
+        stop.cancel();
+        task.await.unwrap().unwrap();
+    }
+    let got = collector.received.lock().unwrap();
+    let expected: HashSet<&String> = ids.iter().collect();
+    let seen: HashSet<&String> = got.counts.keys().collect();
+    assert_eq!(seen, expected, "every event delivered, nothing else");
+    println!(
+        "three relays: {} events, {} duplicates on the wire",
+        ids.len(),
+        got.duplicates()
+    );
+    drop(got);
+    assert_eq!(db.count("outbox").await, 0);
+    collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+#[tokio::test]
+async fn terminated_database_backends_mid_batch_lose_nothing() {
+    let db = TestDb::producer("relay_pgkill").await;
+    let broker = TestBroker::new("pgkill", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let ob = outbox(&db).await;
+    let ids = produce(&db, &ob, 5_000, 500).await;
+    let app = format!("relay-{}", db.schema);
+    let pool = e2e::pool(&app, 4).await;
+    let relay = Relay::new(
+        pool,
+        RelayConfig {
+            batch_size: 100,
+            ..config(&db, &broker)
+        },
+    )
+    .await
+    .unwrap();
+    let (stop, task) = spawn(&relay);
+    let mut kills = 0;
+    while collector.distinct() < ids.len() / 2 && kills < 50 {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1",
+        )
+        .bind(&app)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        kills += n;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    assert!(kills > 0, "no backend was terminated");
+    wait_until(
+        Duration::from_secs(120),
+        "all events after the terminations",
+        || async { collector.distinct() >= ids.len() },
+    )
+    .await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    let got = collector.received.lock().unwrap();
+    let seen: HashSet<&String> = got.counts.keys().collect();
+    assert_eq!(seen, ids.iter().collect(), "nothing lost");
+    println!(
+        "pg backends terminated: {kills}, events {}, duplicates {}",
+        ids.len(),
+        got.duplicates()
+    );
+    drop(got);
+    collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
