@@ -76,6 +76,37 @@ pub enum Error {
         /// The newest version this library knows.
         known: i32,
     },
+    /// An idempotency key is malformed (HTTP 400).
+    #[error("invalid idempotency key: it {reason}")]
+    InvalidIdempotencyKey {
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The idempotency key was already used with a different request
+    /// (HTTP 422). Nothing was written.
+    #[error("the idempotency key was already used with a different request")]
+    IdempotencyKeyMismatch,
+    /// A concurrent request holds the idempotency key (HTTP 409). Retry
+    /// after `retry_after`.
+    #[error("a concurrent request holds the idempotency key; retry in {retry_after:?}")]
+    IdempotencyKeyInUse {
+        /// When a retry may succeed.
+        retry_after: std::time::Duration,
+    },
+    /// The idempotency key is no longer held by this attempt: not claimed
+    /// in this transaction, already completed, or taken over after its
+    /// lease expired.
+    #[error("the idempotency key is not held by this attempt (completed or taken over)")]
+    IdempotencyKeyNotHeld,
+    /// A response body is larger than the recording cap; it was not
+    /// recorded.
+    #[error("response body is {size} bytes, over the idempotency recording limit of {limit} bytes")]
+    ResponseTooLarge {
+        /// Size of the body in bytes.
+        size: usize,
+        /// The configured limit ([`crate::IdempotencyConfig::max_response_bytes`]).
+        limit: usize,
+    },
     /// The database returned an error.
     #[error("database error")]
     Database(#[from] sqlx::Error),

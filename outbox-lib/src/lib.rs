@@ -28,6 +28,7 @@
 
 mod error;
 mod event;
+mod idempotency;
 mod ident;
 mod migrate;
 mod outbox;
@@ -38,6 +39,7 @@ use sqlx::PgPool;
 
 pub use crate::error::{Error, Result};
 pub use crate::event::{EVENT_ID_NAMESPACE, NewEvent};
+pub use crate::idempotency::*;
 pub use crate::ident::{Ident, wakeup_channel};
 pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, Outbox, OutboxConfig};
 pub use crate::wakeup::Wakeup;

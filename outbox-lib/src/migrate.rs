@@ -47,11 +47,18 @@ pub const PRODUCER: MigrationSet = MigrationSet {
     name: "producer",
     what: "the outbox",
     fix: "outbox-relay migrate",
-    migrations: &[Migration {
-        version: 1,
-        name: "outbox",
-        sql: include_str!("../../migrations/producer/0001_outbox.sql"),
-    }],
+    migrations: &[
+        Migration {
+            version: 1,
+            name: "outbox",
+            sql: include_str!("../../migrations/producer/0001_outbox.sql"),
+        },
+        Migration {
+            version: 2,
+            name: "idempotency_keys",
+            sql: include_str!("../../migrations/producer/0002_idempotency_keys.sql"),
+        },
+    ],
 };
 
 // Any key works as long as it is the same in every process; this one spells
@@ -85,14 +92,18 @@ async fn apply_locked(
     schema: &Ident,
 ) -> Result<Vec<i32>> {
     let s = schema.quoted();
+    // In a transaction so SET LOCAL silences the "already exists" notices.
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE SCHEMA IF NOT EXISTS {s};
+        "BEGIN;
+         SET LOCAL client_min_messages = warning;
+         CREATE SCHEMA IF NOT EXISTS {s};
          CREATE TABLE IF NOT EXISTS {s}.outbox_toolkit_migrations (
              migration_set text NOT NULL,
              version integer NOT NULL,
              name text NOT NULL,
              applied_at timestamptz NOT NULL DEFAULT now(),
-             PRIMARY KEY (migration_set, version));"
+             PRIMARY KEY (migration_set, version));
+         COMMIT;"
     )))
     .execute(&mut *conn)
     .await?;

@@ -252,7 +252,9 @@ async fn bad_configuration_gets_one_line_and_a_non_zero_exit_and_no_password_is_
             .args(args);
         c
     };
-    let cases: Vec<(Vec<&str>, &str, Vec<(&str, &str)>)> = vec![
+    // (arguments, what the error must say, environment overrides)
+    type Case<'a> = (Vec<&'a str>, &'a str, Vec<(&'a str, &'a str)>);
+    let cases: Vec<Case> = vec![
         (vec!["run", "--batch-size", "0"], "batch size", vec![]),
         (
             vec!["--schema", "Bad-Name", "status"],

@@ -132,35 +132,36 @@ async fn rolled_back_events_are_never_published_and_committed_ones_carry_the_con
     stop.cancel();
     task.await.unwrap().unwrap();
 
-    let got = collector.received.lock().unwrap();
-    assert!(
-        !got.counts.contains_key(&rolled_back.to_string()),
-        "a rolled-back event was published"
-    );
-    assert_eq!(got.counts.len(), 1);
-    let d = &got.first[&id.to_string()];
-    let p = &d.properties;
-    assert_eq!(p.message_id().as_ref().unwrap().as_str(), id.to_string());
-    assert_eq!(p.kind().as_ref().unwrap().as_str(), "OrderPlaced");
-    assert_eq!(
-        p.content_type().as_ref().unwrap().as_str(),
-        "application/json"
-    );
-    assert_eq!(*p.delivery_mode(), Some(2), "persistent");
-    assert_eq!(*p.timestamp(), Some(created_at.timestamp() as u64));
-    let h = p.headers().as_ref().unwrap().inner();
-    assert_eq!(h["x-aggregate-type"], AMQPValue::LongString("order".into()));
-    assert_eq!(h["x-aggregate-id"], AMQPValue::LongString("o-1".into()));
-    assert_eq!(
-        h["traceparent"],
-        AMQPValue::LongString(traceparent.into()),
-        "traceparent untouched"
-    );
-    assert_eq!(h["tenant"], AMQPValue::LongString("acme".into()));
-    assert_eq!(d.routing_key.as_str(), "order.OrderPlaced");
-    let body: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
-    assert_eq!(body, json!({"sku": "A-1", "qty": 2}));
-    drop(got);
+    {
+        let got = collector.received.lock().unwrap();
+        assert!(
+            !got.counts.contains_key(&rolled_back.to_string()),
+            "a rolled-back event was published"
+        );
+        assert_eq!(got.counts.len(), 1);
+        let d = &got.first[&id.to_string()];
+        let p = &d.properties;
+        assert_eq!(p.message_id().as_ref().unwrap().as_str(), id.to_string());
+        assert_eq!(p.kind().as_ref().unwrap().as_str(), "OrderPlaced");
+        assert_eq!(
+            p.content_type().as_ref().unwrap().as_str(),
+            "application/json"
+        );
+        assert_eq!(*p.delivery_mode(), Some(2), "persistent");
+        assert_eq!(*p.timestamp(), Some(created_at.timestamp() as u64));
+        let h = p.headers().as_ref().unwrap().inner();
+        assert_eq!(h["x-aggregate-type"], AMQPValue::LongString("order".into()));
+        assert_eq!(h["x-aggregate-id"], AMQPValue::LongString("o-1".into()));
+        assert_eq!(
+            h["traceparent"],
+            AMQPValue::LongString(traceparent.into()),
+            "traceparent untouched"
+        );
+        assert_eq!(h["tenant"], AMQPValue::LongString("acme".into()));
+        assert_eq!(d.routing_key.as_str(), "order.OrderPlaced");
+        let body: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
+        assert_eq!(body, json!({"sku": "A-1", "qty": 2}));
+    }
     collector.stop();
     db.cleanup().await;
     broker.cleanup().await;
@@ -376,16 +377,17 @@ async fn three_relays_deliver_every_one_of_20000_events() {
         stop.cancel();
         task.await.unwrap().unwrap();
     }
-    let got = collector.received.lock().unwrap();
-    let expected: HashSet<&String> = ids.iter().collect();
-    let seen: HashSet<&String> = got.counts.keys().collect();
-    assert_eq!(seen, expected, "every event delivered, nothing else");
-    println!(
-        "three relays: {} events, {} duplicates on the wire",
-        ids.len(),
-        got.duplicates()
-    );
-    drop(got);
+    {
+        let got = collector.received.lock().unwrap();
+        let expected: HashSet<&String> = ids.iter().collect();
+        let seen: HashSet<&String> = got.counts.keys().collect();
+        assert_eq!(seen, expected, "every event delivered, nothing else");
+        println!(
+            "three relays: {} events, {} duplicates on the wire",
+            ids.len(),
+            got.duplicates()
+        );
+    }
     assert_eq!(db.count("outbox").await, 0);
     collector.stop();
     db.cleanup().await;
@@ -432,15 +434,16 @@ async fn terminated_database_backends_mid_batch_lose_nothing() {
     .await;
     stop.cancel();
     task.await.unwrap().unwrap();
-    let got = collector.received.lock().unwrap();
-    let seen: HashSet<&String> = got.counts.keys().collect();
-    assert_eq!(seen, ids.iter().collect(), "nothing lost");
-    println!(
-        "pg backends terminated: {kills}, events {}, duplicates {}",
-        ids.len(),
-        got.duplicates()
-    );
-    drop(got);
+    {
+        let got = collector.received.lock().unwrap();
+        let seen: HashSet<&String> = got.counts.keys().collect();
+        assert_eq!(seen, ids.iter().collect(), "nothing lost");
+        println!(
+            "pg backends terminated: {kills}, events {}, duplicates {}",
+            ids.len(),
+            got.duplicates()
+        );
+    }
     collector.stop();
     db.cleanup().await;
     broker.cleanup().await;

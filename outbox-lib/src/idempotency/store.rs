@@ -1,0 +1,451 @@
+//! The `idempotency_keys` table: configuration, the handle, its SQL, the
+//! recorded response and retention.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row, SqlSafeStr, SqlStr};
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+use crate::idempotency::fingerprint::Fingerprint;
+use crate::idempotency::key::IdempotencyKey;
+use crate::ident::Ident;
+use crate::migrate::{PRODUCER, ensure_migrated};
+
+/// Default retention of a key: 24 hours. A client may retry with the same
+/// key for this long and get the recorded response; after it, the key
+/// executes anew.
+pub const DEFAULT_IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// Default bound on how long a request waits for a concurrent request with
+/// the same key before it gets 409: 10 seconds.
+pub const DEFAULT_IDEMPOTENCY_WAIT: Duration = Duration::from_secs(10);
+
+/// Default largest recorded response body: 1 MiB.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+
+/// Namespace of the downstream keys derived by [`downstream_key`].
+pub const DOWNSTREAM_KEY_NAMESPACE: Uuid =
+    Uuid::from_u128(0x2f6b_0d3e_8a41_4c7a_b5e2_91d0_6c3f_7a18);
+
+/// Settings of an [`Idempotency`] handle. Every duration is a contract
+/// with clients or operators; see `docs/IDEMPOTENCY.md`.
+#[derive(Debug, Clone)]
+pub struct IdempotencyConfig {
+    schema: String,
+    ttl: Duration,
+    wait: Duration,
+    retry_after: Duration,
+    lease: Duration,
+    max_response_bytes: usize,
+    replay_headers: Vec<String>,
+}
+
+impl Default for IdempotencyConfig {
+    fn default() -> Self {
+        Self {
+            schema: "public".to_owned(),
+            ttl: DEFAULT_IDEMPOTENCY_TTL,
+            wait: DEFAULT_IDEMPOTENCY_WAIT,
+            retry_after: Duration::from_secs(1),
+            lease: Duration::from_secs(60),
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            replay_headers: vec!["content-type".to_owned(), "location".to_owned()],
+        }
+    }
+}
+
+impl IdempotencyConfig {
+    /// The schema holding `idempotency_keys` (default `public`), validated
+    /// by [`Idempotency::new`].
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// How long a key is kept (default [`DEFAULT_IDEMPOTENCY_TTL`]). Must
+    /// outlast every client's retry horizon: a retry after it executes anew.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// How long a request waits for a concurrent request with the same key
+    /// to finish (default [`DEFAULT_IDEMPOTENCY_WAIT`]); past it the request
+    /// fails with [`Error::IdempotencyKeyInUse`] (HTTP 409).
+    /// `Duration::ZERO` means do not wait: a concurrent request gets 409 at
+    /// once.
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    /// The `Retry-After` suggested with a 409 for a key held by a
+    /// concurrent atomic request (default 1 s).
+    pub fn retry_after(mut self, retry_after: Duration) -> Self {
+        self.retry_after = retry_after;
+        self
+    }
+
+    /// Two-phase mode: how long a claim is owned without renewal (default
+    /// 60 s). After it, a retry takes the key over and resumes. Set it
+    /// longer than the external call's timeout.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Largest response body recorded (default
+    /// [`DEFAULT_MAX_RESPONSE_BYTES`]); a larger one fails with
+    /// [`Error::ResponseTooLarge`] and is not recorded.
+    pub fn max_response_bytes(mut self, limit: usize) -> Self {
+        self.max_response_bytes = limit;
+        self
+    }
+
+    /// Response headers recorded and replayed, by case-insensitive name
+    /// (default `content-type` and `location`). Others are not stored.
+    pub fn replay_headers<I, S>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        self.replay_headers = names
+            .into_iter()
+            .map(|n| n.as_ref().to_ascii_lowercase())
+            .collect();
+        self
+    }
+}
+
+/// A response as recorded in `idempotency_keys` and replayed to retries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordedResponse {
+    /// The HTTP status code.
+    pub status: u16,
+    /// The recorded headers, names lowercase, in order (a name may repeat).
+    pub headers: Vec<(String, String)>,
+    /// The body bytes.
+    pub body: Vec<u8>,
+}
+
+impl RecordedResponse {
+    /// A response with no headers.
+    pub fn new(status: u16, body: impl Into<Vec<u8>>) -> Self {
+        Self {
+            status,
+            headers: Vec::new(),
+            body: body.into(),
+        }
+    }
+
+    /// Adds a header (kept only if it is on the replay allow-list when
+    /// recorded).
+    pub fn header(mut self, name: impl AsRef<str>, value: impl Into<String>) -> Self {
+        self.headers
+            .push((name.as_ref().to_ascii_lowercase(), value.into()));
+        self
+    }
+
+    /// Whether the recording rule keeps a response with `status`: successes
+    /// and deliberate rejections (below 500) are recorded and replayed;
+    /// server errors are not, so a retry executes again.
+    pub fn is_recordable(status: u16) -> bool {
+        status < 500
+    }
+}
+
+/// The downstream idempotency key for an external call made under
+/// (`scope`, `key`) in two-phase mode: a UUIDv5 in
+/// [`DOWNSTREAM_KEY_NAMESPACE`] over the length-prefixed scope and key.
+/// Deterministic, so every attempt of one operation (first try, resume
+/// after a crash, takeover) sends the same key to the external service.
+pub fn downstream_key(scope: &str, key: &IdempotencyKey) -> Uuid {
+    let mut name = Vec::with_capacity(16 + scope.len() + key.as_str().len());
+    for part in [scope.as_bytes(), key.as_str().as_bytes()] {
+        name.extend_from_slice(&(part.len() as u64).to_be_bytes());
+        name.extend_from_slice(part);
+    }
+    Uuid::new_v5(&DOWNSTREAM_KEY_NAMESPACE, &name)
+}
+
+/// Deletes expired idempotency records from `schema` in batches and
+/// returns how many it deleted. Expired records already count as absent
+/// when read, so this only reclaims space; run it periodically (hourly is
+/// plenty).
+pub async fn cleanup_idempotency_keys(pool: &PgPool, schema: &str) -> Result<u64> {
+    let schema = Ident::new("schema", schema)?;
+    let sql = AssertSqlSafe(format!(
+        "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+             SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT 10000))",
+        t = table(&schema)
+    ))
+    .into_sql_str();
+    let mut deleted = 0;
+    loop {
+        let n = sqlx::query(sql.clone())
+            .execute(pool)
+            .await?
+            .rows_affected();
+        deleted += n;
+        if n < 10_000 {
+            return Ok(deleted);
+        }
+    }
+}
+
+/// The service's handle on its idempotency keys. Cheap to clone; create
+/// one at start-up.
+///
+/// Atomic mode ([`Idempotency::claim`], [`Idempotency::record`]) runs the
+/// claim, the business write, its events and the recorded response in the
+/// caller's transaction. Two-phase mode ([`Idempotency::begin_two_phase`])
+/// is for operations with an effect outside this database.
+#[derive(Debug, Clone)]
+pub struct Idempotency {
+    pub(crate) inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) pool: PgPool,
+    pub(crate) schema: Ident,
+    pub(crate) config: IdempotencyConfig,
+    pub(crate) sql: Statements,
+}
+
+impl Idempotency {
+    /// Validates `config` and checks that the schema is migrated.
+    pub async fn new(pool: &PgPool, config: IdempotencyConfig) -> Result<Self> {
+        let schema = Ident::new("schema", &config.schema)?;
+        ensure_migrated(pool, &PRODUCER, &schema).await?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                pool: pool.clone(),
+                sql: Statements::new(&schema),
+                schema,
+                config,
+            }),
+        })
+    }
+
+    /// The schema holding `idempotency_keys`.
+    pub fn schema(&self) -> &str {
+        self.inner.schema.as_str()
+    }
+
+    /// The pool given to [`Idempotency::new`].
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &IdempotencyConfig {
+        &self.inner.config
+    }
+
+    pub(crate) fn max_response_bytes(&self) -> usize {
+        self.inner.config.max_response_bytes
+    }
+
+    pub(crate) fn retry_after(&self) -> Duration {
+        self.inner.config.retry_after
+    }
+
+    /// Keeps the allow-listed headers and checks the size cap.
+    pub(crate) fn recordable(&self, response: &RecordedResponse) -> Result<serde_json::Value> {
+        let limit = self.max_response_bytes();
+        if response.body.len() > limit {
+            return Err(Error::ResponseTooLarge {
+                size: response.body.len(),
+                limit,
+            });
+        }
+        let allowed = &self.inner.config.replay_headers;
+        Ok(response
+            .headers
+            .iter()
+            .filter(|(name, _)| allowed.iter().any(|a| a.eq_ignore_ascii_case(name)))
+            .map(|(name, value)| serde_json::json!([name.to_ascii_lowercase(), value]))
+            .collect())
+    }
+
+    /// Sets `lock_timeout` for this transaction to the wait bound and
+    /// returns the previous value.
+    pub(crate) async fn bound_wait(&self, conn: &mut PgConnection) -> Result<String> {
+        // lock_timeout = 0 disables the timeout, so "no wait" is 1 ms.
+        let ms = self
+            .inner
+            .config
+            .wait
+            .as_millis()
+            .clamp(1, i32::MAX as u128);
+        let old: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+            .fetch_one(&mut *conn)
+            .await?;
+        self.restore_wait(conn, &format!("{ms}ms")).await?;
+        Ok(old)
+    }
+
+    /// Sets `lock_timeout` for the rest of the transaction.
+    pub(crate) async fn restore_wait(&self, conn: &mut PgConnection, value: &str) -> Result<()> {
+        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            .bind(value)
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Maps a lock timeout to [`Error::IdempotencyKeyInUse`].
+    pub(crate) fn in_use_on_timeout(&self, e: Error) -> Error {
+        match &e {
+            Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03") => {
+                Error::IdempotencyKeyInUse {
+                    retry_after: self.retry_after(),
+                }
+            }
+            _ => e,
+        }
+    }
+
+    pub(crate) fn ttl_secs(&self) -> f64 {
+        self.inner.config.ttl.as_secs_f64()
+    }
+
+    pub(crate) fn lease_secs(&self) -> f64 {
+        self.inner.config.lease.as_secs_f64()
+    }
+}
+
+/// A row of `idempotency_keys` as the claim logic needs it.
+#[derive(Debug)]
+pub(crate) struct Existing {
+    pub(crate) fingerprint: Option<Fingerprint>,
+    pub(crate) completed: bool,
+    pub(crate) expired: bool,
+    pub(crate) response: Option<RecordedResponse>,
+    pub(crate) recovery_point: Option<String>,
+    /// Remaining lease; `None` when there is no live lease.
+    pub(crate) lease_left: Option<Duration>,
+}
+
+impl Existing {
+    pub(crate) fn from_row(row: &sqlx::postgres::PgRow) -> Result<Self> {
+        let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
+        let state: String = row.try_get("state")?;
+        let status: Option<i32> = row.try_get("response_status")?;
+        let headers: serde_json::Value = row.try_get("response_headers")?;
+        let body: Option<Vec<u8>> = row.try_get("response_body")?;
+        let lease_left: Option<f64> = row.try_get("lease_left")?;
+        let response = match (status, body) {
+            (Some(status), Some(body)) => Some(RecordedResponse {
+                status: u16::try_from(status).unwrap_or(500),
+                headers: headers_from_json(&headers),
+                body,
+            }),
+            _ => None,
+        };
+        Ok(Self {
+            fingerprint: Fingerprint::from_slice(&fingerprint),
+            completed: state == "completed",
+            expired: row.try_get("expired")?,
+            response,
+            recovery_point: row.try_get("recovery_point")?,
+            lease_left: lease_left.filter(|s| *s > 0.0).map(Duration::from_secs_f64),
+        })
+    }
+}
+
+fn headers_from_json(value: &serde_json::Value) -> Vec<(String, String)> {
+    value
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|pair| {
+            let name = pair.get(0)?.as_str()?;
+            let value = pair.get(1)?.as_str()?;
+            Some((name.to_owned(), value.to_owned()))
+        })
+        .collect()
+}
+
+fn table(schema: &Ident) -> String {
+    format!("{}.idempotency_keys", schema.quoted())
+}
+
+/// Every statement on `idempotency_keys`, built once per schema. The schema
+/// is a validated `Ident`; every value is bound.
+#[derive(Debug)]
+pub(crate) struct Statements {
+    /// $1 scope, $2 key, $3 fingerprint, $4 ttl secs, $5 recovery point,
+    /// $6 lease secs, $7 lease owner (the last three NULL in atomic mode).
+    pub(crate) insert: SqlStr,
+    /// Same binds as `insert`; replaces an expired record.
+    pub(crate) replace_expired: SqlStr,
+    /// $1 scope, $2 key.
+    pub(crate) select: SqlStr,
+    /// Like `select`, locking the row.
+    pub(crate) select_for_update: SqlStr,
+    /// $1 scope, $2 key, $3 lease secs, $4 new owner. Returns the recovery point.
+    pub(crate) take_over: SqlStr,
+    /// $1 scope, $2 key, $3 status, $4 headers, $5 body, $6 owner (NULL: atomic).
+    pub(crate) complete: SqlStr,
+    /// $1 scope, $2 key, $3 recovery point, $4 lease secs, $5 owner.
+    pub(crate) checkpoint: SqlStr,
+    /// $1 scope, $2 key, $3 owner.
+    pub(crate) release: SqlStr,
+}
+
+impl Statements {
+    fn new(schema: &Ident) -> Self {
+        let t = table(schema);
+        let sql = |s: String| AssertSqlSafe(s).into_sql_str();
+        let select = format!(
+            "SELECT fingerprint, state, response_status, response_headers, response_body,
+                    recovery_point, expires_at <= now() AS expired,
+                    extract(epoch FROM locked_until - now())::float8 AS lease_left
+             FROM {t} WHERE scope = $1 AND key = $2"
+        );
+        Self {
+            insert: sql(format!(
+                "INSERT INTO {t} (scope, key, fingerprint, expires_at, recovery_point, locked_until, lease_owner)
+                 VALUES ($1, $2, $3, now() + make_interval(secs => $4), $5,
+                         now() + make_interval(secs => $6), $7)
+                 ON CONFLICT (scope, key) DO NOTHING
+                 RETURNING true"
+            )),
+            replace_expired: sql(format!(
+                "UPDATE {t} SET fingerprint = $3, state = 'in_progress', response_status = NULL,
+                        response_headers = '[]', response_body = NULL, completed_at = NULL,
+                        created_at = now(), expires_at = now() + make_interval(secs => $4),
+                        recovery_point = $5, locked_until = now() + make_interval(secs => $6),
+                        lease_owner = $7
+                 WHERE scope = $1 AND key = $2 AND expires_at <= now()
+                 RETURNING true"
+            )),
+            select_for_update: sql(format!("{select} FOR UPDATE")),
+            select: sql(select),
+            take_over: sql(format!(
+                "UPDATE {t} SET locked_until = now() + make_interval(secs => $3), lease_owner = $4
+                 WHERE scope = $1 AND key = $2 AND state = 'in_progress'
+                   AND (locked_until IS NULL OR locked_until <= now())
+                 RETURNING recovery_point"
+            )),
+            complete: sql(format!(
+                "UPDATE {t} SET state = 'completed', response_status = $3, response_headers = $4,
+                        response_body = $5, completed_at = now(), locked_until = NULL, lease_owner = NULL
+                 WHERE scope = $1 AND key = $2 AND state = 'in_progress'
+                   AND lease_owner IS NOT DISTINCT FROM $6"
+            )),
+            checkpoint: sql(format!(
+                "UPDATE {t} SET recovery_point = $3, locked_until = now() + make_interval(secs => $4)
+                 WHERE scope = $1 AND key = $2 AND state = 'in_progress' AND lease_owner = $5"
+            )),
+            release: sql(format!(
+                "UPDATE {t} SET locked_until = now()
+                 WHERE scope = $1 AND key = $2 AND state = 'in_progress' AND lease_owner = $3"
+            )),
+        }
+    }
+}

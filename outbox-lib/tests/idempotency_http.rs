@@ -1,0 +1,605 @@
+//! Idempotency keys over HTTP: a real axum server on loopback, a plain
+//! HTTP/1.1 client over TCP, and the real PostgreSQL.
+#![cfg(feature = "axum")]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{FromRef, Request, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use common::*;
+use outbox::{
+    Idempotency, IdempotencyConfig, Idempotent, IdempotentRoute, NewEvent, Outbox, OutboxConfig,
+    Wakeup,
+};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[derive(Clone)]
+struct App {
+    route: IdempotentRoute,
+    optional: IdempotentRoute,
+    outbox: Outbox,
+    schema: String,
+    executions: Arc<AtomicUsize>,
+    /// How long the handler holds its transaction open after writing.
+    hold: Duration,
+    fail_next: Arc<AtomicBool>,
+    hang_next: Arc<AtomicBool>,
+    hung_pid: Arc<Mutex<Option<i32>>>,
+}
+
+impl FromRef<App> for IdempotentRoute {
+    fn from_ref(app: &App) -> Self {
+        app.route.clone()
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Order {
+    sku: String,
+    qty: i32,
+}
+
+async fn create_order(State(app): State<App>, mut req: Idempotent) -> Response {
+    app.executions.fetch_add(1, Ordering::SeqCst);
+    let order: Order = match req.json() {
+        Ok(order) => order,
+        Err(bad) => return bad,
+    };
+    if order.qty <= 0 {
+        // A deliberate business rejection: recorded and replayed.
+        let rejection = (
+            StatusCode::BAD_REQUEST,
+            Json(json!({"error": "qty must be positive"})),
+        );
+        return req.finish(rejection).await;
+    }
+    let id = uuid::Uuid::now_v7().to_string();
+    let written = async {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO \"{}\".orders (id, sku, qty) VALUES ($1, $2, $3)",
+            app.schema
+        )))
+        .bind(&id)
+        .bind(&order.sku)
+        .bind(order.qty)
+        .execute(req.conn())
+        .await?;
+        let event = NewEvent::new(
+            "order",
+            &id,
+            "OrderPlaced",
+            &json!({"sku": order.sku, "qty": order.qty}),
+        )?;
+        app.outbox.enqueue(req.conn(), event).await?;
+        Ok::<_, outbox::Error>(())
+    }
+    .await;
+    if written.is_err() {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    }
+    if app.fail_next.swap(false, Ordering::SeqCst) {
+        return req.finish(StatusCode::INTERNAL_SERVER_ERROR).await;
+    }
+    if app.hang_next.swap(false, Ordering::SeqCst) {
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(req.conn())
+            .await
+            .unwrap();
+        *app.hung_pid.lock().unwrap() = Some(pid);
+        // The process "dies" here: the test terminates this session.
+        std::future::pending::<()>().await;
+    }
+    if !app.hold.is_zero() {
+        // Keeps the claim open so that concurrent requests pile up on it.
+        tokio::time::sleep(app.hold).await;
+    }
+    let body = json!({"id": id, "sku": order.sku, "qty": order.qty});
+    match order.sku.as_str() {
+        "big" => req.finish((StatusCode::CREATED, "x".repeat(4096))).await,
+        "stream" => {
+            let chunks = futures_util::stream::iter([Ok::<_, std::io::Error>(Bytes::from("{}"))]);
+            req.finish((StatusCode::CREATED, Body::from_stream(chunks)))
+                .await
+        }
+        _ => {
+            let headers = [
+                (header::LOCATION, format!("/orders/{id}")),
+                (header::HeaderName::from_static("x-unrecorded"), id.clone()),
+            ];
+            req.finish((StatusCode::CREATED, headers, Json(body))).await
+        }
+    }
+}
+
+/// An optional route keyed by a JSON body field, driven by hand.
+async fn create_note(State(app): State<App>, request: Request) -> Response {
+    let mut req = match app.optional.begin(request).await {
+        Ok(req) => req,
+        Err(answer) => return answer,
+    };
+    app.executions.fetch_add(1, Ordering::SeqCst);
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".orders (id, sku, qty) VALUES (gen_random_uuid()::text, 'note', 1)",
+        app.schema
+    )))
+    .execute(req.conn())
+    .await
+    .unwrap();
+    req.finish((StatusCode::CREATED, "noted")).await
+}
+
+struct Harness {
+    pool: PgPool,
+    schema: String,
+    addr: SocketAddr,
+    app: App,
+}
+
+async fn start(prefix: &str, config: IdempotencyConfig, hold: Duration) -> Harness {
+    let (pool, schema) = migrated(prefix).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE \"{schema}\".orders (id text PRIMARY KEY, sku text NOT NULL, qty int NOT NULL)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let outbox = Outbox::new(
+        &pool,
+        OutboxConfig::default()
+            .schema(&schema)
+            .wakeup(Wakeup::PollOnly),
+    )
+    .await
+    .unwrap();
+    let idem = Idempotency::new(&pool, config.schema(&schema))
+        .await
+        .unwrap();
+    let app = App {
+        route: IdempotentRoute::new(idem.clone())
+            .max_request_bytes(4096)
+            .outbox(outbox.clone()),
+        optional: IdempotentRoute::new(idem)
+            .optional()
+            .key_from_json_field("idempotency_key"),
+        outbox,
+        schema: schema.clone(),
+        executions: Arc::default(),
+        hold,
+        fail_next: Arc::default(),
+        hang_next: Arc::default(),
+        hung_pid: Arc::default(),
+    };
+    let router = Router::new()
+        .route("/orders", post(create_order))
+        .route("/notes", post(create_note))
+        .with_state(app.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    Harness {
+        pool,
+        schema,
+        addr,
+        app,
+    }
+}
+
+impl Harness {
+    async fn post(&self, path: &str, key: Option<&str>, body: &str) -> Reply {
+        let mut headers = vec![];
+        if let Some(key) = key {
+            headers.push(("Idempotency-Key", key));
+        }
+        send(self.addr, path, &headers, body).await
+    }
+
+    async fn count(&self, table: &str) -> i64 {
+        count(&self.pool, &self.schema, table).await
+    }
+
+    fn executions(&self) -> usize {
+        self.app.executions.load(Ordering::SeqCst)
+    }
+
+    async fn finish(self) {
+        drop_schema(&self.pool, &self.schema).await;
+    }
+}
+
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("{e}: {:?}", String::from_utf8_lossy(&self.body)))
+    }
+
+    /// Asserts an RFC 9457 problem document with `status` whose type ends in `slug`.
+    fn assert_problem(&self, status: u16, slug: &str) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json")
+        );
+        let p = self.json();
+        assert!(
+            p["type"].as_str().unwrap().ends_with(&format!("#{slug}")),
+            "{p}"
+        );
+        assert_eq!(p["status"], status);
+        assert!(p["title"].is_string() && p["detail"].is_string(), "{p}");
+    }
+}
+
+/// One HTTP/1.1 POST on a fresh connection; the server closes it after
+/// answering.
+async fn send(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut request = format!(
+            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        );
+        for (name, value) in headers {
+            request.push_str(&format!("{name}: {value}\r\n"));
+        }
+        request.push_str("\r\n");
+        request.push_str(body);
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).await.unwrap();
+        raw
+    };
+    let raw = tokio::time::timeout(Duration::from_secs(30), exchange)
+        .await
+        .expect("an answer within 30 s");
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a complete head");
+    let head = String::from_utf8(raw[..split].to_vec()).unwrap();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers: Vec<(String, String)> = lines
+        .map(|l| {
+            let (n, v) = l.split_once(':').unwrap();
+            (n.trim().to_ascii_lowercase(), v.trim().to_owned())
+        })
+        .collect();
+    let body = raw[split + 4..].to_vec();
+    let reply = Reply {
+        status,
+        headers,
+        body,
+    };
+    if let Some(len) = reply.header("content-length") {
+        assert_eq!(
+            reply.body.len(),
+            len.parse::<usize>().unwrap(),
+            "the whole body"
+        );
+    } else {
+        assert_eq!(
+            reply.header("transfer-encoding"),
+            None,
+            "bodies have a known length"
+        );
+    }
+    reply
+}
+
+const ORDER: &str = r#"{"sku":"A-1","qty":2}"#;
+
+#[tokio::test]
+async fn fifty_concurrent_identical_requests_execute_once() {
+    let h = Arc::new(
+        start(
+            "http_fifty",
+            IdempotencyConfig::default(),
+            Duration::from_millis(300),
+        )
+        .await,
+    );
+    let requests: Vec<_> = (0..50)
+        .map(|_| {
+            let h = h.clone();
+            tokio::spawn(async move { h.post("/orders", Some("fifty-1"), ORDER).await })
+        })
+        .collect();
+    let mut replies = Vec::new();
+    for r in requests {
+        replies.push(r.await.unwrap());
+    }
+    assert_eq!(h.executions(), 1, "the handler ran once");
+    assert_eq!(h.count("orders").await, 1, "one business row");
+    assert_eq!(h.count("outbox").await, 1, "one event");
+    let first = &replies[0];
+    assert_eq!(first.status, 201);
+    for r in &replies {
+        assert_eq!(
+            (r.status, &r.body),
+            (first.status, &first.body),
+            "the same response"
+        );
+        assert_eq!(r.header("location"), first.header("location"));
+        assert_eq!(r.header("content-type"), Some("application/json"));
+    }
+    let replayed: Vec<_> = replies.iter().filter(|r| r.replayed()).collect();
+    assert_eq!(replayed.len(), 49);
+    // Headers off the allow-list are not replayed.
+    assert!(replayed.iter().all(|r| r.header("x-unrecorded").is_none()));
+    assert_eq!(
+        replies
+            .iter()
+            .filter(|r| r.header("x-unrecorded").is_some())
+            .count(),
+        1
+    );
+    Arc::into_inner(h).unwrap().finish().await;
+}
+
+#[tokio::test]
+async fn the_same_key_with_a_different_body_gets_422_and_writes_nothing() {
+    let h = start(
+        "http_mismatch",
+        IdempotencyConfig::default(),
+        Duration::ZERO,
+    )
+    .await;
+    assert_eq!(h.post("/orders", Some("k"), ORDER).await.status, 201);
+    let other = h
+        .post("/orders", Some("k"), r#"{"sku":"A-1","qty":3}"#)
+        .await;
+    other.assert_problem(422, "key-reused");
+    assert!(!other.replayed());
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.count("orders").await, 1);
+    assert_eq!(h.count("outbox").await, 1);
+    // The original request still replays.
+    assert!(h.post("/orders", Some("k"), ORDER).await.replayed());
+    h.finish().await;
+}
+
+#[tokio::test]
+async fn a_missing_or_invalid_key_gets_400() {
+    let h = start("http_badkey", IdempotencyConfig::default(), Duration::ZERO).await;
+    h.post("/orders", None, ORDER)
+        .await
+        .assert_problem(400, "key-missing");
+    let too_long = "k".repeat(256);
+    for bad in [
+        "has space",
+        too_long.as_str(),
+        "\"unterminated",
+        "caf\u{e9}",
+        "\"\"",
+    ] {
+        h.post("/orders", Some(bad), ORDER)
+            .await
+            .assert_problem(400, "key-invalid");
+    }
+    assert_eq!(h.executions(), 0);
+    assert_eq!(h.count("orders").await, 0);
+    assert_eq!(h.count("idempotency_keys").await, 0);
+    // The structured-field quoted form names the same key.
+    assert!(!h.post("/orders", Some("abc"), ORDER).await.replayed());
+    assert!(h.post("/orders", Some("\"abc\""), ORDER).await.replayed());
+    // A request body over the buffering limit is refused before anything runs.
+    let huge = format!(r#"{{"sku":"{}","qty":1}}"#, "x".repeat(5000));
+    h.post("/orders", Some("huge"), &huge)
+        .await
+        .assert_problem(413, "request-too-large");
+    assert_eq!(h.executions(), 1);
+    h.finish().await;
+}
+
+#[tokio::test]
+async fn a_500_records_nothing_and_the_retry_executes_once() {
+    let h = start("http_500", IdempotencyConfig::default(), Duration::ZERO).await;
+    h.app.fail_next.store(true, Ordering::SeqCst);
+    let failed = h.post("/orders", Some("k"), ORDER).await;
+    assert_eq!(failed.status, 500);
+    assert_eq!(h.count("orders").await, 0, "the business write rolled back");
+    assert_eq!(h.count("outbox").await, 0, "so did its event");
+    assert_eq!(h.count("idempotency_keys").await, 0, "nothing recorded");
+    let retry = h.post("/orders", Some("k"), ORDER).await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed(), "the retry executed");
+    let again = h.post("/orders", Some("k"), ORDER).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, retry.body);
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.count("orders").await, 1);
+    assert_eq!(h.count("outbox").await, 1);
+    h.finish().await;
+}
+
+#[tokio::test]
+async fn a_4xx_business_rejection_is_recorded_and_replayed() {
+    let h = start("http_4xx", IdempotencyConfig::default(), Duration::ZERO).await;
+    let body = r#"{"sku":"A-1","qty":0}"#;
+    let first = h.post("/orders", Some("k"), body).await;
+    assert_eq!(first.status, 400);
+    assert_eq!(first.json(), json!({"error": "qty must be positive"}));
+    let retry = h.post("/orders", Some("k"), body).await;
+    assert_eq!((retry.status, &retry.body), (400, &first.body));
+    assert!(retry.replayed());
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.count("orders").await, 0);
+    h.finish().await;
+}
+
+#[tokio::test]
+async fn a_request_killed_mid_flight_leaves_a_key_the_retry_executes_once() {
+    let h = Arc::new(start("http_kill", IdempotencyConfig::default(), Duration::ZERO).await);
+    h.app.hang_next.store(true, Ordering::SeqCst);
+    let doomed = {
+        let h = h.clone();
+        tokio::spawn(async move { h.post("/orders", Some("k"), ORDER).await })
+    };
+    // Wait for the handler to have claimed the key and written its row.
+    let start = Instant::now();
+    let pid = loop {
+        if let Some(pid) = *h.app.hung_pid.lock().unwrap() {
+            break pid;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the handler never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // What PostgreSQL sees when the server process dies: its session ends.
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    assert!(killed);
+    doomed.abort();
+    let retry = h.post("/orders", Some("k"), ORDER).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(!retry.replayed(), "the retry executed");
+    assert!(h.post("/orders", Some("k"), ORDER).await.replayed());
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.count("orders").await, 1);
+    assert_eq!(h.count("outbox").await, 1);
+    drop_schema(&h.pool, &h.schema).await;
+}
+
+#[tokio::test]
+async fn an_expired_key_executes_anew() {
+    let h = start("http_expired", IdempotencyConfig::default(), Duration::ZERO).await;
+    let first = h.post("/orders", Some("k"), ORDER).await;
+    assert_eq!(first.status, 201);
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE \"{}\".idempotency_keys SET expires_at = now() - interval '1 second'",
+        h.schema
+    )))
+    .execute(&h.pool)
+    .await
+    .unwrap();
+    let again = h.post("/orders", Some("k"), ORDER).await;
+    assert_eq!(again.status, 201);
+    assert!(!again.replayed());
+    assert_ne!(again.body, first.body, "a new order");
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.count("orders").await, 2);
+    assert!(h.post("/orders", Some("k"), ORDER).await.replayed());
+    h.finish().await;
+}
+
+#[tokio::test]
+async fn oversized_and_streaming_responses_are_refused_and_not_recorded() {
+    let h = start(
+        "http_big",
+        IdempotencyConfig::default().max_response_bytes(1024),
+        Duration::ZERO,
+    )
+    .await;
+    for (sku, slug) in [
+        ("big", "response-too-large"),
+        ("stream", "streaming-response"),
+    ] {
+        let body = format!(r#"{{"sku":"{sku}","qty":1}}"#);
+        h.post("/orders", Some(sku), &body)
+            .await
+            .assert_problem(500, slug);
+        // Nothing committed: the retry executes again (and fails again).
+        assert!(!h.post("/orders", Some(sku), &body).await.replayed());
+    }
+    assert_eq!(h.executions(), 4);
+    assert_eq!(h.count("orders").await, 0);
+    assert_eq!(h.count("outbox").await, 0);
+    assert_eq!(h.count("idempotency_keys").await, 0);
+    h.finish().await;
+}
+
+#[tokio::test]
+async fn an_optional_route_runs_without_a_key_and_reads_it_from_the_body() {
+    let h = start(
+        "http_optional",
+        IdempotencyConfig::default(),
+        Duration::ZERO,
+    )
+    .await;
+    for _ in 0..2 {
+        assert_eq!(h.post("/notes", None, r#"{"text":"hi"}"#).await.status, 201);
+    }
+    let keyed = r#"{"text":"hi","idempotency_key":"note-1"}"#;
+    assert!(!h.post("/notes", None, keyed).await.replayed());
+    let replay = h.post("/notes", None, keyed).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, b"noted");
+    h.post("/notes", None, r#"{"idempotency_key":"bad key"}"#)
+        .await
+        .assert_problem(400, "key-invalid");
+    assert_eq!(h.executions(), 3);
+    assert_eq!(h.count("orders").await, 3);
+    h.finish().await;
+}
+
+#[tokio::test]
+async fn a_concurrent_request_past_the_wait_gets_409_with_retry_after() {
+    let h = Arc::new(
+        start(
+            "http_409",
+            IdempotencyConfig::default()
+                .wait(Duration::ZERO)
+                .retry_after(Duration::from_secs(3)),
+            Duration::from_secs(2),
+        )
+        .await,
+    );
+    let first = {
+        let h = h.clone();
+        tokio::spawn(async move { h.post("/orders", Some("k"), ORDER).await })
+    };
+    // The first request holds its claim for 2 s once its row is written.
+    let start = Instant::now();
+    while h.executions() == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let busy = h.post("/orders", Some("k"), ORDER).await;
+    busy.assert_problem(409, "key-in-use");
+    assert_eq!(busy.header("retry-after"), Some("3"));
+    assert_eq!(first.await.unwrap().status, 201);
+    assert!(h.post("/orders", Some("k"), ORDER).await.replayed());
+    assert_eq!(h.executions(), 1);
+    drop_schema(&h.pool, &h.schema).await;
+}
