@@ -1,1 +1,80 @@
-//! wip
+//! Dedup consumer for the transactional outbox: exactly-once **effects**
+//! from at-least-once RabbitMQ delivery.
+//!
+//! Each delivery's event id is recorded in the inbox table **in the same
+//! Postgres transaction** as the handler's effect; the message is acked only
+//! after that transaction commits. A redelivery or duplicate finds its id
+//! in the inbox and is acked without running the handler, so each effect
+//! commits once per consumer name, whatever the duplicates, redeliveries
+//! and crashes.
+//!
+//! ```no_run
+//! use outbox_consumer::{Consumer, ConsumerConfig, Event, Handler, Outcome};
+//! use sqlx::PgConnection;
+//! use tokio_util::sync::CancellationToken;
+//!
+//! struct Reserve;
+//!
+//! impl Handler for Reserve {
+//!     async fn handle(&self, conn: &mut PgConnection, event: &Event) -> Outcome {
+//!         let Ok(order) = event.payload::<serde_json::Value>() else {
+//!             return Outcome::reject("payload is not an order");
+//!         };
+//!         let r = sqlx::query("UPDATE stock SET qty = qty - 1 WHERE sku = $1")
+//!             .bind(order["sku"].as_str())
+//!             .execute(conn)
+//!             .await;
+//!         match r {
+//!             Ok(_) => Outcome::Ack,
+//!             Err(e) => Outcome::retry(e), // via <queue>.retry, with backoff
+//!         }
+//!     }
+//! }
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://app@127.0.0.1/stock").await?;
+//! outbox_consumer::migrate(&pool, "public").await?;
+//! let config = ConsumerConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f", "stock.orders", "stock");
+//! let consumer = Consumer::new(config, pool, Reserve)?;
+//! let shutdown = CancellationToken::new();
+//! consumer.run(shutdown).await?; // until shutdown.cancel()
+//! # Ok(()) }
+//! ```
+//!
+//! Contracts: `docs/CONSUMER.md` (guarantees, retries, dead letters,
+//! metrics) and `docs/INBOX_TABLE.md` (the inbox table and retention).
+#![deny(missing_docs)]
+
+mod batch;
+mod config;
+mod consumer;
+mod dedup;
+mod error;
+mod event;
+mod handler;
+mod migrate;
+mod retention;
+mod settle;
+mod telemetry;
+mod topology;
+mod version;
+
+use sqlx::PgPool;
+
+pub use crate::config::{ConsumerConfig, DedupKey};
+pub use crate::consumer::Consumer;
+pub use crate::error::{Error, Result};
+pub use crate::event::Event;
+pub use crate::handler::{BatchHandler, BatchOutcome, Handler, Outcome};
+pub use crate::retention::{DEFAULT_RETENTION, RetentionTask, cleanup_inbox};
+pub use crate::telemetry::ConsumerStats;
+pub use crate::topology::{TopologyConfig, declare_topology};
+pub use crate::version::apply_if_newer;
+
+/// Applies the consumer's migrations (the inbox and version tables) to
+/// `schema`, creating it if needed. Safe to run concurrently and
+/// repeatedly. Returns the versions applied (empty: nothing to do).
+pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>> {
+    let schema = outbox::Ident::new("schema", schema)?;
+    Ok(outbox::__private::apply(pool, &migrate::CONSUMER, &schema).await?)
+}

@@ -1,0 +1,205 @@
+use std::time::Duration;
+
+use outbox::Ident;
+
+use crate::error::{Error, Result};
+
+/// Where the dedup key of a message comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum DedupKey {
+    /// The AMQP `message_id` (the event id, for messages published by the
+    /// outbox relay). A message without one is dead-lettered.
+    #[default]
+    MessageId,
+    /// The named AMQP header, for producers that carry their key there. A
+    /// message without the header is dead-lettered.
+    Header(String),
+    /// A natural key inside the JSON payload, as a JSON pointer
+    /// (`"/order_id"`). Strings are used as they are; numbers and booleans as
+    /// their JSON text. A message without the field is dead-lettered.
+    PayloadField(String),
+}
+
+/// Configuration of a [`Consumer`](crate::Consumer).
+///
+/// Build it with [`ConsumerConfig::new`] and change the public fields you
+/// need; [`Consumer::new`](crate::Consumer::new) validates it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ConsumerConfig {
+    /// AMQP URL of the broker (`amqp://user:pass@host:5672/%2f`).
+    pub amqp_url: String,
+    /// The queue to consume. Retries go through `<queue>.retry`, dead
+    /// letters to `<queue>.dlq`.
+    pub queue: String,
+    /// The consumer name: the inbox keeps dedup state per name, so every
+    /// subscriber of a fan-out is independent. Instances of one service
+    /// share one name.
+    pub consumer_name: String,
+    /// Schema holding the inbox tables (see [`migrate`](crate::migrate)).
+    pub schema: String,
+    /// AMQP prefetch (unacknowledged deliveries in flight). At least
+    /// `batch_size`. Default 256.
+    pub prefetch: u16,
+    /// Most deliveries processed in one database transaction. Default 128.
+    pub batch_size: usize,
+    /// Longest wait for a batch to fill once its first delivery arrived.
+    /// Default 20 ms.
+    pub batch_max_wait: Duration,
+    /// How many times a handler may ask for a retry before the message is
+    /// dead-lettered. Default 5.
+    pub max_retries: u32,
+    /// Delay before the first retry; doubles with every retry. Default 1 s.
+    pub retry_delay: Duration,
+    /// Upper bound of the retry delay. Default 5 min.
+    pub max_retry_delay: Duration,
+    /// Where the dedup key comes from. Default: the AMQP message id.
+    pub dedup_key: DedupKey,
+    /// Bound on every broker round trip (connect, declare, confirm, ack).
+    /// Default 10 s.
+    pub broker_timeout: Duration,
+    /// Longest pause between reconnection attempts (the pause starts at
+    /// 100 ms and doubles). Default 5 s.
+    pub max_reconnect_delay: Duration,
+    /// Declare `<queue>.retry` and `<queue>.dlq` at start-up (idempotent).
+    /// Default true. The main queue itself is not declared; see
+    /// [`declare_topology`](crate::declare_topology).
+    pub declare_retry_queues: bool,
+    /// Fault injection for tests: after the first commit, close the broker
+    /// connection without acking and return from `run`.
+    #[doc(hidden)]
+    pub crash_after_commit: bool,
+}
+
+impl ConsumerConfig {
+    /// A configuration with the defaults and schema `public`.
+    pub fn new(
+        amqp_url: impl Into<String>,
+        queue: impl Into<String>,
+        consumer_name: impl Into<String>,
+    ) -> Self {
+        Self {
+            amqp_url: amqp_url.into(),
+            queue: queue.into(),
+            consumer_name: consumer_name.into(),
+            schema: "public".to_owned(),
+            prefetch: 256,
+            batch_size: 128,
+            batch_max_wait: Duration::from_millis(20),
+            max_retries: 5,
+            retry_delay: Duration::from_secs(1),
+            max_retry_delay: Duration::from_secs(300),
+            dedup_key: DedupKey::MessageId,
+            broker_timeout: Duration::from_secs(10),
+            max_reconnect_delay: Duration::from_secs(5),
+            declare_retry_queues: true,
+            crash_after_commit: false,
+        }
+    }
+
+    /// Sets the schema holding the inbox.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// Sets where the dedup key comes from.
+    pub fn dedup_key(mut self, key: DedupKey) -> Self {
+        self.dedup_key = key;
+        self
+    }
+
+    /// Checks the configuration; returns the validated schema name.
+    pub(crate) fn validate(&self) -> Result<Ident> {
+        let schema = Ident::new("schema", &self.schema)?;
+        let fail = |m: &str| Err(Error::Config(m.to_owned()));
+        if self.queue.is_empty() || self.queue.len() > 240 {
+            return fail(
+                "queue must be 1 to 240 bytes (the retry and dead-letter queues add a suffix)",
+            );
+        }
+        if self.consumer_name.is_empty() {
+            return fail("consumer_name must not be empty");
+        }
+        if self.batch_size == 0 {
+            return fail("batch_size must be at least 1");
+        }
+        if usize::from(self.prefetch) < self.batch_size {
+            return fail("prefetch must be at least batch_size, or batches never fill");
+        }
+        if self.broker_timeout.is_zero() {
+            return fail("broker_timeout must be positive");
+        }
+        if let DedupKey::PayloadField(p) = &self.dedup_key
+            && !p.starts_with('/')
+        {
+            return fail("a payload dedup key is a JSON pointer and starts with '/'");
+        }
+        if let DedupKey::Header(h) = &self.dedup_key
+            && h.is_empty()
+        {
+            return fail("a header dedup key needs a header name");
+        }
+        Ok(schema)
+    }
+
+    /// Name of the retry queue.
+    pub fn retry_queue(&self) -> String {
+        format!("{}.retry", self.queue)
+    }
+
+    /// Name of the dead-letter queue.
+    pub fn dead_letter_queue(&self) -> String {
+        format!("{}.dlq", self.queue)
+    }
+
+    /// Delay before the retry number `attempt` (1 for the first retry).
+    pub(crate) fn retry_backoff(&self, attempt: u32) -> Duration {
+        let factor = 2u32.saturating_pow(attempt.saturating_sub(1).min(20));
+        self.retry_delay
+            .saturating_mul(factor)
+            .min(self.max_retry_delay)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> ConsumerConfig {
+        ConsumerConfig::new("amqp://x", "q", "c")
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        assert!(cfg().validate().is_ok());
+        assert_eq!(cfg().prefetch, 256);
+        assert_eq!(cfg().batch_size, 128);
+    }
+
+    #[test]
+    fn rejects_bad_settings() {
+        let mut c = cfg();
+        c.batch_size = 1000;
+        assert!(matches!(c.validate(), Err(Error::Config(_))));
+        assert!(matches!(
+            cfg().schema("Bad-Name").validate(),
+            Err(Error::Outbox(_))
+        ));
+        let c = cfg().dedup_key(DedupKey::PayloadField("id".into()));
+        assert!(matches!(c.validate(), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn backoff_doubles_and_is_capped() {
+        let mut c = cfg();
+        c.retry_delay = Duration::from_millis(100);
+        c.max_retry_delay = Duration::from_millis(500);
+        assert_eq!(c.retry_backoff(1), Duration::from_millis(100));
+        assert_eq!(c.retry_backoff(2), Duration::from_millis(200));
+        assert_eq!(c.retry_backoff(3), Duration::from_millis(400));
+        assert_eq!(c.retry_backoff(4), Duration::from_millis(500));
+        assert_eq!(c.retry_backoff(99), Duration::from_millis(500));
+    }
+}

@@ -1,0 +1,475 @@
+//! The consumer service: supervision (connect, reconnect with backoff),
+//! batching deliveries, and settling each committed batch.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt as _;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, ConnectionProperties};
+use outbox::Ident;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use tracing::Span;
+use tracing::field::Empty;
+
+use crate::batch::{self, Verdict};
+use crate::config::ConsumerConfig;
+use crate::dedup::Inbox;
+use crate::error::{Error, Result, bounded};
+use crate::event::{Event, dedup_key};
+use crate::handler::{BatchHandler, Handler, Handlers, Outcome};
+use crate::settle::{Action, Settle, settle};
+use crate::telemetry::{ConsumerStats, Counters, Outage};
+use crate::topology::declare_retry_queues;
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Consumes a queue and applies each event's effect exactly once per
+/// consumer name: dedup record and effect commit in one transaction, then
+/// the message is acked.
+///
+/// Cheap to clone (clones share state). See the crate docs for an example.
+#[derive(Clone)]
+pub struct Consumer {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: ConsumerConfig,
+    schema: Ident,
+    pool: PgPool,
+    handlers: Handlers,
+    inbox: Inbox,
+    counters: Counters,
+    broker: Outage,
+    database: Outage,
+}
+
+/// Why a broker session ended without error.
+enum End {
+    Shutdown,
+    /// Fault injection: the session died between commit and ack.
+    Crashed,
+}
+
+impl std::fmt::Debug for Consumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("queue", &self.inner.config.queue)
+            .field("consumer_name", &self.inner.config.consumer_name)
+            .field("schema", &self.inner.schema)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Consumer {
+    /// A consumer running `handler` once per fresh event, each event's
+    /// effect isolated from the others of its batch. Fails on an invalid
+    /// configuration.
+    pub fn new(config: ConsumerConfig, pool: PgPool, handler: impl Handler) -> Result<Self> {
+        Self::build(config, pool, Handlers::PerEvent(Arc::new(handler)))
+    }
+
+    /// A consumer running `handler` once per batch with all its fresh
+    /// events, for set-based effects.
+    pub fn with_batch_handler(
+        config: ConsumerConfig,
+        pool: PgPool,
+        handler: impl BatchHandler,
+    ) -> Result<Self> {
+        Self::build(config, pool, Handlers::Batch(Arc::new(handler)))
+    }
+
+    fn build(config: ConsumerConfig, pool: PgPool, handlers: Handlers) -> Result<Self> {
+        let schema = config.validate()?;
+        let inbox = Inbox::new(&schema, &config.consumer_name);
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                schema,
+                pool,
+                handlers,
+                inbox,
+                counters: Counters::default(),
+                broker: Outage::new("broker"),
+                database: Outage::new("database"),
+            }),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ConsumerConfig {
+        &self.inner.config
+    }
+
+    /// What this consumer did so far.
+    pub fn stats(&self) -> ConsumerStats {
+        self.inner.counters.snapshot()
+    }
+
+    /// Consumes until `shutdown` is cancelled.
+    ///
+    /// Survives broker restarts and connection loss (reconnects with
+    /// backoff, one log line per outage) and database outages (the batch in
+    /// hand is retried; nothing is acked before its commit). On shutdown it
+    /// stops taking deliveries, commits and acks the batch in hand, cancels
+    /// the consumer and closes the connection; unacked prefetched messages
+    /// go back to the queue.
+    ///
+    /// Returns an error only when retrying cannot help: the inbox is not
+    /// migrated ([`migrate`](crate::migrate)) or newer than this library.
+    pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
+        let me = &self.inner;
+        let name = me.config.consumer_name.as_str();
+        let mut backoff = FIRST_BACKOFF;
+        loop {
+            match outbox::__private::ensure_migrated(
+                &me.pool,
+                &crate::migrate::CONSUMER,
+                &me.schema,
+            )
+            .await
+            {
+                Ok(()) => break,
+                Err(e) if e.is_transient() => {
+                    me.database.failed(name, &Error::Outbox(e));
+                    if !pause(&shutdown, &mut backoff, me.config.max_reconnect_delay).await {
+                        return Ok(());
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        me.database.ok(name);
+        let mut backoff = FIRST_BACKOFF;
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+            match self.session(&shutdown, &mut backoff).await {
+                Ok(End::Shutdown) => {
+                    tracing::info!(consumer = name, queue = %me.config.queue, "consumer stopped");
+                    return Ok(());
+                }
+                Ok(End::Crashed) => return Ok(()),
+                Err(e) if !e.is_transient() => return Err(e),
+                Err(e) => {
+                    me.broker.failed(name, &e);
+                    metrics::counter!("outbox_consumer_broker_errors_total", "consumer" => name.to_owned())
+                        .increment(1);
+                    if !pause(&shutdown, &mut backoff, me.config.max_reconnect_delay).await {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    /// One broker connection, from connect to close.
+    async fn session(&self, shutdown: &CancellationToken, backoff: &mut Duration) -> Result<End> {
+        let cfg = &self.inner.config;
+        let t = cfg.broker_timeout;
+        // lapin's auto-recovery stays off: `run` supervises and reconnects.
+        let props = ConnectionProperties::default()
+            .with_connection_name(format!("outbox-consumer {}", cfg.consumer_name).into());
+        let conn = bounded("connect", t, Connection::connect(&cfg.amqp_url, props)).await?;
+        let result = self.consume(&conn, shutdown, backoff).await;
+        let _ = tokio::time::timeout(t, conn.close(200, "consumer stopping".into())).await;
+        result
+    }
+
+    async fn consume(
+        &self,
+        conn: &Connection,
+        shutdown: &CancellationToken,
+        backoff: &mut Duration,
+    ) -> Result<End> {
+        let me = &self.inner;
+        let cfg = &me.config;
+        let t = cfg.broker_timeout;
+        let channel = bounded("channel open", t, conn.create_channel()).await?;
+        if cfg.declare_retry_queues {
+            declare_retry_queues(&channel, &cfg.queue, t).await?;
+        }
+        bounded(
+            "basic.qos",
+            t,
+            channel.basic_qos(cfg.prefetch, BasicQosOptions::default()),
+        )
+        .await?;
+        let publisher = bounded("channel open", t, conn.create_channel()).await?;
+        bounded(
+            "confirm.select",
+            t,
+            publisher.confirm_select(ConfirmSelectOptions::default()),
+        )
+        .await?;
+        let tag = format!("{}-{}", cfg.consumer_name, uuid::Uuid::new_v4().simple());
+        let mut deliveries = bounded(
+            "basic.consume",
+            t,
+            channel.basic_consume(
+                cfg.queue.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            ),
+        )
+        .await?;
+        me.broker.ok(&cfg.consumer_name);
+        me.counters.connections.fetch_add(1, Ordering::Relaxed);
+        *backoff = FIRST_BACKOFF;
+        tracing::info!(consumer = %cfg.consumer_name, queue = %cfg.queue, "consuming");
+
+        loop {
+            let first = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                d = deliveries.next() => d,
+            };
+            let mut batch = vec![next_delivery(first, &cfg.queue)?];
+            let deadline = tokio::time::Instant::now() + cfg.batch_max_wait;
+            while batch.len() < cfg.batch_size {
+                let next = tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => break,
+                    d = tokio::time::timeout_at(deadline, deliveries.next()) => d,
+                };
+                match next {
+                    Err(_) => break,
+                    // The connection is going: drop the batch unprocessed,
+                    // the broker redelivers it.
+                    Ok(d) => batch.push(next_delivery(d, &cfg.queue)?),
+                }
+            }
+            if let Some(end) = self.process(batch, &publisher, conn, shutdown).await? {
+                return Ok(end);
+            }
+            if shutdown.is_cancelled() {
+                break;
+            }
+        }
+        let _ = bounded(
+            "basic.cancel",
+            t,
+            channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()),
+        )
+        .await;
+        Ok(End::Shutdown)
+    }
+
+    /// Processes one batch: decode, one transaction, republish, ack.
+    /// `Some` ends the session.
+    async fn process(
+        &self,
+        mut deliveries: Vec<Delivery>,
+        publisher: &Channel,
+        conn: &Connection,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<End>> {
+        let me = &self.inner;
+        let cfg = &me.config;
+        let name = cfg.consumer_name.as_str();
+        let started = Instant::now();
+        // Decode; poison stays in its delivery for the dead-letter copy.
+        let mut events = Vec::with_capacity(deliveries.len());
+        let mut spans = Vec::with_capacity(deliveries.len());
+        let mut slots: Vec<std::result::Result<usize, (String, Span)>> =
+            Vec::with_capacity(deliveries.len());
+        for d in &mut deliveries {
+            let span = tracing::info_span!(
+                "outbox_consumer.event",
+                consumer = name,
+                event_id = Empty,
+                event_type = Empty,
+                traceparent = Empty,
+                redelivered = d.redelivered,
+                duplicate = Empty,
+                outcome = Empty,
+            );
+            match dedup_key(&d.properties, &d.data, &cfg.dedup_key) {
+                Ok(id) => {
+                    let event = Event {
+                        id,
+                        properties: std::mem::take(&mut d.properties),
+                        payload: std::mem::take(&mut d.data),
+                        redelivered: d.redelivered,
+                    };
+                    span.record("event_id", event.id());
+                    if let Some(t) = event.event_type() {
+                        span.record("event_type", t);
+                    }
+                    if let Some(tp) = event.traceparent() {
+                        span.record("traceparent", &*tp);
+                    }
+                    slots.push(Ok(events.len()));
+                    events.push(event);
+                    spans.push(span);
+                }
+                Err(reason) => slots.push(Err((reason, span))),
+            }
+        }
+
+        let verdicts = if events.is_empty() {
+            Vec::new()
+        } else {
+            let mut backoff = FIRST_BACKOFF;
+            loop {
+                match batch::process(&me.pool, &me.inbox, &me.handlers, &events, &spans).await {
+                    Ok(v) => {
+                        me.database.ok(name);
+                        break v;
+                    }
+                    Err(e) => {
+                        // Nothing committed, nothing acked: retry the same
+                        // deliveries once the database is back.
+                        me.database.failed(name, &Error::Database(e));
+                        if !pause(shutdown, &mut backoff, cfg.max_reconnect_delay).await {
+                            return Ok(Some(End::Shutdown));
+                        }
+                    }
+                }
+            }
+        };
+        if cfg.crash_after_commit {
+            let _ = tokio::time::timeout(
+                cfg.broker_timeout,
+                conn.close(200, "fault injection".into()),
+            )
+            .await;
+            return Ok(Some(End::Crashed));
+        }
+
+        let mut counts = [0u64; 5]; // processed, duplicate, retried, rejected, poison
+        let mut items = Vec::with_capacity(deliveries.len());
+        for (d, slot) in deliveries.iter().zip(&slots) {
+            let (action, props, body) = match slot {
+                Ok(i) => {
+                    let event = &events[*i];
+                    let span = &spans[*i];
+                    let action = match &verdicts[*i] {
+                        Verdict::Duplicate => {
+                            span.record("duplicate", true)
+                                .record("outcome", "duplicate");
+                            counts[1] += 1;
+                            Action::Ack
+                        }
+                        Verdict::Handled(o) => {
+                            span.record("duplicate", false).record("outcome", o.label());
+                            self.action_for(event, o, span, &mut counts)
+                        }
+                    };
+                    (action, &event.properties, event.payload.as_slice())
+                }
+                Err((reason, span)) => {
+                    span.record("outcome", "poison");
+                    counts[4] += 1;
+                    let message_id = d.properties.message_id().as_ref().map(|s| s.to_string());
+                    tracing::warn!(
+                        consumer = name,
+                        queue = %cfg.queue,
+                        message_id,
+                        reason = %reason,
+                        "poison message sent to the dead-letter queue"
+                    );
+                    (
+                        Action::DeadLetter {
+                            reason: format!("poison message: {reason}"),
+                        },
+                        &d.properties,
+                        d.data.as_slice(),
+                    )
+                }
+            };
+            items.push(Settle {
+                acker: &d.acker,
+                action,
+                properties: props,
+                body,
+            });
+        }
+        settle(publisher, &cfg.queue, name, &items, cfg.broker_timeout).await?;
+
+        let c = &me.counters;
+        for (label, n) in ["processed", "duplicate", "retried", "rejected", "poison"]
+            .into_iter()
+            .zip(counts)
+        {
+            c.events(name, label, n);
+        }
+        c.batches.fetch_add(1, Ordering::Relaxed);
+        metrics::histogram!("outbox_consumer_batch_seconds", "consumer" => name.to_owned())
+            .record(started.elapsed().as_secs_f64());
+        metrics::histogram!("outbox_consumer_batch_size", "consumer" => name.to_owned())
+            .record(deliveries.len() as f64);
+        Ok(None)
+    }
+
+    fn action_for(
+        &self,
+        event: &Event,
+        outcome: &Outcome,
+        span: &Span,
+        counts: &mut [u64; 5],
+    ) -> Action {
+        let cfg = &self.inner.config;
+        let _enter = span.enter();
+        match outcome {
+            Outcome::Ack => {
+                counts[0] += 1;
+                Action::Ack
+            }
+            Outcome::Retry(reason) => {
+                let attempt = event.retry_count().saturating_add(1);
+                if attempt > cfg.max_retries {
+                    counts[3] += 1;
+                    tracing::warn!(reason = %reason, retries = cfg.max_retries, "out of retries; sent to the dead-letter queue");
+                    Action::DeadLetter {
+                        reason: format!("gave up after {} retries: {reason}", cfg.max_retries),
+                    }
+                } else {
+                    counts[2] += 1;
+                    let delay = cfg.retry_backoff(attempt);
+                    tracing::debug!(reason = %reason, attempt, delay_ms = delay.as_millis() as u64, "retry scheduled");
+                    Action::Retry { attempt, delay }
+                }
+            }
+            Outcome::Reject(reason) => {
+                counts[3] += 1;
+                tracing::warn!(reason = %reason, "rejected; sent to the dead-letter queue");
+                Action::DeadLetter {
+                    reason: reason.clone(),
+                }
+            }
+        }
+    }
+}
+
+fn next_delivery(d: Option<lapin::Result<Delivery>>, queue: &str) -> Result<Delivery> {
+    match d {
+        Some(Ok(d)) => Ok(d),
+        Some(Err(source)) => Err(Error::Broker {
+            what: "consume",
+            source,
+        }),
+        None => Err(Error::ConsumerCancelled {
+            queue: queue.to_owned(),
+        }),
+    }
+}
+
+/// Sleeps `backoff` (doubling it up to `max`); false when shut down first.
+async fn pause(shutdown: &CancellationToken, backoff: &mut Duration, max: Duration) -> bool {
+    let wait = *backoff;
+    *backoff = (*backoff * 2).min(max);
+    tokio::select! {
+        _ = shutdown.cancelled() => false,
+        _ = tokio::time::sleep(wait) => true,
+    }
+}

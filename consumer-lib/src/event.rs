@@ -1,0 +1,210 @@
+use std::borrow::Cow;
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable};
+use outbox::wire;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::config::DedupKey;
+
+/// One received event, decoded from its AMQP message (`docs/AMQP_MESSAGE.md`).
+#[derive(Debug, Clone)]
+pub struct Event {
+    pub(crate) id: String,
+    pub(crate) properties: BasicProperties,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) redelivered: bool,
+}
+
+impl Event {
+    /// The dedup key: the event id by default (see [`DedupKey`]).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The AMQP `message_id`, if any.
+    pub fn message_id(&self) -> Option<&str> {
+        self.properties.message_id().as_ref().map(|s| s.as_str())
+    }
+
+    /// The event type (AMQP `type`).
+    pub fn event_type(&self) -> Option<&str> {
+        self.properties.kind().as_ref().map(|s| s.as_str())
+    }
+
+    /// The aggregate type (header `x-aggregate-type`).
+    pub fn aggregate_type(&self) -> Option<Cow<'_, str>> {
+        self.header_str(wire::HEADER_AGGREGATE_TYPE)
+    }
+
+    /// The aggregate id (header `x-aggregate-id`).
+    pub fn aggregate_id(&self) -> Option<Cow<'_, str>> {
+        self.header_str(wire::HEADER_AGGREGATE_ID)
+    }
+
+    /// The W3C `traceparent` header, if the producer sent one.
+    pub fn traceparent(&self) -> Option<Cow<'_, str>> {
+        self.header_str(wire::HEADER_TRACEPARENT)
+    }
+
+    /// All AMQP headers.
+    pub fn headers(&self) -> Option<&FieldTable> {
+        self.properties.headers().as_ref()
+    }
+
+    /// One header's raw value.
+    pub fn header(&self, name: &str) -> Option<&AMQPValue> {
+        self.headers()?.inner().get(name)
+    }
+
+    /// One header as text: strings as they are, numbers and booleans
+    /// formatted; `None` when absent or of another type.
+    pub fn header_str(&self, name: &str) -> Option<Cow<'_, str>> {
+        amqp_text(self.header(name)?)
+    }
+
+    /// How many times a handler asked to retry this event so far
+    /// (header `x-retry-count`; 0 on first delivery).
+    pub fn retry_count(&self) -> u32 {
+        self.header(wire::HEADER_RETRY_COUNT)
+            .and_then(amqp_int)
+            .map_or(0, |n| u32::try_from(n).unwrap_or(0))
+    }
+
+    /// Whether the broker flagged this delivery as a redelivery (it was
+    /// delivered before and not acked, e.g. the previous consumer died).
+    pub fn redelivered(&self) -> bool {
+        self.redelivered
+    }
+
+    /// The AMQP properties as received.
+    pub fn properties(&self) -> &BasicProperties {
+        &self.properties
+    }
+
+    /// The body: the payload's JSON text.
+    pub fn payload_bytes(&self) -> &[u8] {
+        &self.payload
+    }
+
+    /// The payload decoded into `T`.
+    pub fn payload<T: DeserializeOwned>(&self) -> serde_json::Result<T> {
+        serde_json::from_slice(&self.payload)
+    }
+}
+
+/// The dedup key of a delivery; `Err` holds why the delivery is poison (the
+/// reason recorded on its dead-lettered copy).
+pub(crate) fn dedup_key(
+    props: &BasicProperties,
+    payload: &[u8],
+    key: &DedupKey,
+) -> Result<String, String> {
+    let json: Value =
+        serde_json::from_slice(payload).map_err(|e| format!("body is not valid JSON: {e}"))?;
+    let id = match key {
+        DedupKey::MessageId => props
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str().to_owned())
+            .ok_or("message has no message_id (the dedup key)")?,
+        DedupKey::Header(h) => props
+            .headers()
+            .as_ref()
+            .and_then(|t| t.inner().get(h.as_str()))
+            .and_then(amqp_text)
+            .map(Cow::into_owned)
+            .ok_or_else(|| format!("message has no text header {h:?} (the dedup key)"))?,
+        DedupKey::PayloadField(p) => match json.pointer(p) {
+            Some(Value::String(s)) => s.clone(),
+            Some(v @ (Value::Number(_) | Value::Bool(_))) => v.to_string(),
+            _ => {
+                return Err(format!(
+                    "payload has no scalar field at {p:?} (the dedup key)"
+                ));
+            }
+        },
+    };
+    if id.is_empty() {
+        return Err("the dedup key is empty".to_owned());
+    }
+    Ok(id)
+}
+
+pub(crate) fn amqp_text(v: &AMQPValue) -> Option<Cow<'_, str>> {
+    match v {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes())),
+        AMQPValue::ShortString(s) => Some(Cow::Borrowed(s.as_str())),
+        AMQPValue::Boolean(b) => Some(Cow::Owned(b.to_string())),
+        other => amqp_int(other).map(|n| Cow::Owned(n.to_string())),
+    }
+}
+
+pub(crate) fn amqp_int(v: &AMQPValue) -> Option<i64> {
+    Some(match *v {
+        AMQPValue::ShortShortInt(n) => n.into(),
+        AMQPValue::ShortShortUInt(n) => n.into(),
+        AMQPValue::ShortInt(n) => n.into(),
+        AMQPValue::ShortUInt(n) => n.into(),
+        AMQPValue::LongInt(n) => n.into(),
+        AMQPValue::LongUInt(n) => n.into(),
+        AMQPValue::LongLongInt(n) => n,
+        AMQPValue::Timestamp(n) => i64::try_from(n).ok()?,
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn props() -> BasicProperties {
+        let mut h = FieldTable::default();
+        h.insert("x-key".into(), AMQPValue::LongString("k-1".into()));
+        h.insert(wire::HEADER_RETRY_COUNT.into(), AMQPValue::LongInt(2));
+        h.insert(
+            wire::HEADER_AGGREGATE_ID.into(),
+            AMQPValue::LongString("o-1".into()),
+        );
+        BasicProperties::default()
+            .with_message_id("m-1".into())
+            .with_type("OrderPlaced".into())
+            .with_headers(h)
+    }
+
+    #[test]
+    fn keys_come_from_the_configured_source() {
+        let body = br#"{"order_id": 42, "sku": "A"}"#.to_vec();
+        let decode = |key: DedupKey| {
+            let id = dedup_key(&props(), &body, &key)?;
+            Ok::<_, String>(Event {
+                id,
+                properties: props(),
+                payload: body.clone(),
+                redelivered: false,
+            })
+        };
+        let e = decode(DedupKey::MessageId).unwrap();
+        assert_eq!(e.id(), "m-1");
+        assert_eq!(e.retry_count(), 2);
+        assert_eq!(e.aggregate_id().as_deref(), Some("o-1"));
+        assert_eq!(e.event_type(), Some("OrderPlaced"));
+        let e = decode(DedupKey::Header("x-key".into())).unwrap();
+        assert_eq!(e.id(), "k-1");
+        let e = decode(DedupKey::PayloadField("/order_id".into())).unwrap();
+        assert_eq!(e.id(), "42");
+        let v: Value = e.payload().unwrap();
+        assert_eq!(v["sku"], "A");
+    }
+
+    #[test]
+    fn poison_is_explained() {
+        let no_id = dedup_key(&BasicProperties::default(), b"{}", &DedupKey::MessageId);
+        assert!(no_id.unwrap_err().contains("no message_id"));
+        let bad = dedup_key(&props(), b"not json", &DedupKey::MessageId);
+        assert!(bad.unwrap_err().contains("not valid JSON"));
+        let missing = dedup_key(&props(), b"{}", &DedupKey::PayloadField("/x".into()));
+        assert!(missing.unwrap_err().contains("/x"));
+    }
+}

@@ -1,0 +1,158 @@
+use futures_util::future::BoxFuture;
+use sqlx::PgConnection;
+
+use crate::event::Event;
+
+/// What a handler decided about one event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Done: the effect commits with the inbox record, then the message is
+    /// acked.
+    Ack,
+    /// Transient failure: the effect is rolled back and the message comes
+    /// back later through `<queue>.retry`, with exponential backoff, up to
+    /// [`max_retries`](crate::ConsumerConfig::max_retries) times; then it is
+    /// dead-lettered.
+    Retry(String),
+    /// Permanent failure: the effect is rolled back and the message goes to
+    /// `<queue>.dlq` with the reason in header `x-dead-letter-reason`.
+    Reject(String),
+}
+
+impl Outcome {
+    /// Shorthand for [`Outcome::Retry`].
+    pub fn retry(reason: impl std::fmt::Display) -> Self {
+        Outcome::Retry(reason.to_string())
+    }
+
+    /// Shorthand for [`Outcome::Reject`].
+    pub fn reject(reason: impl std::fmt::Display) -> Self {
+        Outcome::Reject(reason.to_string())
+    }
+
+    pub(crate) fn is_ack(&self) -> bool {
+        matches!(self, Outcome::Ack)
+    }
+
+    pub(crate) fn label(&self) -> &'static str {
+        match self {
+            Outcome::Ack => "processed",
+            Outcome::Retry(_) => "retried",
+            Outcome::Reject(_) => "rejected",
+        }
+    }
+}
+
+/// What a [`BatchHandler`] decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchOutcome {
+    /// One outcome for every event of the batch. Anything but `Ack` rolls
+    /// back the handler's whole effect.
+    All(Outcome),
+    /// One outcome per event, in order. The handler's effects commit as
+    /// they are: it must not have applied the effect of an event it does
+    /// not ack (that event's inbox record is removed so it can run again).
+    Each(Vec<Outcome>),
+}
+
+/// Applies one event's effect. Runs only for the first sighting of an event
+/// id (per consumer name), inside the transaction that records it in the
+/// inbox; whatever it writes through `conn` commits together with that
+/// record, or not at all.
+///
+/// The transaction may be retried (after a database error, or to isolate a
+/// failing event of the batch), so the handler may be called more than once
+/// for an event, but its database effect commits exactly once. Keep effects
+/// outside the database out of handlers.
+///
+/// ```
+/// use outbox_consumer::{Event, Handler, Outcome};
+/// use sqlx::PgConnection;
+///
+/// struct Stock;
+///
+/// impl Handler for Stock {
+///     async fn handle(&self, conn: &mut PgConnection, event: &Event) -> Outcome {
+///         #[derive(serde::Deserialize)]
+///         struct Reserved { sku: String, qty: i32 }
+///         let Ok(r) = event.payload::<Reserved>() else {
+///             return Outcome::reject("payload is not a Reserved event");
+///         };
+///         match sqlx::query("UPDATE stock SET qty = qty - $2 WHERE sku = $1")
+///             .bind(&r.sku)
+///             .bind(r.qty)
+///             .execute(conn)
+///             .await
+///         {
+///             Ok(_) => Outcome::Ack,
+///             Err(e) => Outcome::retry(e),
+///         }
+///     }
+/// }
+/// ```
+pub trait Handler: Send + Sync + 'static {
+    /// Applies `event`'s effect through `conn` (the open transaction).
+    fn handle(
+        &self,
+        conn: &mut PgConnection,
+        event: &Event,
+    ) -> impl Future<Output = Outcome> + Send;
+}
+
+/// Applies the effects of all fresh events of a batch at once, for
+/// set-based writes (one `UPDATE ... FROM unnest(...)` instead of one round
+/// trip per event). Same transaction rules as [`Handler`]; duplicates are
+/// already filtered out and each event appears once.
+pub trait BatchHandler: Send + Sync + 'static {
+    /// Applies the effects of `events` through `conn` (the open
+    /// transaction).
+    fn handle_batch(
+        &self,
+        conn: &mut PgConnection,
+        events: &[Event],
+    ) -> impl Future<Output = BatchOutcome> + Send;
+}
+
+/// Object-safe forms of the handler traits, so the consumer is not generic.
+pub(crate) trait DynHandler: Send + Sync {
+    fn handle_dyn<'a>(
+        &'a self,
+        conn: &'a mut PgConnection,
+        event: &'a Event,
+    ) -> BoxFuture<'a, Outcome>;
+}
+
+impl<H: Handler> DynHandler for H {
+    fn handle_dyn<'a>(
+        &'a self,
+        conn: &'a mut PgConnection,
+        event: &'a Event,
+    ) -> BoxFuture<'a, Outcome> {
+        Box::pin(self.handle(conn, event))
+    }
+}
+
+pub(crate) trait DynBatchHandler: Send + Sync {
+    fn handle_batch_dyn<'a>(
+        &'a self,
+        conn: &'a mut PgConnection,
+        events: &'a [Event],
+    ) -> BoxFuture<'a, BatchOutcome>;
+}
+
+impl<B: BatchHandler> DynBatchHandler for B {
+    fn handle_batch_dyn<'a>(
+        &'a self,
+        conn: &'a mut PgConnection,
+        events: &'a [Event],
+    ) -> BoxFuture<'a, BatchOutcome> {
+        Box::pin(self.handle_batch(conn, events))
+    }
+}
+
+/// The handler a consumer runs.
+#[derive(Clone)]
+pub(crate) enum Handlers {
+    PerEvent(std::sync::Arc<dyn DynHandler>),
+    Batch(std::sync::Arc<dyn DynBatchHandler>),
+}

@@ -1,0 +1,141 @@
+//! After the commit: republish retries and dead letters (confirmed), then
+//! ack. A message is acked only once its copy is safely queued.
+
+use std::time::Duration;
+
+use lapin::options::{BasicAckOptions, BasicPublishOptions};
+use lapin::types::AMQPValue;
+use lapin::{Acker, BasicProperties, Channel, Confirmation};
+use outbox::wire;
+
+use crate::error::{Error, Result, bounded};
+
+/// What to do with one delivery of a committed batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Action {
+    /// Effect committed, or a duplicate: just ack.
+    Ack,
+    /// Republish to the retry queue, expiring after `delay`.
+    Retry { attempt: u32, delay: Duration },
+    /// Republish to the dead-letter queue with `reason`.
+    DeadLetter { reason: String },
+}
+
+pub(crate) struct Settle<'a> {
+    pub(crate) acker: &'a Acker,
+    pub(crate) action: Action,
+    pub(crate) properties: &'a BasicProperties,
+    pub(crate) body: &'a [u8],
+}
+
+/// Republishes what needs it on the confirm-mode `channel`, awaits every
+/// confirm, then acks the whole batch with one `multiple` ack. `Err`
+/// leaves the batch unacked: the broker redelivers it and the inbox turns
+/// the committed part into duplicates.
+pub(crate) async fn settle(
+    channel: &Channel,
+    queue: &str,
+    consumer: &str,
+    items: &[Settle<'_>],
+    timeout: Duration,
+) -> Result<()> {
+    let retry_queue = format!("{queue}.retry");
+    let dead_letter_queue = format!("{queue}.dlq");
+    let mandatory = BasicPublishOptions {
+        mandatory: true,
+        ..Default::default()
+    };
+    let mut pending = Vec::new();
+    for item in items {
+        let (target, props) = match &item.action {
+            Action::Ack => continue,
+            Action::Retry { attempt, delay } => (
+                &retry_queue,
+                with_header(
+                    item.properties,
+                    wire::HEADER_RETRY_COUNT,
+                    AMQPValue::LongLongInt((*attempt).into()),
+                )
+                .with_expiration(delay.as_millis().max(1).to_string().into()),
+            ),
+            Action::DeadLetter { reason } => (
+                &dead_letter_queue,
+                with_header(
+                    item.properties,
+                    wire::HEADER_DEAD_LETTER_REASON,
+                    AMQPValue::LongString(reason.as_str().into()),
+                ),
+            ),
+        };
+        let props = add_header(
+            props,
+            "x-dead-letter-consumer",
+            AMQPValue::LongString(consumer.into()),
+        )
+        .with_delivery_mode(wire::DELIVERY_MODE_PERSISTENT);
+        let confirm = bounded(
+            "basic.publish",
+            timeout,
+            channel.basic_publish(
+                "".into(),
+                target.as_str().into(),
+                mandatory,
+                item.body,
+                props,
+            ),
+        )
+        .await?;
+        pending.push((target, confirm));
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    for (target, confirm) in pending {
+        let confirmation = match tokio::time::timeout_at(deadline, confirm).await {
+            Err(_) => {
+                return Err(Error::BrokerTimeout {
+                    what: "publisher confirm",
+                    timeout,
+                });
+            }
+            Ok(r) => r.map_err(|source| Error::Broker {
+                what: "publisher confirm",
+                source,
+            })?,
+        };
+        match confirmation {
+            Confirmation::Ack(None) => {}
+            Confirmation::Ack(Some(ret)) | Confirmation::Nack(Some(ret)) => {
+                return Err(Error::Returned {
+                    queue: target.clone(),
+                    code: ret.reply_code,
+                    text: ret.reply_text.to_string(),
+                });
+            }
+            Confirmation::Nack(None) | Confirmation::NotRequested => {
+                return Err(Error::Nacked {
+                    queue: target.clone(),
+                });
+            }
+        }
+    }
+    // Batches are settled in delivery order, so every earlier tag on this
+    // channel is settled already: one `multiple` ack covers the batch.
+    if let Some(last) = items.last() {
+        bounded(
+            "basic.ack",
+            timeout,
+            last.acker.ack(BasicAckOptions { multiple: true }),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+fn with_header(props: &BasicProperties, name: &str, value: AMQPValue) -> BasicProperties {
+    add_header(props.clone(), name, value)
+}
+
+fn add_header(props: BasicProperties, name: &str, value: AMQPValue) -> BasicProperties {
+    let mut headers = props.headers().clone().unwrap_or_default();
+    headers.insert(name.into(), value);
+    props.with_headers(headers)
+}

@@ -1,0 +1,130 @@
+//! Counters (exported through the `metrics` crate as `outbox_consumer_*`
+//! and kept in-process for [`ConsumerStats`]) and outage logging.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+/// Counts of what a consumer did since it was created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerStats {
+    /// Fresh events whose handler succeeded (effect committed).
+    pub processed: u64,
+    /// Deliveries recognised as duplicates and acked without effect.
+    pub duplicates: u64,
+    /// Events sent to the retry queue.
+    pub retried: u64,
+    /// Events dead-lettered: rejected by the handler or out of retries.
+    pub rejected: u64,
+    /// Poison messages dead-lettered (no dedup key, undecodable body).
+    pub poison: u64,
+    /// Committed batches.
+    pub batches: u64,
+    /// Broker sessions started (1 + reconnections).
+    pub connections: u64,
+}
+
+impl ConsumerStats {
+    /// Every delivery settled (acked after its outcome was made durable).
+    pub fn settled(&self) -> u64 {
+        self.processed + self.duplicates + self.retried + self.rejected + self.poison
+    }
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) processed: AtomicU64,
+    pub(crate) duplicates: AtomicU64,
+    pub(crate) retried: AtomicU64,
+    pub(crate) rejected: AtomicU64,
+    pub(crate) poison: AtomicU64,
+    pub(crate) batches: AtomicU64,
+    pub(crate) connections: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn snapshot(&self) -> ConsumerStats {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ConsumerStats {
+            processed: g(&self.processed),
+            duplicates: g(&self.duplicates),
+            retried: g(&self.retried),
+            rejected: g(&self.rejected),
+            poison: g(&self.poison),
+            batches: g(&self.batches),
+            connections: g(&self.connections),
+        }
+    }
+
+    /// Adds `n` events with `outcome` (a label of
+    /// `outbox_consumer_events_total`).
+    pub(crate) fn events(&self, consumer: &str, outcome: &'static str, n: u64) {
+        if n == 0 {
+            return;
+        }
+        let a = match outcome {
+            "processed" => &self.processed,
+            "duplicate" => &self.duplicates,
+            "retried" => &self.retried,
+            "rejected" => &self.rejected,
+            _ => &self.poison,
+        };
+        a.fetch_add(n, Ordering::Relaxed);
+        metrics::counter!("outbox_consumer_events_total", "consumer" => consumer.to_owned(), "outcome" => outcome)
+            .increment(n);
+    }
+}
+
+/// One log line when a dependency goes away, one when it is back: never a
+/// line per failed retry.
+#[derive(Debug)]
+pub(crate) struct Outage {
+    name: &'static str,
+    since: Mutex<Option<Instant>>,
+}
+
+impl Outage {
+    pub(crate) const fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            since: Mutex::new(None),
+        }
+    }
+
+    pub(crate) fn failed(&self, consumer: &str, error: &crate::Error) {
+        let mut since = self.since.lock().unwrap_or_else(|p| p.into_inner());
+        let error = error_chain(error);
+        if since.is_none() {
+            *since = Some(Instant::now());
+            tracing::warn!(consumer, dependency = self.name, %error, "{} unavailable; retrying with backoff", self.name);
+        } else {
+            tracing::debug!(consumer, dependency = self.name, %error, "still unavailable");
+        }
+    }
+
+    pub(crate) fn ok(&self, consumer: &str) {
+        let mut since = self.since.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = since.take() {
+            tracing::info!(
+                consumer,
+                dependency = self.name,
+                outage_s = t.elapsed().as_secs_f64(),
+                "{} available again",
+                self.name
+            );
+        }
+    }
+}
+
+/// `error: cause: cause`, like anyhow's `{:#}`.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}

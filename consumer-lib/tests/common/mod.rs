@@ -1,0 +1,270 @@
+//! Shared test harness: a fresh schema, queue and exchange per test, against
+//! the real Postgres and RabbitMQ.
+#![allow(dead_code, unreachable_pub)]
+
+use std::future::Future;
+use std::time::Duration;
+
+use lapin::message::BasicGetMessage;
+use lapin::options::{
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use outbox_consumer::{Consumer, ConsumerConfig, TopologyConfig};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{AssertSqlSafe, PgPool};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+pub fn db_url() -> String {
+    std::env::var("TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+pub fn amqp_url() -> String {
+    std::env::var("TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// One test's world: its own schema, exchange and queues.
+pub struct Env {
+    pub pool: PgPool,
+    pub schema: String,
+    pub amqp: Connection,
+    pub channel: Channel,
+    pub exchange: String,
+    pub queue: String,
+    queues: Vec<String>,
+}
+
+impl Env {
+    pub async fn new() -> Env {
+        let suffix = &uuid::Uuid::new_v4().simple().to_string()[..12];
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .connect(&db_url())
+            .await
+            .unwrap();
+        let schema = format!("t_c_{suffix}");
+        outbox_consumer::migrate(&pool, &schema).await.unwrap();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "CREATE TABLE {schema}.effects (event_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
+             CREATE TABLE {schema}.stock (sku text PRIMARY KEY, qty bigint NOT NULL);
+             INSERT INTO {schema}.stock VALUES ('A', 100000);"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let amqp = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .unwrap();
+        let channel = amqp.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        let exchange = format!("t_c_x_{suffix}");
+        let queue = format!("t_c_q_{suffix}");
+        let mut env = Env {
+            pool,
+            schema,
+            amqp,
+            channel,
+            exchange,
+            queue: queue.clone(),
+            queues: Vec::new(),
+        };
+        env.add_queue(&queue).await;
+        env
+    }
+
+    /// Declares another queue bound to the test exchange (a second
+    /// subscriber), deleted at teardown.
+    pub async fn add_queue(&mut self, queue: &str) {
+        outbox_consumer::declare_topology(
+            &self.amqp,
+            &TopologyConfig::new(queue, &self.exchange, "#"),
+        )
+        .await
+        .unwrap();
+        for q in [
+            queue.to_owned(),
+            format!("{queue}.retry"),
+            format!("{queue}.dlq"),
+        ] {
+            self.queues.push(q);
+        }
+    }
+
+    pub fn config(&self, consumer_name: &str) -> ConsumerConfig {
+        let mut c =
+            ConsumerConfig::new(amqp_url(), &self.queue, consumer_name).schema(&self.schema);
+        c.retry_delay = Duration::from_millis(100);
+        c
+    }
+
+    /// Publishes messages to the exchange with the contract's properties
+    /// and waits for every confirm. `None` id: no message_id.
+    pub async fn publish_all(&self, messages: &[(Option<String>, Vec<u8>)]) {
+        let mut confirms = Vec::with_capacity(messages.len());
+        for (id, body) in messages {
+            let mut headers = FieldTable::default();
+            headers.insert(
+                "x-aggregate-type".into(),
+                AMQPValue::LongString("order".into()),
+            );
+            headers.insert("x-aggregate-id".into(), AMQPValue::LongString("o-1".into()));
+            headers.insert(
+                "traceparent".into(),
+                AMQPValue::LongString(
+                    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+                ),
+            );
+            let mut props = BasicProperties::default()
+                .with_type("OrderPlaced".into())
+                .with_content_type("application/json".into())
+                .with_delivery_mode(2)
+                .with_headers(headers);
+            if let Some(id) = id {
+                props = props.with_message_id(id.as_str().into());
+            }
+            let c = self
+                .channel
+                .basic_publish(
+                    self.exchange.as_str().into(),
+                    "order.OrderPlaced".into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    body,
+                    props,
+                )
+                .await
+                .unwrap();
+            confirms.push(c);
+        }
+        for c in confirms {
+            assert_eq!(c.await.unwrap(), Confirmation::Ack(None));
+        }
+    }
+
+    pub async fn publish(&self, id: Option<&str>, body: &str) {
+        self.publish_all(&[(id.map(str::to_owned), body.as_bytes().to_vec())])
+            .await;
+    }
+
+    /// Takes `n` messages from `queue`, waiting up to the deadline.
+    pub async fn take(&self, queue: &str, n: usize) -> Vec<BasicGetMessage> {
+        let mut got = Vec::new();
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        while got.len() < n {
+            match self
+                .channel
+                .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+                .await
+                .unwrap()
+            {
+                Some(m) => got.push(m),
+                None => {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "only {} of {n} messages in {queue}",
+                        got.len()
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+        got
+    }
+
+    pub async fn count(&self, sql_from_where: &str) -> i64 {
+        let sql = format!(
+            "SELECT count(*) FROM {}",
+            sql_from_where.replace("{s}", &self.schema)
+        );
+        sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    pub async fn teardown(self) {
+        for q in &self.queues {
+            let _ = self
+                .channel
+                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
+        let _ = self
+            .channel
+            .exchange_delete(
+                self.exchange.as_str().into(),
+                ExchangeDeleteOptions::default(),
+            )
+            .await;
+        let _ = self.amqp.close(200, "bye".into()).await;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "DROP SCHEMA {} CASCADE",
+            self.schema
+        )))
+        .execute(&self.pool)
+        .await
+        .unwrap();
+        self.pool.close().await;
+    }
+}
+
+/// Polls `cond` every 20 ms until it holds; panics after the deadline.
+pub async fn wait_until<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while !cond().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A running consumer.
+pub struct Running {
+    pub consumer: Consumer,
+    pub shutdown: CancellationToken,
+    pub task: JoinHandle<outbox_consumer::Result<()>>,
+}
+
+impl Running {
+    pub fn start(consumer: Consumer) -> Running {
+        let shutdown = CancellationToken::new();
+        let (c, s) = (consumer.clone(), shutdown.clone());
+        let task = tokio::spawn(async move { c.run(s).await });
+        Running {
+            consumer,
+            shutdown,
+            task,
+        }
+    }
+
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(DEADLINE, self.task)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
+}
+
+pub fn id() -> String {
+    uuid::Uuid::now_v7().to_string()
+}
