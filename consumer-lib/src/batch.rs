@@ -77,7 +77,13 @@ pub(crate) async fn process(
                 }
             }
             Handlers::Batch(h) => {
-                run_batch(&mut tx, h.as_ref(), events, &runs, &mut verdicts).await?;
+                let all_failed = run_batch(&mut tx, h.as_ref(), events, &runs, &mut verdicts).await;
+                if all_failed {
+                    // Nothing to keep: the duplicates' inbox rows were
+                    // committed before, the fresh ones must not be.
+                    tx.rollback().await?;
+                    return Ok(verdicts);
+                }
                 true
             }
         };
@@ -90,8 +96,20 @@ pub(crate) async fn process(
             .filter(|&&i| !matches!(verdicts[i], Verdict::Handled(Outcome::Ack)))
             .map(|&i| events[i].id())
             .collect();
+        // Also the guard against a handler that returned Ack after one of
+        // its statements failed: in an aborted transaction this statement
+        // errors, where COMMIT would silently roll back and we would ack.
         match inbox.forget(&mut tx, &failed).await {
             Ok(()) => {}
+            Err(e) if isolated_only && in_failed_transaction(&e) => {
+                tx.rollback().await?;
+                for &i in &runs {
+                    verdicts[i] = Verdict::Handled(Outcome::retry(
+                        "batch handler returned Ack but one of its statements failed",
+                    ));
+                }
+                return Ok(verdicts);
+            }
             // A handler said Ack but left the transaction aborted: redo
             // with savepoints, which pins it on that event.
             Err(e) if !isolated && in_failed_transaction(&e) => {
@@ -165,25 +183,26 @@ async fn run_each(
     Ok(None)
 }
 
+/// Runs the batch handler over the fresh events; returns true when every
+/// one of them failed (the caller rolls the transaction back). No savepoint:
+/// a batch handler that fails some events of an `Each` outcome must not
+/// have applied their effects (it is set-based: it knows which it applied).
 async fn run_batch(
     tx: &mut PgConnection,
     h: &dyn crate::handler::DynBatchHandler,
     events: &[Event],
     runs: &[usize],
     verdicts: &mut [Verdict],
-) -> sqlx::Result<()> {
+) -> bool {
     if runs.is_empty() {
-        return Ok(());
+        return false;
     }
     let fresh: Vec<Event> = runs.iter().map(|&i| events[i].clone()).collect();
-    sqlx::raw_sql("SAVEPOINT outbox_batch")
-        .execute(&mut *tx)
-        .await?;
     let outcome = std::panic::AssertUnwindSafe(h.handle_batch_dyn(&mut *tx, &fresh))
         .catch_unwind()
         .await
         .unwrap_or_else(|_| BatchOutcome::All(Outcome::retry("batch handler panicked")));
-    let mut outcomes = match outcome {
+    let outcomes = match outcome {
         BatchOutcome::All(o) => vec![o; runs.len()],
         BatchOutcome::Each(v) if v.len() == runs.len() => v,
         BatchOutcome::Each(v) => {
@@ -197,30 +216,10 @@ async fn run_batch(
         }
     };
     let all_failed = outcomes.iter().all(|o| !o.is_ack());
-    if all_failed {
-        rollback_to(tx, UNDO_BATCH).await?;
-    } else {
-        match sqlx::raw_sql("RELEASE SAVEPOINT outbox_batch")
-            .execute(&mut *tx)
-            .await
-        {
-            Ok(_) => {}
-            Err(e) if in_failed_transaction(&e) => {
-                rollback_to(tx, UNDO_BATCH).await?;
-                outcomes = vec![
-                    Outcome::retry(
-                        "batch handler returned Ack but one of its statements failed"
-                    );
-                    runs.len()
-                ];
-            }
-            Err(e) => return Err(e),
-        }
-    }
     for (&i, o) in runs.iter().zip(outcomes) {
         verdicts[i] = Verdict::Handled(o);
     }
-    Ok(())
+    all_failed
 }
 
 /// A panicking handler is a retry, not a dead consumer.
@@ -232,7 +231,6 @@ async fn guarded(f: impl Future<Output = Outcome>) -> Outcome {
 }
 
 const UNDO_EVENT: &str = "ROLLBACK TO SAVEPOINT outbox_event; RELEASE SAVEPOINT outbox_event";
-const UNDO_BATCH: &str = "ROLLBACK TO SAVEPOINT outbox_batch; RELEASE SAVEPOINT outbox_batch";
 
 async fn rollback_to(tx: &mut PgConnection, undo: &'static str) -> sqlx::Result<()> {
     sqlx::raw_sql(undo).execute(tx).await?;

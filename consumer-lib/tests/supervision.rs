@@ -55,3 +55,105 @@ async fn refuses_to_start_on_an_unmigrated_schema() {
     );
     env.teardown().await;
 }
+
+struct Effect {
+    schema: String,
+}
+
+impl Handler for Effect {
+    async fn handle(&self, conn: &mut PgConnection, event: &Event) -> Outcome {
+        let sql = format!("INSERT INTO {}.effects (event_id) VALUES ($1)", self.schema);
+        match sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(event.id())
+            .execute(conn)
+            .await
+        {
+            Ok(_) => Outcome::Ack,
+            Err(e) => Outcome::Retry(e.to_string()),
+        }
+    }
+}
+
+/// Restarts the shared broker: `make test` runs `disruptive_` tests alone,
+/// after the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disruptive_broker_restart_is_survived_without_help() {
+    let env = Env::new().await;
+    let c = Running::start(
+        Consumer::new(
+            env.config("svc"),
+            env.pool.clone(),
+            Effect {
+                schema: env.schema.clone(),
+            },
+        )
+        .unwrap(),
+    );
+    wait_until("the consumer to connect", || async {
+        c.consumer.stats().connections >= 1
+    })
+    .await;
+    let before: Vec<(Option<String>, Vec<u8>)> =
+        (0..2000).map(|_| (Some(id()), b"{}".to_vec())).collect();
+    env.publish_all(&before).await;
+    wait_until("processing to start", || async {
+        c.consumer.stats().processed > 0
+    })
+    .await;
+    let restarted = std::process::Command::new("rabbitmqctl")
+        .arg("stop_app")
+        .status()
+        .unwrap()
+        .success()
+        && std::process::Command::new("rabbitmqctl")
+            .arg("start_app")
+            .status()
+            .unwrap()
+            .success();
+    assert!(restarted, "rabbitmqctl could not restart the broker");
+    // Publish more after the restart, on a fresh connection.
+    let after_env = {
+        let conn = lapin::Connection::connect(&common::amqp_url(), Default::default())
+            .await
+            .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        ch.confirm_select(Default::default()).await.unwrap();
+        for _ in 0..2000 {
+            let props = lapin::BasicProperties::default()
+                .with_message_id(id().into())
+                .with_delivery_mode(2);
+            ch.basic_publish(
+                env.exchange.as_str().into(),
+                "order.OrderPlaced".into(),
+                Default::default(),
+                b"{}",
+                props,
+            )
+            .await
+            .unwrap();
+        }
+        assert!(ch.wait_for_confirms().await.unwrap().is_empty());
+        conn
+    };
+    wait_until("all 4,000 effects after the restart", || async {
+        env.count("{s}.effects").await >= 4000
+    })
+    .await;
+    assert_eq!(
+        env.count("(SELECT DISTINCT event_id FROM {s}.effects) e")
+            .await,
+        4000
+    );
+    assert_eq!(
+        env.count("{s}.effects").await,
+        4000,
+        "no effect applied twice"
+    );
+    assert!(
+        c.consumer.stats().connections >= 2,
+        "the consumer reconnected by itself"
+    );
+    let _ = after_env.close(200, "bye".into()).await;
+    c.stop().await;
+    env.teardown().await;
+}

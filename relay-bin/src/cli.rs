@@ -294,7 +294,7 @@ async fn run_relay(url: &str, schema: &Ident, r: &RunArgs) -> Result<ExitCode> {
     let relay = Relay::new(pool.clone(), config).await?;
     // Fail fast with one line when the broker is unreachable at start;
     // after that the supervisor reconnects by itself.
-    drop(relay.connect().await?);
+    relay.connect().await?.close(r.broker_timeout).await;
     if let Some(addr) = r.metrics_addr {
         crate::http::serve(addr, relay.health(), pool.clone(), schema.clone()).await?;
     }

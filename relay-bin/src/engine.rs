@@ -74,7 +74,6 @@ struct Inner {
 /// A broker session for [`Relay::run_once`]: one connection, one
 /// confirm-mode channel.
 pub struct BrokerSession {
-    #[allow(dead_code)] // keeps the connection open while the session lives
     conn: Arc<Connection>,
     publisher: Publisher,
 }
@@ -82,6 +81,14 @@ pub struct BrokerSession {
 impl std::fmt::Debug for BrokerSession {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BrokerSession").finish_non_exhaustive()
+    }
+}
+
+impl BrokerSession {
+    /// Closes the connection (bounded by `timeout`).
+    pub async fn close(self, timeout: std::time::Duration) {
+        self.publisher.close().await;
+        let _ = tokio::time::timeout(timeout, self.conn.close(200, "session closed".into())).await;
     }
 }
 
@@ -305,7 +312,10 @@ impl Relay {
                         _ = tokio::time::sleep(cfg.poll_interval) => {}
                     }
                 }
-                Err(e) if e.is_broker() || !session.publisher.is_open() => return Err(e),
+                Err(e) if e.is_broker() || !session.publisher.is_open() => {
+                    session.publisher.close().await;
+                    return Err(e);
+                }
                 Err(e) => {
                     inner.health.database.store(false, Ordering::Relaxed);
                     inner.db_outage.failed(&e);

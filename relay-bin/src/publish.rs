@@ -150,6 +150,16 @@ impl Publisher {
         })
     }
 
+    /// Closes the channel (bounded), before its connection closes: closing
+    /// a connection under open channels makes lapin log errors.
+    pub(crate) async fn close(&self) {
+        if self.channel.status().connected() {
+            let _ =
+                tokio::time::timeout(self.broker_timeout, self.channel.close(200, "bye".into()))
+                    .await;
+        }
+    }
+
     /// Whether the connection and channel are still usable.
     pub(crate) fn is_open(&self) -> bool {
         self.conn.status().connected() && self.channel.status().connected()

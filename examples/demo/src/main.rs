@@ -1,30 +1,50 @@
-//! `make demo`: orders written with their events in one transaction, the
-//! relay publishing them through a crash, and a report that checks the
-//! guarantees.
+//! `make demo`: the whole story on this machine. An orders service takes
+//! orders over HTTP with `Idempotency-Key`s (clients retry), writes each
+//! order and its event in one transaction; a relay publishes them and is
+//! crashed mid-stream, twice; duplicates are injected into the queues; an
+//! inventory and a notifications consumer apply each event once. A report
+//! and its checks end it; the exit code is non-zero if a check fails.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+mod client;
+mod env;
+mod progress;
+mod relay;
+mod report;
+mod traffic;
+mod wire;
+
+use std::future::Future;
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result};
 use clap::Parser;
-use futures_util::StreamExt;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions,
-    QueueDeclareOptions,
-};
-use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
-use outbox::{NewEvent, Outbox, OutboxConfig};
-use outbox_relay::{Relay, RelayConfig};
-use serde_json::json;
-use sqlx::AssertSqlSafe;
+use lapin::{Connection, ConnectionProperties};
+use outbox_relay::RelayConfig;
+use sqlx::{AssertSqlSafe, PgPool};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-/// The outbox toolkit's demo.
+use crate::env::{BINDING_KEY, EXCHANGE, INVENTORY_QUEUE, NOTIFICATIONS_QUEUE, SCHEMA};
+use crate::progress::Progress;
+use crate::relay::RunningRelay;
+use crate::report::{INITIAL_STOCK, Sources};
+use crate::traffic::{SKUS, Traffic};
+use crate::wire::Wire;
+
+/// Longest wait for the relay and the consumers to catch up at the end.
+const CATCH_UP: Duration = Duration::from_secs(30);
+
+/// The outbox toolkit's demo: orders over HTTP, a crashing relay, duplicate
+/// deliveries, two dedup consumers, and checks.
 #[derive(Debug, Parser)]
 struct Args {
-    /// PostgreSQL URL.
+    /// PostgreSQL URL; the demo creates and uses the databases demo_orders,
+    /// demo_inventory and demo_notifications on that server.
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -41,203 +61,264 @@ struct Args {
     )]
     amqp_url: String,
     /// Orders to place.
-    #[arg(long, default_value_t = 3000)]
-    orders: usize,
+    #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(100..))]
+    orders: u64,
+    /// Concurrent HTTP clients.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=64))]
+    clients: u64,
 }
 
 #[tokio::main]
-async fn main() -> Result<()> {
-    let args = Args::parse();
-    let started = Instant::now();
-    let pool = sqlx::PgPool::connect(&args.database_url)
-        .await
-        .context("connecting to PostgreSQL")?;
-    let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
-    let schema = format!("demo_{run}");
-    outbox::migrate(&pool, &schema).await?;
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE TABLE \"{schema}\".orders (id text PRIMARY KEY, sku text NOT NULL, qty int NOT NULL)"
-    )))
-    .execute(&pool)
-    .await?;
-    println!("demo: schema {schema} migrated");
-
-    // The queue a consumer reads, bound to the relay's exchange.
-    let exchange = format!("demo.{run}");
-    let conn = Connection::connect(&args.amqp_url, ConnectionProperties::default())
-        .await
-        .context("connecting to RabbitMQ")?;
-    let ch = conn.create_channel().await?;
-    let durable = ExchangeDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    ch.exchange_declare(
-        exchange.as_str().into(),
-        ExchangeKind::Topic,
-        durable,
-        FieldTable::default(),
-    )
-    .await?;
-    let q = QueueDeclareOptions {
-        auto_delete: true,
-        ..Default::default()
-    };
-    ch.queue_declare(exchange.as_str().into(), q, FieldTable::default())
-        .await?;
-    ch.queue_bind(
-        exchange.as_str().into(),
-        exchange.as_str().into(),
-        "order.*".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await?;
-    let seen: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
-    let mut consumer = ch
-        .basic_consume(
-            exchange.as_str().into(),
-            "demo".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
+async fn main() -> ExitCode {
+    // Quiet two libraries: lapin logs an ERROR when the relay and the
+    // consumers close their connections on shutdown (their own outage
+    // lines are enough), and sqlx a notice when the connection of a relay
+    // killed mid-transaction is cleaned up (a real crash would not).
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,lapin=off,sqlx::postgres::notice=off".into()),
         )
-        .await?;
-    let consume = tokio::spawn({
-        let seen = seen.clone();
-        async move {
-            while let Some(Ok(d)) = consumer.next().await {
-                let id = d
-                    .properties
-                    .message_id()
-                    .as_ref()
-                    .map(|s| s.to_string())
-                    .unwrap_or_default();
-                let _ = d.acker.ack(BasicAckOptions::default()).await;
-                *seen.lock().unwrap().entry(id).or_default() += 1;
-            }
+        .init();
+    match run(Args::parse()).await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("demo: a check FAILED");
+            ExitCode::from(1)
         }
-    });
-
-    let relay_config = RelayConfig {
-        amqp_url: args.amqp_url.clone(),
-        schema: schema.clone(),
-        default_exchange: exchange.clone(),
-        declare_exchange: None,
-        batch_size: 100,
-        ..RelayConfig::default()
-    };
-    let relay = Relay::new(pool.clone(), relay_config.clone()).await?;
-    let stop = CancellationToken::new();
-    let first = tokio::spawn({
-        let relay = relay.clone();
-        let stop = stop.clone();
-        async move { relay.run(stop).await }
-    });
-
-    // Place orders: one transaction each writes the order and its event.
-    // Every tenth transaction rolls back after enqueueing.
-    let outbox = Outbox::new(&pool, OutboxConfig::default().schema(&schema)).await?;
-    let (mut committed, mut rolled_back) = (HashSet::new(), HashSet::new());
-    let mut crashed = false;
-    for i in 0..args.orders {
-        let order = format!("o-{i}");
-        let mut tx = pool.begin().await?;
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO \"{schema}\".orders (id, sku, qty) VALUES ($1, $2, $3)"
-        )))
-        .bind(&order)
-        .bind("A-1")
-        .bind(1 + (i % 3) as i32)
-        .execute(&mut *tx)
-        .await?;
-        let event = NewEvent::new(
-            "order",
-            &order,
-            "OrderPlaced",
-            &json!({"order": order, "sku": "A-1"}),
-        )?;
-        let id = outbox.enqueue(&mut *tx, event).await?.to_string();
-        if i % 10 == 9 {
-            tx.rollback().await?;
-            rolled_back.insert(id);
-        } else {
-            outbox.commit(tx).await?;
-            committed.insert(id);
-        }
-        if i == args.orders / 2 && !crashed {
-            // Crash the relay mid-stream: its tasks die with batches in
-            // flight; their rows stay in the outbox for the next relay.
-            first.abort();
-            crashed = true;
-            println!("demo: relay killed after {i} orders; starting a new one");
-        }
-        if i % 500 == 499 {
-            println!(
-                "demo: {} orders placed, {} events seen by the consumer",
-                i + 1,
-                seen.lock().unwrap().len()
-            );
+        Err(e) => {
+            eprintln!("demo: {e:#}");
+            ExitCode::from(2)
         }
     }
-    let second_stop = CancellationToken::new();
-    let relay2 = Relay::new(pool.clone(), relay_config).await?;
-    let second = tokio::spawn({
-        let stop = second_stop.clone();
-        async move { relay2.run(stop).await }
+}
+
+async fn run(args: Args) -> Result<bool> {
+    let started = Instant::now();
+    let total = args.orders as usize;
+    let dbs = env::databases(&args.database_url).await?;
+    let amqp = Connection::connect(&args.amqp_url, ConnectionProperties::default())
+        .await
+        .context("connecting to RabbitMQ (run `make services`)")?;
+    env::reset_broker(&amqp).await?;
+
+    // The three services, each on its own database.
+    let state = orders::setup(&dbs.orders, SCHEMA)
+        .await
+        .context("setting up the orders service")?;
+    let orders_store = state.orders().clone();
+    let stock = inventory::Stock::setup(&dbs.inventory, SCHEMA).await?;
+    for sku in SKUS {
+        stock.seed(&dbs.inventory, sku, INITIAL_STOCK).await?;
+    }
+    let notes = notifications::Notifications::setup(&dbs.notifications, SCHEMA).await?;
+    inventory::declare_queue(&args.amqp_url, INVENTORY_QUEUE, EXCHANGE, BINDING_KEY).await?;
+    notifications::declare_queue(&args.amqp_url, NOTIFICATIONS_QUEUE, EXCHANGE, BINDING_KEY)
+        .await?;
+    env::declare_audit_queue(&amqp).await?;
+    println!(
+        "demo: demo_orders, demo_inventory, demo_notifications migrated (schema {SCHEMA}); \
+         stock {INITIAL_STOCK} of each of {}",
+        SKUS.join(", ")
+    );
+
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let http_stop = CancellationToken::new();
+    let http = tokio::spawn(
+        axum::serve(listener, orders::router(state))
+            .with_graceful_shutdown(http_stop.clone().cancelled_owned())
+            .into_future(),
+    );
+    let inventory = inventory::consumer(
+        &args.amqp_url,
+        INVENTORY_QUEUE,
+        SCHEMA,
+        dbs.inventory.clone(),
+        stock.clone(),
+    )?;
+    let notifier = notifications::consumer(
+        &args.amqp_url,
+        NOTIFICATIONS_QUEUE,
+        SCHEMA,
+        dbs.notifications.clone(),
+        notes.clone(),
+    )?;
+    let consumers_stop = CancellationToken::new();
+    let consumer_tasks = [inventory.clone(), notifier.clone()].map(|c| {
+        let stop = consumers_stop.clone();
+        tokio::spawn(async move { c.run(stop).await })
     });
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while committed
-        .iter()
-        .any(|id| !seen.lock().unwrap().contains_key(id))
-        && Instant::now() < deadline
-    {
+    let wire = Arc::new(Wire::default());
+    let tap = wire::tap(&amqp, wire.clone()).await?;
+    let relay_config = relay::config(&args.amqp_url);
+    let mut relay = relay::start(&dbs.relay, &relay_config).await?;
+    println!(
+        "demo: orders API on http://{addr}; relay, inventory and notifications consumers running; \
+         {} clients placing {total} orders",
+        args.clients
+    );
+
+    let traffic = Arc::new(Traffic::default());
+    let driving = tokio::spawn(traffic::drive(
+        addr,
+        total,
+        args.clients as usize,
+        traffic.clone(),
+    ));
+    let abandoning = tokio::spawn({
+        let pool = dbs.orders.clone();
+        async move { traffic::abandon(&orders_store, &pool, 100).await }
+    });
+    let progress = Progress {
+        started,
+        total,
+        traffic: traffic.clone(),
+        wire: wire.clone(),
+        inventory: inventory.clone(),
+        notifications: notifier.clone(),
+        orders_db: dbs.orders.clone(),
+    };
+    let ticker = progress.clone().spawn();
+
+    // Trouble, at fixed points of the stream.
+    let accepted = || traffic.accepted.load(Ordering::SeqCst) as usize;
+    let mut crashes = 0;
+    reach(&driving, || accepted() >= total / 3).await;
+    relay = crash_and_restart(relay, &wire, &dbs.relay, &relay_config, accepted()).await?;
+    crashes += 1;
+    reach(&driving, || accepted() >= total / 2).await;
+    let mut injected = inject(&amqp, &wire, 150, 1).await?;
+    reach(&driving, || accepted() >= total * 2 / 3).await;
+    relay = crash_and_restart(relay, &wire, &dbs.relay, &relay_config, accepted()).await?;
+    crashes += 1;
+    driving.await.context("HTTP clients")?;
+    let abandoned = abandoning.await?.context("rolled-back transactions")?;
+    println!("demo: all orders sent; waiting for the relay to drain the outbox");
+
+    let drained = wait(CATCH_UP, || async {
+        outbox_backlog(&dbs.orders).await == 0 && wire.distinct() >= accepted() as u64
+    })
+    .await;
+    if drained {
+        // Copies of events long applied, each sent twice back to back.
+        injected += inject(&amqp, &wire, 100, 2).await?;
+    }
+    let expected = wire.deliveries() + injected;
+    wait(CATCH_UP, || async {
+        inventory.stats().settled() >= expected && notifier.stats().settled() >= expected
+    })
+    .await;
+    ticker.abort();
+    progress.print().await;
+
+    relay.stop().await?;
+    consumers_stop.cancel();
+    for task in consumer_tasks {
+        task.await?.context("consumer failed")?;
+    }
+    http_stop.cancel();
+    http.await?.context("orders API")?;
+    tap.abort();
+
+    let facts = Sources {
+        elapsed: started.elapsed(),
+        relay_kills: crashes,
+        injected,
+        abandoned: &abandoned,
+        inventory: inventory.stats(),
+        notifications: notifier.stats(),
+        orders_db: &dbs.orders,
+        inventory_db: &dbs.inventory,
+        notifications_db: &dbs.notifications,
+        stock: &stock,
+        notes: &notes,
+        traffic: &traffic,
+        wire: &wire,
+    }
+    .gather()
+    .await?;
+    let passed = facts.print();
+    env::reset_broker(&amqp).await?;
+    let _ = amqp.close(200, "demo over".into()).await;
+    println!(
+        "\nThe data stays in schema {SCHEMA} of demo_orders, demo_inventory and \
+         demo_notifications until the next run."
+    );
+    Ok(passed)
+}
+
+/// Waits until `reached` holds or the clients are done.
+async fn reach(driving: &JoinHandle<()>, reached: impl Fn() -> bool) {
+    while !reached() && !driving.is_finished() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Polls `done` until it holds or `limit` passes; returns whether it held.
+async fn wait<F, Fut>(limit: Duration, mut done: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if done().await {
+            return true;
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    second_stop.cancel();
-    stop.cancel();
-    second.await??;
-    consume.abort();
-    let left: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM \"{schema}\".outbox"
-    )))
-    .fetch_one(&pool)
-    .await?;
+    false
+}
 
-    let seen = seen.lock().unwrap().clone();
-    let published = committed.iter().filter(|id| seen.contains_key(*id)).count();
-    let leaked = rolled_back
-        .iter()
-        .filter(|id| seen.contains_key(*id))
-        .count();
-    let duplicates: usize = seen.values().map(|c| c - 1).sum();
+/// Crashes the relay while it publishes (right after a message of it
+/// arrives), leaves it down for half a second, and starts a new one.
+async fn crash_and_restart(
+    relay: RunningRelay,
+    wire: &Wire,
+    pool: &PgPool,
+    config: &RelayConfig,
+    accepted: usize,
+) -> Result<RunningRelay> {
+    let _ = tokio::time::timeout(Duration::from_secs(1), wire.activity.notified()).await;
+    relay.kill();
+    println!("demo: relay CRASHED mid-batch after {accepted} orders; restarting in 0.5 s");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let relay = relay::start(pool, config).await?;
     println!(
-        "\n==== report ({:.1}s) ====",
-        started.elapsed().as_secs_f64()
+        "demo: relay restarted with a backlog of {} events",
+        outbox_backlog(pool).await
     );
-    println!("orders committed               {}", committed.len());
-    println!("orders rolled back             {}", rolled_back.len());
-    println!("events published (distinct)    {published}");
-    println!("duplicate deliveries on wire   {duplicates}");
-    println!("rolled-back events published   {leaked}");
-    println!("events left in the outbox      {left}");
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
-        .execute(&pool)
-        .await?;
-    let _ = ch
-        .exchange_delete(exchange.as_str().into(), Default::default())
-        .await;
-    ensure!(
-        published == committed.len(),
-        "CHECK FAILED: {} committed events were never published",
-        committed.len() - published
-    );
-    ensure!(
-        leaked == 0,
-        "CHECK FAILED: {leaked} events of rolled-back transactions were published"
-    );
-    ensure!(left == 0, "CHECK FAILED: {left} events left in the outbox");
+    Ok(relay)
+}
+
+/// Sends `n` already-published messages again, `copies` times each,
+/// straight to both consumers' queues.
+async fn inject(amqp: &Connection, wire: &Wire, n: usize, copies: usize) -> Result<u64> {
+    let samples = wire.take_samples(n);
+    let queues = [INVENTORY_QUEUE, NOTIFICATIONS_QUEUE];
+    let sent = wire::inject(amqp, &samples, &queues, copies)
+        .await
+        .context("injecting duplicates")?;
     println!(
-        "checks: every committed event published, no rolled-back event published, outbox empty: OK"
+        "demo: injected {sent} duplicate deliveries into each consumer queue ({} events{})",
+        samples.len(),
+        if copies > 1 {
+            ", twice each, back to back"
+        } else {
+            ""
+        }
     );
-    Ok(())
+    Ok(sent)
+}
+
+async fn outbox_backlog(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {SCHEMA}.outbox"
+    )))
+    .fetch_one(pool)
+    .await
+    .unwrap_or(-1)
 }

@@ -2,6 +2,10 @@
 //! exchange and queue names per test, and waits on conditions with
 //! deadlines (never sleep-and-hope).
 
+mod proxy;
+
+pub use proxy::{Mode, Proxy};
+
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};

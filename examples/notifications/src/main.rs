@@ -1,0 +1,94 @@
+//! `notifications`: the example notifications consumer, on its own.
+
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+
+/// Notifications consumer: records one notification per OrderPlaced
+/// event, exactly once, whatever the duplicates.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// PostgreSQL URL of the notifications's own database [default: $DATABASE_URL].
+    #[arg(long, env = "NOTIFICATIONS_DATABASE_URL", hide_env_values = true)]
+    database_url: Option<String>,
+    /// RabbitMQ URL.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        hide_env_values = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
+    amqp_url: String,
+    /// Schema holding the notifications and inbox tables (migrated at start).
+    #[arg(long, env = "NOTIFICATIONS_SCHEMA", default_value = "public")]
+    schema: String,
+    /// Queue to consume (declared, with its retry queue and DLQ).
+    #[arg(long, env = "NOTIFICATIONS_QUEUE", default_value = notifications::DEFAULT_QUEUE)]
+    queue: String,
+    /// The relay's exchange, which the queue is bound to.
+    #[arg(long, env = "OUTBOX_EXCHANGE", default_value = "outbox.events")]
+    exchange: String,
+    /// Binding key of the queue.
+    #[arg(long, default_value = "order.#")]
+    binding_key: String,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    match run(Args::parse()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("notifications: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<()> {
+    let Some(database_url) = args
+        .database_url
+        .or_else(|| std::env::var("DATABASE_URL").ok())
+    else {
+        bail!("set --database-url, NOTIFICATIONS_DATABASE_URL or DATABASE_URL");
+    };
+    let pool = sqlx::PgPool::connect(&database_url)
+        .await
+        .context("connecting to PostgreSQL")?;
+    let notes = notifications::Notifications::setup(&pool, &args.schema)
+        .await
+        .with_context(|| format!("preparing schema {}", args.schema))?;
+    notifications::declare_queue(
+        &args.amqp_url,
+        &args.queue,
+        &args.exchange,
+        &args.binding_key,
+    )
+    .await
+    .with_context(|| format!("declaring queue {}", args.queue))?;
+    let consumer = notifications::consumer(&args.amqp_url, &args.queue, &args.schema, pool, notes)?;
+    let shutdown = CancellationToken::new();
+    tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move {
+            let _ = tokio::signal::ctrl_c().await;
+            shutdown.cancel();
+        }
+    });
+    tracing::info!(queue = %args.queue, schema = %args.schema, "notifications consuming");
+    consumer.run(shutdown).await.context("consuming")?;
+    let stats = consumer.stats();
+    tracing::info!(
+        processed = stats.processed,
+        duplicates = stats.duplicates,
+        "notifications stopped"
+    );
+    Ok(())
+}

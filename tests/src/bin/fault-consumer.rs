@@ -1,0 +1,56 @@
+//! A consumer-lib consumer as a process the fault tests can SIGKILL. Its
+//! effect is deliberately not idempotent: one row per application in
+//! `<SCHEMA>.effects` (no unique key), so a double application shows.
+//! Settings: DATABASE_URL, AMQP_URL, SCHEMA, QUEUE.
+
+use anyhow::{Context, Result};
+use outbox_consumer::{Consumer, ConsumerConfig, Event, Handler, Outcome};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgConnection};
+use tokio_util::sync::CancellationToken;
+
+struct Effect {
+    insert: String,
+}
+
+impl Handler for Effect {
+    async fn handle(&self, conn: &mut PgConnection, event: &Event) -> Outcome {
+        match sqlx::query(AssertSqlSafe(self.insert.clone()))
+            .bind(event.id())
+            .execute(conn)
+            .await
+        {
+            Ok(_) => Outcome::Ack,
+            Err(e) => Outcome::Retry(e.to_string()),
+        }
+    }
+}
+
+fn env(name: &str) -> Result<String> {
+    std::env::var(name).with_context(|| format!("{name} is not set"))
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let schema = env("SCHEMA")?;
+    let options: PgConnectOptions = env("DATABASE_URL")?.parse()?;
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.application_name(&format!("fault-consumer-{schema}")))
+        .await?;
+    let mut config = ConsumerConfig::new(env("AMQP_URL")?, env("QUEUE")?, "faults").schema(&schema);
+    config.declare_retry_queues = false;
+    config.max_reconnect_delay = std::time::Duration::from_millis(500);
+    let insert = format!("INSERT INTO \"{schema}\".effects (event_id) VALUES ($1)");
+    let consumer = Consumer::new(config, pool, Effect { insert })?;
+    let stop = CancellationToken::new();
+    tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let _ = tokio::signal::ctrl_c().await;
+            stop.cancel();
+        }
+    });
+    consumer.run(stop).await?;
+    Ok(())
+}

@@ -1,0 +1,58 @@
+//! The relay engine as a process the fault tests can SIGKILL and SIGSTOP.
+//! Settings from the environment: DATABASE_URL, AMQP_URL, SCHEMA, EXCHANGE,
+//! BATCH_SIZE (default 100), LISTEN (default 1).
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use outbox_relay::{Relay, RelayConfig};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio_util::sync::CancellationToken;
+
+fn env(name: &str) -> Result<String> {
+    std::env::var(name).with_context(|| format!("{name} is not set"))
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let schema = env("SCHEMA")?;
+    let options: PgConnectOptions = env("DATABASE_URL")?.parse()?;
+    let options = options
+        .application_name(&format!("fault-relay-{schema}"))
+        .options([
+            ("statement_timeout", "10s"),
+            ("idle_in_transaction_session_timeout", "3s"),
+        ]);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await?;
+    let config = RelayConfig {
+        amqp_url: env("AMQP_URL")?,
+        schema,
+        default_exchange: env("EXCHANGE")?,
+        declare_exchange: None,
+        batch_size: std::env::var("BATCH_SIZE")
+            .ok()
+            .and_then(|b| b.parse().ok())
+            .unwrap_or(100),
+        listen: std::env::var("LISTEN").map_or(true, |l| l != "0"),
+        poll_interval: Duration::from_millis(200),
+        confirm_timeout: Duration::from_secs(3),
+        broker_timeout: Duration::from_secs(3),
+        reconnect_min: Duration::from_millis(50),
+        reconnect_max: Duration::from_millis(500),
+        ..RelayConfig::default()
+    };
+    let relay = Relay::new(pool, config).await?;
+    let stop = CancellationToken::new();
+    tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let _ = tokio::signal::ctrl_c().await;
+            stop.cancel();
+        }
+    });
+    relay.run(stop).await?;
+    Ok(())
+}
