@@ -35,11 +35,13 @@ fmt: ## format the code
 demo: services ## the whole story on this machine: migrate, produce, relay, consume, report
 	$(CARGO) run --release -q -p demo
 
-bench: services ## benchmark against the local services; writes target/bench/results.json
-	$(CARGO) run --release -q -p bench -- --out target/bench/results.json
+bench: services ## benchmark against the local services (a few minutes); writes target/bench/results.json
+	$(CARGO) build --release -q -p relay-bin -p bench
+	./target/release/bench --out target/bench/results.json
 
 bench-smoke: ## the benchmark with tiny counts (CI runs this so it cannot rot)
-	$(CARGO) run -q -p bench -- --smoke --out target/bench/smoke.json
+	$(CARGO) build -q -p relay-bin -p bench
+	./target/debug/bench --smoke --out target/bench/smoke.json
 
 clean-test-schemas: ## drop schemas left behind by failed test runs
 	psql "$(TEST_DATABASE_URL)" -qAt -c "SELECT 'DROP SCHEMA \"' || nspname || '\" CASCADE;' FROM pg_namespace WHERE nspname LIKE 't\_%'" | psql "$(TEST_DATABASE_URL)" -q
