@@ -255,25 +255,28 @@ pub(crate) async fn measure(
 ) -> Result<ConsumerResults> {
     let conn = connect(url).await?;
     let base = format!("bench.cons.{}", suffix());
-    let queues: Vec<String> = ["per_event", "batch", "raw", "hand", "child"]
-        .iter()
-        .map(|q| format!("{base}.{q}"))
-        .collect();
+    let names = ["hand1", "batch1", "raw1", "hand2", "batch2", "raw2", "per_event", "child"];
+    let queues: Vec<String> = names.iter().map(|q| format!("{base}.{q}")).collect();
     preload(&conn, &base, &queues, n).await?;
-    let raw_ack_per_s = raw_ack_rate(url, &queues[2], n).await?;
-    let hand_written_per_s = hand_written_rate(pool, url, &queues[3], n).await?;
-    let batch_per_s = library_rate(pool, url, &queues[1], n, true).await?;
-    let per_event_per_s = library_rate(pool, url, &queues[0], n, false).await?;
-    let peak_rss_mib = child_rss(database_url, url, &queues[4], n)?;
+    // Short runs are noisy on a shared 2-core machine: measure the three
+    // baselines twice, interleaved, and keep the best of each.
+    let (mut hand, mut batch, mut raw) = (0f64, 0f64, 0f64);
+    for round in 0..2 {
+        hand = hand.max(hand_written_rate(pool, url, &queues[round * 3], n).await?);
+        batch = batch.max(library_rate(pool, url, &queues[round * 3 + 1], n, true).await?);
+        raw = raw.max(raw_ack_rate(url, &queues[round * 3 + 2], n).await?);
+    }
+    let per_event_per_s = library_rate(pool, url, &queues[6], n, false).await?;
+    let peak_rss_mib = child_rss(database_url, url, &queues[7], n)?;
     for q in &queues {
         drop_queue(&conn, q).await?;
     }
     let _ = drop_queue(&conn, &base).await;
     Ok(ConsumerResults {
         per_event_per_s,
-        batch_per_s,
-        raw_ack_per_s,
-        hand_written_per_s,
+        batch_per_s: batch,
+        raw_ack_per_s: raw,
+        hand_written_per_s: hand,
         peak_rss_mib,
     })
 }
