@@ -20,6 +20,9 @@ use crate::queries::Queries;
 use crate::settle::{Settled, settle};
 use crate::wake::{listen, sleep_or_cancel};
 
+/// One round trip: a transaction whose commit does not wait for the flush.
+const BEGIN_ASYNC_COMMIT: &str = "BEGIN; SET LOCAL synchronous_commit = off";
+
 /// What one batch did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct BatchReport {
@@ -145,7 +148,12 @@ impl Relay {
         // `begin` is never raced against a timeout (a cancelled begin can
         // leak an open transaction into the pool); statement_timeout and
         // idle_in_transaction_session_timeout bound the database side.
-        let mut tx = inner.pool.begin().await?;
+        //
+        // The settle commits without waiting for the WAL flush: losing it
+        // in a database crash only means its events are published again,
+        // which at-least-once allows and consumers absorb. It keeps the
+        // relay's fsyncs off the producers' commit path.
+        let mut tx = inner.pool.begin_with(BEGIN_ASYNC_COMMIT).await?;
         let events: Vec<ClaimedEvent> = sqlx::query_as(inner.queries.claim.clone())
             .bind(cfg.batch_size as i64)
             .fetch_all(&mut *tx)

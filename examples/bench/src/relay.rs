@@ -71,6 +71,11 @@ fn relay_config(url: &str, schema: &str, exchange: &str) -> RelayConfig {
         schema: schema.to_owned(),
         default_exchange: exchange.to_owned(),
         declare_exchange: None,
+        poll_interval: std::env::var("BENCH_POLL_MS")
+            .ok()
+            .and_then(|w| w.parse().ok())
+            .map_or(RelayConfig::default().poll_interval, Duration::from_millis),
+        workers: std::env::var("BENCH_RELAY_WORKERS").ok().and_then(|w| w.parse().ok()).unwrap_or(RelayConfig::default().workers),
         ..RelayConfig::default()
     }
 }
@@ -254,7 +259,12 @@ pub(crate) async fn latency(pool: &PgPool, url: &str, secs: f64) -> Result<Vec<(
     });
     tokio::time::sleep(Duration::from_millis(500)).await; // connected and listening
 
-    let ob = Outbox::new(pool, OutboxConfig::default().schema(&schema)).await?;
+    let wakeup = match std::env::var("BENCH_WAKEUP").as_deref() {
+        Ok("in_transaction") => outbox::Wakeup::InTransaction,
+        Ok("poll_only") => outbox::Wakeup::PollOnly,
+        _ => outbox::Wakeup::AfterCommit,
+    };
+    let ob = Outbox::new(pool, OutboxConfig::default().schema(&schema).wakeup(wakeup)).await?;
     let total = (secs * 1000.0) as usize;
     let mut tick = tokio::time::interval(Duration::from_millis(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
