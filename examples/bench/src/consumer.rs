@@ -131,6 +131,9 @@ async fn library_rate(pool: &PgPool, url: &str, queue: &str, n: usize, batch: bo
     let schema = consumer_schema(pool).await?;
     let mut cfg = ConsumerConfig::new(url, queue, "bench").schema(&schema);
     cfg.declare_retry_queues = false;
+    if let Some(ms) = std::env::var("BENCH_LINGER_MS").ok().and_then(|m| m.parse().ok()) {
+        cfg.batch_max_wait = Duration::from_millis(ms);
+    }
     let consumer = if batch {
         Consumer::with_batch_handler(
             cfg,
