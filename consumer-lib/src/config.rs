@@ -24,8 +24,9 @@ pub enum DedupKey {
 /// Configuration of a [`Consumer`](crate::Consumer).
 ///
 /// Build it with [`ConsumerConfig::new`] and change the public fields you
-/// need; [`Consumer::new`](crate::Consumer::new) validates it.
-#[derive(Debug, Clone)]
+/// need; [`Consumer::new`](crate::Consumer::new) validates it. Its `Debug`
+/// output redacts the password of `amqp_url`.
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct ConsumerConfig {
     /// AMQP URL of the broker (`amqp://user:pass@host:5672/%2f`).
@@ -74,6 +75,27 @@ pub struct ConsumerConfig {
     /// connection without acking and return from `run`.
     #[doc(hidden)]
     pub crash_after_commit: bool,
+}
+
+impl std::fmt::Debug for ConsumerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsumerConfig")
+            .field("amqp_url", &outbox::redact::redact_url(&self.amqp_url))
+            .field("queue", &self.queue)
+            .field("consumer_name", &self.consumer_name)
+            .field("schema", &self.schema)
+            .field("prefetch", &self.prefetch)
+            .field("batch_size", &self.batch_size)
+            .field("batch_max_wait", &self.batch_max_wait)
+            .field("max_retries", &self.max_retries)
+            .field("retry_delay", &self.retry_delay)
+            .field("max_retry_delay", &self.max_retry_delay)
+            .field("dedup_key", &self.dedup_key)
+            .field("broker_timeout", &self.broker_timeout)
+            .field("max_reconnect_delay", &self.max_reconnect_delay)
+            .field("declare_retry_queues", &self.declare_retry_queues)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ConsumerConfig {

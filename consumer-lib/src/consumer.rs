@@ -261,6 +261,10 @@ impl Consumer {
             channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()),
         )
         .await;
+        // Channels first: closing a connection under open channels makes
+        // lapin log errors on a clean shutdown.
+        let _ = bounded("channel close", t, publisher.close(200, "bye".into())).await;
+        let _ = bounded("channel close", t, channel.close(200, "bye".into())).await;
         Ok(End::Shutdown)
     }
 

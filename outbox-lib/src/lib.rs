@@ -32,6 +32,7 @@ mod idempotency;
 mod ident;
 mod migrate;
 mod outbox;
+pub mod redact;
 mod wakeup;
 pub mod wire;
 

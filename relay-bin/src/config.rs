@@ -5,8 +5,9 @@ use outbox::Ident;
 use crate::error::{Error, Result};
 
 /// Everything the relay engine needs, validated. The CLI builds one from
-/// flags and environment; an embedding service builds one in code.
-#[derive(Debug, Clone)]
+/// flags and environment; an embedding service builds one in code. Its
+/// `Debug` output redacts the password of `amqp_url`.
+#[derive(Clone)]
 pub struct RelayConfig {
     /// AMQP URL (`amqp://` or `amqps://`).
     pub amqp_url: String,
@@ -73,6 +74,31 @@ impl Default for RelayConfig {
     }
 }
 
+impl std::fmt::Debug for RelayConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayConfig")
+            .field("amqp_url", &outbox::redact::redact_url(&self.amqp_url))
+            .field("schema", &self.schema)
+            .field("default_exchange", &self.default_exchange)
+            .field("declare_exchange", &self.declare_exchange)
+            .field("batch_size", &self.batch_size)
+            .field("workers", &self.workers)
+            .field("poll_interval", &self.poll_interval)
+            .field("listen", &self.listen)
+            .field("max_attempts", &self.max_attempts)
+            .field("retry_base", &self.retry_base)
+            .field("retry_max", &self.retry_max)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("broker_timeout", &self.broker_timeout)
+            .field("max_payload_bytes", &self.max_payload_bytes)
+            .field("archive", &self.archive)
+            .field("drain_timeout", &self.drain_timeout)
+            .field("reconnect_min", &self.reconnect_min)
+            .field("reconnect_max", &self.reconnect_max)
+            .finish()
+    }
+}
+
 impl RelayConfig {
     /// Checks every setting; returns the validated schema identifier.
     pub fn validate(&self) -> Result<Ident> {
@@ -81,7 +107,7 @@ impl RelayConfig {
         if !(self.amqp_url.starts_with("amqp://") || self.amqp_url.starts_with("amqps://")) {
             return bad(format!(
                 "AMQP URL must start with amqp:// or amqps://, got {}",
-                crate::redact::redact_url(&self.amqp_url)
+                outbox::redact::redact_url(&self.amqp_url)
             ));
         }
         if self.batch_size == 0 || self.batch_size > 10_000 {
@@ -145,6 +171,19 @@ pub(crate) fn backoff(base: Duration, max: Duration, attempt: u32) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_output_redacts_the_password() {
+        let cfg = RelayConfig {
+            amqp_url: "amqp://relay:hunter2@broker/%2f".into(),
+            ..Default::default()
+        };
+        let text = format!("{cfg:?}");
+        assert!(
+            !text.contains("hunter2") && text.contains("relay:***@broker"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn defaults_are_valid() {

@@ -37,7 +37,10 @@ mod message;
 mod outage;
 mod publish;
 mod queries;
-pub mod redact;
+/// Password redaction for URLs (shared with the other crates).
+pub mod redact {
+    pub use outbox::redact::{redact_url, scrub};
+}
 mod settle;
 pub mod status;
 mod wake;

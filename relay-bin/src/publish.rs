@@ -11,7 +11,7 @@ use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKin
 
 use crate::error::{Error, Result};
 use crate::message::ClaimedEvent;
-use crate::redact::redact_url;
+use outbox::redact::redact_url;
 
 /// What the broker said about one event.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -131,7 +131,10 @@ async fn library_rate(pool: &PgPool, url: &str, queue: &str, n: usize, batch: bo
     let schema = consumer_schema(pool).await?;
     let mut cfg = ConsumerConfig::new(url, queue, "bench").schema(&schema);
     cfg.declare_retry_queues = false;
-    if let Some(ms) = std::env::var("BENCH_LINGER_MS").ok().and_then(|m| m.parse().ok()) {
+    if let Some(ms) = std::env::var("BENCH_LINGER_MS")
+        .ok()
+        .and_then(|m| m.parse().ok())
+    {
         cfg.batch_max_wait = Duration::from_millis(ms);
     }
     let consumer = if batch {
@@ -258,7 +261,16 @@ pub(crate) async fn measure(
 ) -> Result<ConsumerResults> {
     let conn = connect(url).await?;
     let base = format!("bench.cons.{}", suffix());
-    let names = ["hand1", "batch1", "raw1", "hand2", "batch2", "raw2", "per_event", "child"];
+    let names = [
+        "hand1",
+        "batch1",
+        "raw1",
+        "hand2",
+        "batch2",
+        "raw2",
+        "per_event",
+        "child",
+    ];
     let queues: Vec<String> = names.iter().map(|q| format!("{base}.{q}")).collect();
     preload(&conn, &base, &queues, n).await?;
     // Short runs are noisy on a shared 2-core machine: measure the three

@@ -22,11 +22,12 @@ struct Args {
         default_value = "postgres://postgres@127.0.0.1:5432/test"
     )]
     database_url: String,
-    /// RabbitMQ URL.
+    /// RabbitMQ URL (default: the local broker, guest account).
     #[arg(
         long,
         env = "AMQP_URL",
         hide_env_values = true,
+        hide_default_value = true,
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     amqp_url: String,

@@ -75,7 +75,10 @@ fn relay_config(url: &str, schema: &str, exchange: &str) -> RelayConfig {
             .ok()
             .and_then(|w| w.parse().ok())
             .map_or(RelayConfig::default().poll_interval, Duration::from_millis),
-        workers: std::env::var("BENCH_RELAY_WORKERS").ok().and_then(|w| w.parse().ok()).unwrap_or(RelayConfig::default().workers),
+        workers: std::env::var("BENCH_RELAY_WORKERS")
+            .ok()
+            .and_then(|w| w.parse().ok())
+            .unwrap_or(RelayConfig::default().workers),
         ..RelayConfig::default()
     }
 }

@@ -14,11 +14,12 @@ struct Args {
     /// PostgreSQL URL of the inventory's own database [default: $DATABASE_URL].
     #[arg(long, env = "INVENTORY_DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
-    /// RabbitMQ URL.
+    /// RabbitMQ URL (default: the local broker, guest account).
     #[arg(
         long,
         env = "AMQP_URL",
         hide_env_values = true,
+        hide_default_value = true,
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     amqp_url: String,
