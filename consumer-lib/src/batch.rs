@@ -69,9 +69,9 @@ pub(crate) async fn process(
                 )
                 .await?
                 {
-                    None => true,
-                    Some(failure) => {
-                        known = Some(failure);
+                    Pass1::Done => true,
+                    Pass1::Failed(failure) => {
+                        known = failure;
                         false
                     }
                 }
@@ -131,6 +131,16 @@ struct Pass {
     known: Option<(usize, Outcome)>,
 }
 
+/// How a pass of [`run_each`] ended.
+enum Pass1 {
+    /// Every event handled (or, isolated, every outcome recorded).
+    Done,
+    /// A non-isolated pass hit a failure: rerun isolated. The failing
+    /// event's outcome is kept when it is the handler's own decision, not
+    /// the echo of an earlier handler's swallowed database error.
+    Failed(Option<(usize, Outcome)>),
+}
+
 /// Runs the per-event handler for each fresh event. A non-isolated pass
 /// stops at the first failure and returns it: the batch must be rerun
 /// isolated.
@@ -142,7 +152,7 @@ async fn run_each(
     runs: &[usize],
     pass: Pass,
     verdicts: &mut [Verdict],
-) -> sqlx::Result<Option<(usize, Outcome)>> {
+) -> sqlx::Result<Pass1> {
     for &i in runs {
         if let Some((k, o)) = &pass.known
             && *k == i
@@ -160,7 +170,15 @@ async fn run_each(
             .await;
         if !pass.isolated {
             if !outcome.is_ack() {
-                return Ok(Some((i, outcome)));
+                // If an earlier handler returned Ack after one of its
+                // statements failed, this failure is only the aborted
+                // transaction's echo: ask this event again when isolated.
+                let aborted = match sqlx::raw_sql("SELECT 1").execute(&mut *tx).await {
+                    Ok(_) => false,
+                    Err(e) if in_failed_transaction(&e) => true,
+                    Err(e) => return Err(e),
+                };
+                return Ok(Pass1::Failed((!aborted).then_some((i, outcome))));
             }
         } else if outcome.is_ack() {
             match sqlx::raw_sql("RELEASE SAVEPOINT outbox_event")
@@ -180,7 +198,7 @@ async fn run_each(
         }
         verdicts[i] = Verdict::Handled(outcome);
     }
-    Ok(None)
+    Ok(Pass1::Done)
 }
 
 /// Runs the batch handler over the fresh events; returns true when every

@@ -101,8 +101,16 @@ pub(crate) fn dedup_key(
     payload: &[u8],
     key: &DedupKey,
 ) -> Result<String, String> {
-    let json: Value =
-        serde_json::from_slice(payload).map_err(|e| format!("body is not valid JSON: {e}"))?;
+    let not_json = |e: serde_json::Error| format!("body is not valid JSON: {e}");
+    // Only a payload-field key needs the parsed document; otherwise just
+    // check the body is JSON, without building it.
+    let json: Option<Value> = match key {
+        DedupKey::PayloadField(_) => Some(serde_json::from_slice(payload).map_err(not_json)?),
+        _ => {
+            serde_json::from_slice::<serde::de::IgnoredAny>(payload).map_err(not_json)?;
+            None
+        }
+    };
     let id = match key {
         DedupKey::MessageId => props
             .message_id()
@@ -116,7 +124,7 @@ pub(crate) fn dedup_key(
             .and_then(amqp_text)
             .map(Cow::into_owned)
             .ok_or_else(|| format!("message has no text header {h:?} (the dedup key)"))?,
-        DedupKey::PayloadField(p) => match json.pointer(p) {
+        DedupKey::PayloadField(p) => match json.as_ref().and_then(|j| j.pointer(p)) {
             Some(Value::String(s)) => s.clone(),
             Some(v @ (Value::Number(_) | Value::Bool(_))) => v.to_string(),
             _ => {
@@ -129,8 +137,22 @@ pub(crate) fn dedup_key(
     if id.is_empty() {
         return Err("the dedup key is empty".to_owned());
     }
+    // PostgreSQL refuses NUL in text, and a B-tree entry must fit a page:
+    // such keys could never be recorded, so the batch would never commit.
+    if id.contains('\0') {
+        return Err("the dedup key contains a NUL character".to_owned());
+    }
+    if id.len() > MAX_DEDUP_KEY_BYTES {
+        return Err(format!(
+            "the dedup key is {} bytes, over the limit of {MAX_DEDUP_KEY_BYTES}",
+            id.len()
+        ));
+    }
     Ok(id)
 }
+
+/// Longest dedup key accepted; longer keys are poison (dead-lettered).
+pub const MAX_DEDUP_KEY_BYTES: usize = 512;
 
 pub(crate) fn amqp_text(v: &AMQPValue) -> Option<Cow<'_, str>> {
     match v {
@@ -206,5 +228,20 @@ mod tests {
         assert!(bad.unwrap_err().contains("not valid JSON"));
         let missing = dedup_key(&props(), b"{}", &DedupKey::PayloadField("/x".into()));
         assert!(missing.unwrap_err().contains("/x"));
+        // Keys the inbox could never store are poison, not an endless retry.
+        let nul = BasicProperties::default().with_message_id("a\0b".into());
+        assert!(
+            dedup_key(&nul, b"{}", &DedupKey::MessageId)
+                .unwrap_err()
+                .contains("NUL")
+        );
+        let long = format!("{{\"k\": \"{}\"}}", "x".repeat(MAX_DEDUP_KEY_BYTES + 1));
+        let err = dedup_key(
+            &props(),
+            long.as_bytes(),
+            &DedupKey::PayloadField("/k".into()),
+        )
+        .unwrap_err();
+        assert!(err.contains("over the limit"), "{err}");
     }
 }

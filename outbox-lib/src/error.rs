@@ -14,6 +14,15 @@ pub enum Error {
         /// The name of the empty field.
         field: &'static str,
     },
+    /// A name that travels as an AMQP short string (event type, exchange,
+    /// routing key, a header name) is over 255 bytes.
+    #[error("{field} is {len} bytes; AMQP allows at most 255")]
+    NameTooLong {
+        /// Which name.
+        field: &'static str,
+        /// Its length in bytes.
+        len: usize,
+    },
     /// The serialised payload is larger than the configured limit.
     #[error("event payload is {size} bytes, over the limit of {limit} bytes")]
     PayloadTooLarge {

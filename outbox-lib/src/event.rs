@@ -168,6 +168,29 @@ impl NewEvent {
                 return Err(Error::EmptyField { field });
             }
         }
+        let default_key;
+        let routing_key = match &self.routing_key {
+            Some(k) => k.as_str(),
+            None => {
+                default_key =
+                    crate::wire::default_routing_key(&self.aggregate_type, &self.event_type);
+                default_key.as_str()
+            }
+        };
+        let names = [
+            ("event_type", self.event_type.as_str()),
+            ("exchange", self.exchange.as_deref().unwrap_or("")),
+            ("routing_key", routing_key),
+        ];
+        let header_names = self.headers.keys().map(|k| ("a header name", k.as_str()));
+        for (field, name) in names.into_iter().chain(header_names) {
+            if name.len() > 255 {
+                return Err(Error::NameTooLong {
+                    field,
+                    len: name.len(),
+                });
+            }
+        }
         if self.payload.len() > max_payload_bytes {
             return Err(Error::PayloadTooLarge {
                 size: self.payload.len(),
@@ -266,6 +289,46 @@ mod tests {
             e.validate(10),
             Err(Error::EmptyField {
                 field: "event_type"
+            })
+        ));
+        let long = "x".repeat(256);
+        let e = NewEvent::from_json("a", "1", &long, "{}").unwrap();
+        assert!(matches!(
+            e.validate(10),
+            Err(Error::NameTooLong {
+                field: "event_type",
+                len: 256
+            })
+        ));
+        let e = NewEvent::from_json("a", "1", "E", "{}")
+            .unwrap()
+            .routing_key(&long);
+        assert!(matches!(
+            e.validate(10),
+            Err(Error::NameTooLong {
+                field: "routing_key",
+                ..
+            })
+        ));
+        let e = NewEvent::from_json(&long[..250], "1", "Event", "{}").unwrap();
+        assert!(
+            matches!(
+                e.validate(10),
+                Err(Error::NameTooLong {
+                    field: "routing_key",
+                    ..
+                })
+            ),
+            "the derived key counts"
+        );
+        let e = NewEvent::from_json("a", "1", "E", "{}")
+            .unwrap()
+            .header(long.clone(), 1);
+        assert!(matches!(
+            e.validate(10),
+            Err(Error::NameTooLong {
+                field: "a header name",
+                ..
             })
         ));
         let e = NewEvent::from_json("a", "1", "E", "\"0123456789\"").unwrap();

@@ -70,20 +70,15 @@ const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78_2d6d;
 /// to do).
 pub async fn apply(pool: &PgPool, set: &MigrationSet, schema: &Ident) -> Result<Vec<i32>> {
     let mut conn = pool.acquire().await?;
+    // This session takes a session-level lock; whatever happens (an
+    // error, an aborted transaction, a cancelled future) it must not go
+    // back to the pool still holding it. Closing it releases the lock.
+    conn.close_on_drop();
     sqlx::query("SELECT pg_advisory_lock($1)")
         .bind(MIGRATION_LOCK_KEY)
         .execute(&mut *conn)
         .await?;
-    let result = apply_locked(&mut conn, set, schema).await;
-    // Unlock even when a migration failed; the session lock would otherwise
-    // live on in the pooled connection.
-    let unlock = sqlx::query("SELECT pg_advisory_unlock($1)")
-        .bind(MIGRATION_LOCK_KEY)
-        .execute(&mut *conn)
-        .await;
-    let applied = result?;
-    unlock?;
-    Ok(applied)
+    apply_locked(&mut conn, set, schema).await
 }
 
 async fn apply_locked(
@@ -93,20 +88,20 @@ async fn apply_locked(
 ) -> Result<Vec<i32>> {
     let s = schema.quoted();
     // In a transaction so SET LOCAL silences the "already exists" notices.
+    let mut tx = conn.begin().await?;
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "BEGIN;
-         SET LOCAL client_min_messages = warning;
+        "SET LOCAL client_min_messages = warning;
          CREATE SCHEMA IF NOT EXISTS {s};
          CREATE TABLE IF NOT EXISTS {s}.outbox_toolkit_migrations (
              migration_set text NOT NULL,
              version integer NOT NULL,
              name text NOT NULL,
              applied_at timestamptz NOT NULL DEFAULT now(),
-             PRIMARY KEY (migration_set, version));
-         COMMIT;"
+             PRIMARY KEY (migration_set, version));"
     )))
-    .execute(&mut *conn)
+    .execute(&mut *tx)
     .await?;
+    tx.commit().await?;
     let current = current_version(conn, set, schema).await?;
     check_not_newer(set, schema, current)?;
     let mut applied = Vec::new();

@@ -20,8 +20,11 @@ use crate::queries::Queries;
 use crate::settle::{Settled, settle};
 use crate::wake::{listen, sleep_or_cancel};
 
-/// One round trip: a transaction whose commit does not wait for the flush.
-const BEGIN_ASYNC_COMMIT: &str = "BEGIN; SET LOCAL synchronous_commit = off";
+/// One round trip: a transaction whose commit does not wait for the flush,
+/// with bounds on every statement and on idling inside it, whatever pool
+/// an embedding service hands in (a frozen relay loses its row locks).
+const BEGIN_ASYNC_COMMIT: &str = "BEGIN; SET LOCAL synchronous_commit = off; \
+     SET LOCAL statement_timeout = '30s'; SET LOCAL idle_in_transaction_session_timeout = '60s'";
 
 /// What one batch did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -147,7 +150,8 @@ impl Relay {
         let cfg = &inner.config;
         // `begin` is never raced against a timeout (a cancelled begin can
         // leak an open transaction into the pool); statement_timeout and
-        // idle_in_transaction_session_timeout bound the database side.
+        // idle_in_transaction_session_timeout, set in the same round trip,
+        // bound the database side.
         //
         // The settle commits without waiting for the WAL flush: losing it
         // in a database crash only means its events are published again,
@@ -189,6 +193,13 @@ impl Relay {
                 what: "publisher confirms",
                 timeout: cfg.confirm_timeout,
             });
+        }
+        if let Some(Outcome::ChannelFailed(e)) = outcomes
+            .iter()
+            .find(|o| matches!(o, Outcome::ChannelFailed(_)))
+        {
+            // Settled; now replace the closed channel.
+            return Err(Error::ChannelClosed(e.clone()));
         }
         Ok(BatchReport {
             claimed: events.len(),

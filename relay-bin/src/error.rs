@@ -29,6 +29,10 @@ pub enum Error {
     /// The broker connection or channel was lost or refused an operation.
     #[error("broker: {0}")]
     Broker(#[from] lapin::Error),
+    /// The broker closed a publishing channel (the batch was settled; the
+    /// channel is replaced).
+    #[error("broker closed the channel: {0}")]
+    ChannelClosed(String),
     /// A broker operation did not finish within its timeout.
     #[error("broker did not answer {what} within {timeout:?}")]
     BrokerTimeout {
@@ -44,7 +48,10 @@ impl Error {
     pub fn is_broker(&self) -> bool {
         matches!(
             self,
-            Error::Broker(_) | Error::BrokerConnect { .. } | Error::BrokerTimeout { .. }
+            Error::Broker(_)
+                | Error::BrokerConnect { .. }
+                | Error::BrokerTimeout { .. }
+                | Error::ChannelClosed(_)
         )
     }
 
@@ -54,7 +61,10 @@ impl Error {
             Error::Config(_) => false,
             Error::Outbox(e) => e.is_transient(),
             Error::Database(e) => outbox::__private::is_transient_db(e),
-            Error::BrokerConnect { .. } | Error::Broker(_) | Error::BrokerTimeout { .. } => true,
+            Error::BrokerConnect { .. }
+            | Error::Broker(_)
+            | Error::BrokerTimeout { .. }
+            | Error::ChannelClosed(_) => true,
         }
     }
 }

@@ -46,6 +46,22 @@ impl ClaimedEvent {
             .unwrap_or_else(|| wire::default_routing_key(&self.aggregate_type, &self.event_type))
     }
 
+    /// Why this event cannot go on the wire as it is: AMQP short strings
+    /// (exchange, routing key, `type`, header names) hold at most 255 bytes.
+    pub fn short_string_problem(&self, exchange: &str) -> Option<String> {
+        let too_long = |what: &str, v: &str| {
+            (v.len() > 255).then(|| format!("{what} is {} bytes; AMQP allows at most 255", v.len()))
+        };
+        too_long("event type", &self.event_type)
+            .or_else(|| too_long("exchange", exchange))
+            .or_else(|| too_long("routing key", &self.routing_key()))
+            .or_else(|| {
+                let headers: serde_json::Map<String, Value> =
+                    serde_json::from_str(&self.headers).ok()?;
+                headers.keys().find_map(|k| too_long("a header name", k))
+            })
+    }
+
     /// The AMQP properties of the contract.
     pub fn properties(&self) -> BasicProperties {
         let mut headers = FieldTable::default();
@@ -136,5 +152,25 @@ mod tests {
         assert_eq!(h["x-aggregate-id"], AMQPValue::LongString("o-1".into()));
         assert_eq!(e.routing_key(), "order.OrderPlaced");
         assert_eq!(e.exchange_or("outbox.events"), "outbox.events");
+        assert_eq!(e.short_string_problem("outbox.events"), None);
+    }
+
+    #[test]
+    fn names_over_255_bytes_cannot_be_published() {
+        let long = "x".repeat(256);
+        let mut e = event("{}");
+        e.event_type = long.clone();
+        assert!(e.short_string_problem("x").unwrap().contains("event type"));
+        let mut e = event("{}");
+        e.routing_key = Some(long.clone());
+        assert!(e.short_string_problem("x").unwrap().contains("routing key"));
+        assert!(
+            event("{}")
+                .short_string_problem(&long)
+                .unwrap()
+                .contains("exchange")
+        );
+        let e = event(&format!("{{\"{long}\": 1}}"));
+        assert!(e.short_string_problem("x").unwrap().contains("header name"));
     }
 }

@@ -34,6 +34,14 @@ pub enum Outcome {
     TimedOut,
     /// The exchange does not exist.
     ExchangeNotFound(String),
+    /// The channel failed while the connection stayed up: a channel-level
+    /// refusal (403 on an exchange, a message over the broker's size
+    /// limit, ...). Counted as an attempt so a poison event cannot stall
+    /// its batch for ever; the publisher is replaced.
+    ChannelFailed(String),
+    /// The event can never be published as it is (a name over AMQP's
+    /// 255-byte limit); it is dead-lettered at once.
+    Unpublishable(String),
     /// The payload is over the relay's limit; it is dead-lettered at once.
     TooLarge {
         /// Payload size in bytes.
@@ -53,6 +61,8 @@ impl Outcome {
                 "returned by the broker: {code} {text} (no queue is bound for this exchange and routing key)"
             )),
             Outcome::TimedOut => Some("no publisher confirm within the confirm timeout".to_owned()),
+            Outcome::ChannelFailed(e) => Some(format!("the broker closed the channel: {e}")),
+            Outcome::Unpublishable(why) => Some(why.clone()),
             Outcome::ExchangeNotFound(x) => Some(format!("exchange {x:?} does not exist")),
             Outcome::TooLarge { size, limit } => Some(format!(
                 "payload is {size} bytes, over the relay's limit of {limit} bytes"
@@ -62,7 +72,7 @@ impl Outcome {
 
     /// True when retrying cannot help.
     pub fn is_permanent(&self) -> bool {
-        matches!(self, Outcome::TooLarge { .. })
+        matches!(self, Outcome::TooLarge { .. } | Outcome::Unpublishable(_))
     }
 }
 
@@ -249,12 +259,16 @@ impl Publisher {
                 });
                 continue;
             }
+            if let Some(why) = e.short_string_problem(exchange) {
+                outcomes[i] = Some(Outcome::Unpublishable(why));
+                continue;
+            }
             if missing.contains(exchange) {
                 outcomes[i] = Some(Outcome::ExchangeNotFound(exchange.to_owned()));
                 continue;
             }
             // Hands the frames to lapin's IO loop; the confirm comes later.
-            let confirm = bounded(
+            let published = bounded(
                 "basic.publish",
                 self.broker_timeout,
                 self.channel.basic_publish(
@@ -265,8 +279,17 @@ impl Publisher {
                     e.properties(),
                 ),
             )
-            .await?;
-            pending.push((i, confirm));
+            .await;
+            match published {
+                Ok(confirm) => pending.push((i, confirm)),
+                Err(err) => match self.channel_failure(&err) {
+                    Some(outcome) => {
+                        outcomes[i] = Some(outcome);
+                        break;
+                    }
+                    None => return Err(err),
+                },
+            }
         }
         // Every publish is on the wire; now collect the confirms against one
         // deadline. Awaiting them in order costs no round trips: they are
@@ -274,8 +297,23 @@ impl Publisher {
         let deadline = tokio::time::Instant::now() + confirm_timeout;
         for (i, confirm) in pending {
             outcomes[i] = Some(match tokio::time::timeout_at(deadline, confirm).await {
+                // A blocked connection (memory or disk alarm) is the
+                // broker's state, not the event's: no attempt is counted.
+                Err(_) if self.conn.status().blocked() => {
+                    return Err(Error::BrokerTimeout {
+                        what: "publisher confirms (connection blocked by a broker resource alarm)",
+                        timeout: confirm_timeout,
+                    });
+                }
                 Err(_) => Outcome::TimedOut,
-                Ok(confirmation) => match confirmation? {
+                Ok(Err(err)) => {
+                    let err = Error::Broker(err);
+                    match self.channel_failure(&err) {
+                        Some(outcome) => outcome,
+                        None => return Err(err),
+                    }
+                }
+                Ok(Ok(confirmation)) => match confirmation {
                     Confirmation::Ack(None) => Outcome::Delivered,
                     Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
                         Outcome::Returned {
@@ -290,10 +328,28 @@ impl Publisher {
             });
         }
         metrics::histogram!("outbox_relay_confirm_seconds").record(started.elapsed().as_secs_f64());
+        // Events not published because the channel failed before them share
+        // that failure (their attempt is counted; backoff separates them
+        // from the culprit next time).
+        let failed = outcomes.iter().flatten().find_map(|o| match o {
+            Outcome::ChannelFailed(e) => Some(e.clone()),
+            _ => None,
+        });
         Ok(outcomes
             .into_iter()
-            .map(|o| o.unwrap_or(Outcome::Nacked))
+            .map(|o| {
+                o.unwrap_or_else(|| Outcome::ChannelFailed(failed.clone().unwrap_or_default()))
+            })
             .collect())
+    }
+}
+
+impl Publisher {
+    /// `Some` when the channel failed but the connection is up: the failure
+    /// belongs to this batch's events, not to the broker as a whole.
+    fn channel_failure(&self, err: &Error) -> Option<Outcome> {
+        let channel_only = self.conn.status().connected() && !self.channel.status().connected();
+        channel_only.then(|| Outcome::ChannelFailed(err.to_string()))
     }
 }
 

@@ -448,3 +448,47 @@ async fn terminated_database_backends_mid_batch_lose_nothing() {
     db.cleanup().await;
     broker.cleanup().await;
 }
+
+#[tokio::test]
+async fn an_unpublishable_event_is_dead_lettered_and_does_not_stall_its_batch() {
+    let db = TestDb::producer("relay_poison").await;
+    let broker = TestBroker::new("poison", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    // What a producer in another language could insert: a 300-byte event
+    // type cannot travel as an AMQP short string.
+    let poison: uuid::Uuid = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('order', 'o-1', repeat('E', 300), '{{}}') RETURNING id",
+        db.schema
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let ob = outbox(&db).await;
+    let ids = produce(&db, &ob, 50, 50).await;
+    let relay = Relay::new(db.pool.clone(), config(&db, &broker))
+        .await
+        .unwrap();
+    let (stop, task) = spawn(&relay);
+    wait_until(DEADLINE, "the good events", || async {
+        collector.distinct() >= ids.len()
+    })
+    .await;
+    wait_until(DEADLINE, "the poison event's dead letter", || async {
+        db.count("outbox_dead_letters").await == 1
+    })
+    .await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    let schema = outbox::Ident::new("schema", &db.schema).unwrap();
+    let dl = outbox_relay::status::list_dead_letters(&db.pool, &schema, 10)
+        .await
+        .unwrap();
+    assert_eq!(dl[0].id, poison);
+    assert!(dl[0].last_error.contains("255"), "{}", dl[0].last_error);
+    assert_eq!(dl[0].attempts, 1, "dead-lettered at once, not retried");
+    assert!(!collector.has(&poison.to_string()));
+    collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
