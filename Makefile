@@ -8,7 +8,7 @@ export TEST_DATABASE_URL ?= $(DATABASE_URL)
 export TEST_AMQP_URL ?= $(AMQP_URL)
 CARGO ?= cargo
 
-.PHONY: help services build test lint fmt demo bench bench-smoke clean-test-schemas
+.PHONY: help services build test lint fmt demo bench bench-smoke soak clean-test-schemas
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-20s %s\n", $$1, $$2}'
@@ -42,6 +42,10 @@ bench: services ## benchmark against the local services (a few minutes); writes 
 bench-smoke: ## the benchmark with tiny counts (CI runs this so it cannot rot)
 	$(CARGO) build -q -p relay-bin -p bench
 	./target/debug/bench --smoke --out target/bench/smoke.json
+
+soak: services ## the fault-injection suite with 10x the events (longer; not part of CI)
+	FAULT_SCALE=10 $(CARGO) nextest run -p e2e-tests --no-fail-fast --test-threads 2 -E 'not test(/^disruptive_/)'
+	FAULT_SCALE=10 $(CARGO) nextest run -p e2e-tests --no-fail-fast --test-threads 1 -E 'test(/^disruptive_/)'
 
 clean-test-schemas: ## drop schemas left behind by failed test runs
 	psql "$(TEST_DATABASE_URL)" -qAt -c "SELECT 'DROP SCHEMA \"' || nspname || '\" CASCADE;' FROM pg_namespace WHERE nspname LIKE 't\_%'" | psql "$(TEST_DATABASE_URL)" -q

@@ -293,6 +293,9 @@ impl Consumer {
                 event_id = Empty,
                 event_type = Empty,
                 traceparent = Empty,
+                trace_id = Empty,
+                parent_span_id = Empty,
+                span_id = Empty,
                 redelivered = d.redelivered,
                 duplicate = Empty,
                 outcome = Empty,
@@ -311,6 +314,11 @@ impl Consumer {
                     }
                     if let Some(tp) = event.traceparent() {
                         span.record("traceparent", &*tp);
+                    }
+                    if let Some(t) = event.trace() {
+                        span.record("trace_id", t.trace_id.as_str());
+                        span.record("parent_span_id", t.parent_span_id.as_deref().unwrap_or(""));
+                        span.record("span_id", t.span_id.as_str());
                     }
                     slots.push(Ok(events.len()));
                     events.push(event);

@@ -48,6 +48,13 @@ impl Event {
         self.header_str(wire::HEADER_TRACEPARENT)
     }
 
+    /// A child of the producer's trace context (from `traceparent`): the
+    /// consumer's span continues the producer's trace. `None` without a
+    /// valid `traceparent`.
+    pub fn trace(&self) -> Option<crate::TraceContext> {
+        crate::TraceContext::child_of(&self.traceparent()?)
+    }
+
     /// All AMQP headers.
     pub fn headers(&self) -> Option<&FieldTable> {
         self.properties.headers().as_ref()

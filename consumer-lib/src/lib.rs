@@ -57,6 +57,7 @@ mod retention;
 mod settle;
 mod telemetry;
 mod topology;
+mod trace;
 mod version;
 
 use sqlx::PgPool;
@@ -69,6 +70,7 @@ pub use crate::handler::{BatchHandler, BatchOutcome, Handler, Outcome};
 pub use crate::retention::{DEFAULT_RETENTION, RetentionTask, cleanup_inbox};
 pub use crate::telemetry::ConsumerStats;
 pub use crate::topology::{TopologyConfig, declare_topology};
+pub use crate::trace::TraceContext;
 pub use crate::version::apply_if_newer;
 
 /// Applies the consumer's migrations (the inbox and version tables) to

@@ -78,7 +78,13 @@ pub async fn apply(pool: &PgPool, set: &MigrationSet, schema: &Ident) -> Result<
         .bind(MIGRATION_LOCK_KEY)
         .execute(&mut *conn)
         .await?;
-    apply_locked(&mut conn, set, schema).await
+    let applied = apply_locked(&mut conn, set, schema).await?;
+    // Release at once; the close on drop is the safety net, not the path.
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(MIGRATION_LOCK_KEY)
+        .execute(&mut *conn)
+        .await?;
+    Ok(applied)
 }
 
 async fn apply_locked(

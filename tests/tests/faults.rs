@@ -22,6 +22,15 @@ use tokio_util::sync::CancellationToken;
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
+/// Event counts scale with `FAULT_SCALE` (default 1; `make soak` uses 10).
+fn scaled(n: usize) -> usize {
+    n * std::env::var("FAULT_SCALE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1usize)
+        .max(1)
+}
+
 /// One scenario's world: producer schema, consumer schema with an effects
 /// table, an exchange with the consumer's queue and a wire-counting queue.
 struct World {
@@ -305,7 +314,7 @@ async fn relay_sigkilled_at_random_points_repeatedly() {
     let producer = produce(
         &w.db.pool,
         &w.db.schema,
-        4_000,
+        scaled(4_000),
         20,
         Duration::from_millis(2),
     );
@@ -341,7 +350,7 @@ async fn relay_sigkilled_at_random_points_repeatedly() {
 async fn relay_sigstopped_holding_locks_while_a_second_relay_runs() {
     let w = World::new("f_stop").await;
     let (_c, c_stop, c_task) = w.consumer(&format!("c-{}", suffix())).await;
-    let backlog = produce(&w.db.pool, &w.db.schema, 5_000, 500, Duration::ZERO)
+    let backlog = produce(&w.db.pool, &w.db.schema, scaled(5_000), 500, Duration::ZERO)
         .await
         .unwrap();
     let a = w
@@ -383,7 +392,7 @@ async fn relay_sigstopped_holding_locks_while_a_second_relay_runs() {
     let more = produce(
         &w.db.pool,
         &w.db.schema,
-        1_000,
+        scaled(1_000),
         20,
         Duration::from_millis(2),
     )
@@ -421,7 +430,7 @@ async fn database_backends_of_relay_and_consumer_terminated() {
     let producer = produce(
         &w.db.pool,
         &w.db.schema,
-        3_000,
+        scaled(3_000),
         20,
         Duration::from_millis(2),
     );
@@ -452,7 +461,7 @@ async fn consumer_sigkilled_between_commit_and_ack() {
     let producer = produce(
         &w.db.pool,
         &w.db.schema,
-        3_000,
+        scaled(3_000),
         20,
         Duration::from_millis(1),
     );
@@ -464,7 +473,8 @@ async fn consumer_sigkilled_between_commit_and_ack() {
         let (before, _) = w.effects().await;
         let child = w.consumer_process().spawn().unwrap();
         wait_until(DEADLINE, "consumer progress", || async {
-            w.effects().await.0 > before || producer.is_finished() && w.effects().await.1 >= 3_000
+            w.effects().await.0 > before
+                || producer.is_finished() && w.effects().await.1 >= scaled(3_000) as i64
         })
         .await;
         tokio::time::sleep(Duration::from_millis((round * 13) % 40)).await;
@@ -492,7 +502,7 @@ async fn connection_cut_between_publish_and_confirm() {
     let producer = produce(
         &w.db.pool,
         &w.db.schema,
-        3_000,
+        scaled(3_000),
         50,
         Duration::from_millis(3),
     );
@@ -561,7 +571,7 @@ async fn relay_notification_connection_killed_polling_catches_up() {
     let producer = produce(
         &w.db.pool,
         &w.db.schema,
-        1_000,
+        scaled(1_000),
         10,
         Duration::from_millis(5),
     );
@@ -599,11 +609,11 @@ async fn producer_transaction_committing_late_with_an_earlier_id() {
         .await
         .unwrap();
     // ...while later ids commit and are published first.
-    let ids = produce(&w.db.pool, &w.db.schema, 500, 10, Duration::ZERO)
+    let ids = produce(&w.db.pool, &w.db.schema, scaled(500), 10, Duration::ZERO)
         .await
         .unwrap();
     wait_until(DEADLINE, "the later events", || async {
-        w.effects().await.1 >= 500
+        w.effects().await.1 >= scaled(500) as i64
     })
     .await;
     assert!(
@@ -633,7 +643,7 @@ async fn disruptive_broker_restart_and_forced_connection_close() {
     let producer = produce(
         &w.db.pool,
         &w.db.schema,
-        3_000,
+        scaled(3_000),
         20,
         Duration::from_millis(3),
     );
