@@ -7,6 +7,7 @@ export AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/%2f
 export TEST_DATABASE_URL ?= $(DATABASE_URL)
 export TEST_AMQP_URL ?= $(AMQP_URL)
 CARGO ?= cargo
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 
 .PHONY: help services build test lint fmt demo bench bench-smoke soak clean-test-schemas
 
@@ -37,11 +38,11 @@ demo: services ## the whole story on this machine: migrate, produce, relay, cons
 
 bench: services ## benchmark against the local services (a few minutes); writes target/bench/results.json
 	$(CARGO) build --release -q -p relay-bin -p bench
-	./target/release/bench --out target/bench/results.json
+	$(TARGET_DIR)/release/bench --out target/bench/results.json
 
 bench-smoke: ## the benchmark with tiny counts (CI runs this so it cannot rot)
 	$(CARGO) build -q -p relay-bin -p bench
-	./target/debug/bench --smoke --out target/bench/smoke.json
+	$(TARGET_DIR)/debug/bench --smoke --out target/bench/smoke.json
 
 soak: services ## the fault-injection suite with 10x the events (longer; not part of CI)
 	FAULT_SCALE=10 $(CARGO) nextest run -p e2e-tests --no-fail-fast --test-threads 2 -E 'not test(/^disruptive_/)'
