@@ -25,8 +25,9 @@ use crate::error::{Error, Result, bounded};
 use crate::event::{Event, dedup_key};
 use crate::handler::{BatchHandler, Handler, Handlers, Outcome};
 use crate::settle::{Action, Settle, settle};
-use crate::telemetry::{ConsumerStats, Counters, Outage};
+use crate::telemetry::{ConsumerStats, Counters};
 use crate::topology::declare_retry_queues;
+use outbox::__private::Outage;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -89,6 +90,10 @@ impl Consumer {
     fn build(config: ConsumerConfig, pool: PgPool, handlers: Handlers) -> Result<Self> {
         let schema = config.validate()?;
         let inbox = Inbox::new(&schema, &config.consumer_name);
+        let (broker, database) = (
+            Outage::new("broker", config.consumer_name.clone()),
+            Outage::new("database", config.consumer_name.clone()),
+        );
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
@@ -97,8 +102,8 @@ impl Consumer {
                 handlers,
                 inbox,
                 counters: Counters::default(),
-                broker: Outage::new("broker"),
-                database: Outage::new("database"),
+                broker,
+                database,
             }),
         })
     }
@@ -138,7 +143,7 @@ impl Consumer {
             {
                 Ok(()) => break,
                 Err(e) if e.is_transient() => {
-                    me.database.failed(name, &Error::Outbox(e));
+                    me.database.failed(&Error::Outbox(e));
                     if !pause(&shutdown, &mut backoff, me.config.max_reconnect_delay).await {
                         return Ok(());
                     }
@@ -146,7 +151,7 @@ impl Consumer {
                 Err(e) => return Err(e.into()),
             }
         }
-        me.database.ok(name);
+        me.database.ok();
         let mut backoff = FIRST_BACKOFF;
         loop {
             if shutdown.is_cancelled() {
@@ -160,7 +165,7 @@ impl Consumer {
                 Ok(End::Crashed) => return Ok(()),
                 Err(e) if !e.is_transient() => return Err(e),
                 Err(e) => {
-                    me.broker.failed(name, &e);
+                    me.broker.failed(&e);
                     metrics::counter!("outbox_consumer_broker_errors_total", "consumer" => name.to_owned())
                         .increment(1);
                     if !pause(&shutdown, &mut backoff, me.config.max_reconnect_delay).await {
@@ -222,7 +227,7 @@ impl Consumer {
             ),
         )
         .await?;
-        me.broker.ok(&cfg.consumer_name);
+        me.broker.ok();
         me.counters.connections.fetch_add(1, Ordering::Relaxed);
         *backoff = FIRST_BACKOFF;
         tracing::info!(consumer = %cfg.consumer_name, queue = %cfg.queue, "consuming");
@@ -335,13 +340,13 @@ impl Consumer {
             loop {
                 match batch::process(&me.pool, &me.inbox, &me.handlers, &events, &spans).await {
                     Ok(v) => {
-                        me.database.ok(name);
+                        me.database.ok();
                         break v;
                     }
                     Err(e) => {
                         // Nothing committed, nothing acked: retry the same
                         // deliveries once the database is back.
-                        me.database.failed(name, &Error::Database(e));
+                        me.database.failed(&Error::Database(e));
                         if !pause(shutdown, &mut backoff, cfg.max_reconnect_delay).await {
                             return Ok(Some(End::Shutdown));
                         }

@@ -1,9 +1,7 @@
 //! Counters (exported through the `metrics` crate as `outbox_consumer_*`
 //! and kept in-process for [`ConsumerStats`]) and outage logging.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
 
 /// Counts of what a consumer did since it was created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -74,57 +72,4 @@ impl Counters {
         metrics::counter!("outbox_consumer_events_total", "consumer" => consumer.to_owned(), "outcome" => outcome)
             .increment(n);
     }
-}
-
-/// One log line when a dependency goes away, one when it is back: never a
-/// line per failed retry.
-#[derive(Debug)]
-pub(crate) struct Outage {
-    name: &'static str,
-    since: Mutex<Option<Instant>>,
-}
-
-impl Outage {
-    pub(crate) const fn new(name: &'static str) -> Self {
-        Self {
-            name,
-            since: Mutex::new(None),
-        }
-    }
-
-    pub(crate) fn failed(&self, consumer: &str, error: &crate::Error) {
-        let mut since = self.since.lock().unwrap_or_else(|p| p.into_inner());
-        let error = error_chain(error);
-        if since.is_none() {
-            *since = Some(Instant::now());
-            tracing::warn!(consumer, dependency = self.name, %error, "{} unavailable; retrying with backoff", self.name);
-        } else {
-            tracing::debug!(consumer, dependency = self.name, %error, "still unavailable");
-        }
-    }
-
-    pub(crate) fn ok(&self, consumer: &str) {
-        let mut since = self.since.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(t) = since.take() {
-            tracing::info!(
-                consumer,
-                dependency = self.name,
-                outage_s = t.elapsed().as_secs_f64(),
-                "{} available again",
-                self.name
-            );
-        }
-    }
-}
-
-/// `error: cause: cause`, like anyhow's `{:#}`.
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
 }

@@ -31,6 +31,7 @@ mod event;
 mod idempotency;
 mod ident;
 mod migrate;
+mod outage;
 mod outbox;
 pub mod redact;
 mod wakeup;
@@ -59,4 +60,5 @@ pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>> {
 pub mod __private {
     pub use crate::error::is_transient_db;
     pub use crate::migrate::{Migration, MigrationSet, PRODUCER, apply, ensure_migrated};
+    pub use crate::outage::{Outage, error_chain};
 }

@@ -14,11 +14,11 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{RelayConfig, backoff};
 use crate::error::{Error, Result};
 use crate::message::ClaimedEvent;
-use crate::outage::Outage;
 use crate::publish::{self, Outcome, Publisher};
 use crate::queries::Queries;
 use crate::settle::{Settled, settle};
 use crate::wake::{listen, sleep_or_cancel};
+use outbox::__private::Outage;
 
 /// One round trip: a transaction whose commit does not wait for the flush,
 /// with bounds on every statement and on idling inside it, whatever pool
@@ -112,8 +112,8 @@ impl Relay {
                 pool,
                 wake,
                 health: Arc::new(Health::default()),
-                broker_outage: Outage::new("broker"),
-                db_outage: Outage::new("database"),
+                broker_outage: Outage::new("broker", "outbox-relay"),
+                db_outage: Outage::new("database", "outbox-relay"),
             }),
         })
     }

@@ -34,7 +34,6 @@ mod config;
 mod engine;
 mod error;
 mod message;
-mod outage;
 mod publish;
 mod queries;
 /// Password redaction for URLs (shared with the other crates).
