@@ -347,6 +347,8 @@ impl Relay {
                 }
             }
         }
+        // Close the channel before the supervisor closes the connection.
+        session.publisher.close().await;
         Ok(())
     }
 

@@ -133,8 +133,9 @@ async fn sigterm_finishes_the_batch_in_flight_and_exits_zero() {
     let broker = TestBroker::new("term", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
     let ids = produce(&db, 20_000, 1000).await;
-    let mut child = relay_cmd(&db, &broker)
+    let child = relay_cmd(&db, &broker)
         .env("OUTBOX_BATCH_SIZE", "1000")
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     wait_until(Duration::from_secs(60), "publishing to start", || async {
@@ -142,10 +143,12 @@ async fn sigterm_finishes_the_batch_in_flight_and_exits_zero() {
     })
     .await;
     signal(&child, Signal::SIGTERM);
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
         .await
         .unwrap();
-    assert_eq!(status.code(), Some(0), "drained and exited 0");
+    assert_eq!(out.status.code(), Some(0), "drained and exited 0");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("ERROR"), "a clean shutdown logs no error: {stderr}");
     // Nothing was left half-done: every event is either delivered and
     // gone from the outbox, or still in the outbox; none is locked.
     let remaining: Vec<uuid::Uuid> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
