@@ -148,7 +148,10 @@ async fn sigterm_finishes_the_batch_in_flight_and_exits_zero() {
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "drained and exited 0");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("ERROR"), "a clean shutdown logs no error: {stderr}");
+    assert!(
+        !stderr.contains("ERROR"),
+        "a clean shutdown logs no error: {stderr}"
+    );
     // Nothing was left half-done: every event is either delivered and
     // gone from the outbox, or still in the outbox; none is locked.
     let remaining: Vec<uuid::Uuid> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
@@ -404,4 +407,78 @@ async fn migrate_status_and_dead_letter_commands_work_end_to_end() {
     assert_eq!(code, Some(0), "{text}");
     assert!(text.contains("purged 1"), "{text}");
     db.cleanup().await;
+}
+
+/// GETs `path` from `addr` with a bare HTTP/1.0 request; (status, body).
+async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.ok()?;
+    let status = buf.split_whitespace().nth(1)?.parse().ok()?;
+    let body = buf.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
+    Some((status, body))
+}
+
+#[tokio::test]
+async fn metrics_health_and_readiness_are_served() {
+    let db = TestDb::producer("proc_metrics").await;
+    let broker = TestBroker::new("metrics", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let ids = produce(&db, 300, 100).await;
+    // A free port: bind, read it, release it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut child = relay_cmd(&db, &broker)
+        .env("OUTBOX_METRICS_ADDR", &addr)
+        .spawn()
+        .unwrap();
+    wait_until(Duration::from_secs(60), "all events", || async {
+        collector.distinct() >= ids.len()
+    })
+    .await;
+    wait_until(Duration::from_secs(30), "/healthz", || async {
+        http_get(&addr, "/healthz")
+            .await
+            .is_some_and(|(s, b)| s == 200 && b.contains("ok"))
+    })
+    .await;
+    wait_until(Duration::from_secs(30), "/readyz to say ready", || async {
+        http_get(&addr, "/readyz")
+            .await
+            .is_some_and(|(s, _)| s == 200)
+    })
+    .await;
+    let (status, body) = http_get(&addr, "/metrics").await.expect("/metrics answers");
+    assert_eq!(status, 200);
+    for name in [
+        "outbox_relay_published_total",
+        "outbox_relay_batch_size",
+        "outbox_relay_confirm_seconds",
+    ] {
+        assert!(body.contains(name), "/metrics lacks {name}:\n{body}");
+    }
+    let published: f64 = body
+        .lines()
+        .find(|l| l.starts_with("outbox_relay_published_total"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+        .expect("a published counter value");
+    assert!(
+        published >= ids.len() as f64,
+        "published counter {published} < {}",
+        ids.len()
+    );
+    signal(&child, Signal::SIGTERM);
+    child.wait().unwrap();
+    collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
 }
