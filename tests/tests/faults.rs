@@ -106,29 +106,13 @@ impl World {
         }
     }
 
-    async fn relay(
-        &self,
-        app: &str,
-        amqp: String,
-    ) -> (
-        CancellationToken,
-        tokio::task::JoinHandle<outbox_relay::Result<()>>,
-    ) {
+    async fn relay(&self, app: &str, amqp: String) -> Running<outbox_relay::Error> {
         let pool = e2e::pool(app, 4).await;
         let relay = Relay::new(pool, self.relay_config(amqp)).await.unwrap();
-        let stop = CancellationToken::new();
-        let s = stop.clone();
-        (stop, tokio::spawn(async move { relay.run(s).await }))
+        Running::spawn(|stop| tokio::spawn(async move { relay.run(stop).await }))
     }
 
-    async fn consumer(
-        &self,
-        app: &str,
-    ) -> (
-        Consumer,
-        CancellationToken,
-        tokio::task::JoinHandle<outbox_consumer::Result<()>>,
-    ) {
+    async fn consumer(&self, app: &str) -> Running<outbox_consumer::Error> {
         let pool = e2e::pool(app, 4).await;
         let mut config = ConsumerConfig::new(amqp_url(), &self.broker.queue, "faults")
             .schema(&self.consumer_schema);
@@ -139,9 +123,7 @@ impl World {
             self.consumer_schema
         );
         let consumer = Consumer::new(config, pool, Effect { insert }).unwrap();
-        let stop = CancellationToken::new();
-        let (c, s) = (consumer.clone(), stop.clone());
-        (consumer, stop, tokio::spawn(async move { c.run(s).await }))
+        Running::spawn(|stop| tokio::spawn(async move { consumer.run(stop).await }))
     }
 
     fn process(&self, bin: &str) -> Command {
@@ -229,6 +211,26 @@ impl World {
     }
 }
 
+/// A component running in-process until `stop`.
+struct Running<E> {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), E>>,
+}
+
+impl<E: std::fmt::Debug> Running<E> {
+    fn spawn(f: impl FnOnce(CancellationToken) -> tokio::task::JoinHandle<Result<(), E>>) -> Self {
+        let stop = CancellationToken::new();
+        let task = f(stop.clone());
+        Self { stop, task }
+    }
+
+    /// Stops it and checks it ended cleanly.
+    async fn stop(self) {
+        self.stop.cancel();
+        self.task.await.unwrap().unwrap();
+    }
+}
+
 struct Effect {
     insert: String,
 }
@@ -310,7 +312,7 @@ async fn terminate_backends(pool: &PgPool, application_name: &str, query_like: &
 #[tokio::test]
 async fn relay_sigkilled_at_random_points_repeatedly() {
     let w = World::new("f_kill").await;
-    let (_c, c_stop, c_task) = w.consumer(&format!("c-{}", suffix())).await;
+    let consumer = w.consumer(&format!("c-{}", suffix())).await;
     let producer = produce(
         &w.db.pool,
         &w.db.schema,
@@ -341,15 +343,14 @@ async fn relay_sigkilled_at_random_points_repeatedly() {
     w.assert_exactly_once(&ids, &format!("relay SIGKILLed {kills}x"))
         .await;
     kill_now(child);
-    c_stop.cancel();
-    c_task.await.unwrap().unwrap();
+    consumer.stop().await;
     w.cleanup().await;
 }
 
 #[tokio::test]
 async fn relay_sigstopped_holding_locks_while_a_second_relay_runs() {
     let w = World::new("f_stop").await;
-    let (_c, c_stop, c_task) = w.consumer(&format!("c-{}", suffix())).await;
+    let consumer = w.consumer(&format!("c-{}", suffix())).await;
     let backlog = produce(&w.db.pool, &w.db.schema, scaled(5_000), 500, Duration::ZERO)
         .await
         .unwrap();
@@ -416,8 +417,7 @@ async fn relay_sigstopped_holding_locks_while_a_second_relay_runs() {
     .await;
     kill_now(a);
     kill_now(b);
-    c_stop.cancel();
-    c_task.await.unwrap().unwrap();
+    consumer.stop().await;
     w.cleanup().await;
 }
 
@@ -425,8 +425,8 @@ async fn relay_sigstopped_holding_locks_while_a_second_relay_runs() {
 async fn database_backends_of_relay_and_consumer_terminated() {
     let w = World::new("f_pgkill").await;
     let (relay_app, consumer_app) = (format!("r-{}", suffix()), format!("c-{}", suffix()));
-    let (r_stop, r_task) = w.relay(&relay_app, amqp_url()).await;
-    let (_c, c_stop, c_task) = w.consumer(&consumer_app).await;
+    let relay = w.relay(&relay_app, amqp_url()).await;
+    let consumer = w.consumer(&consumer_app).await;
     let producer = produce(
         &w.db.pool,
         &w.db.schema,
@@ -447,17 +447,15 @@ async fn database_backends_of_relay_and_consumer_terminated() {
         &format!("{kills} relay and consumer backends terminated"),
     )
     .await;
-    r_stop.cancel();
-    c_stop.cancel();
-    r_task.await.unwrap().unwrap();
-    c_task.await.unwrap().unwrap();
+    relay.stop().await;
+    consumer.stop().await;
     w.cleanup().await;
 }
 
 #[tokio::test]
 async fn consumer_sigkilled_between_commit_and_ack() {
     let w = World::new("f_ckill").await;
-    let (r_stop, r_task) = w.relay(&format!("r-{}", suffix()), amqp_url()).await;
+    let relay = w.relay(&format!("r-{}", suffix()), amqp_url()).await;
     let producer = produce(
         &w.db.pool,
         &w.db.schema,
@@ -486,8 +484,7 @@ async fn consumer_sigkilled_between_commit_and_ack() {
     w.assert_exactly_once(&ids, &format!("consumer SIGKILLed {kills}x"))
         .await;
     kill_now(child);
-    r_stop.cancel();
-    r_task.await.unwrap().unwrap();
+    relay.stop().await;
     w.cleanup().await;
 }
 
@@ -495,10 +492,10 @@ async fn consumer_sigkilled_between_commit_and_ack() {
 async fn connection_cut_between_publish_and_confirm() {
     let w = World::new("f_cut").await;
     let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
-    let (r_stop, r_task) = w
+    let relay = w
         .relay(&format!("r-{}", suffix()), proxy.url(&amqp_url()))
         .await;
-    let (_c, c_stop, c_task) = w.consumer(&format!("c-{}", suffix())).await;
+    let consumer = w.consumer(&format!("c-{}", suffix())).await;
     let producer = produce(
         &w.db.pool,
         &w.db.schema,
@@ -544,10 +541,8 @@ async fn connection_cut_between_publish_and_confirm() {
         proxy.connections() > 1,
         "the relay reconnected through the proxy"
     );
-    r_stop.cancel();
-    c_stop.cancel();
-    r_task.await.unwrap().unwrap();
-    c_task.await.unwrap().unwrap();
+    relay.stop().await;
+    consumer.stop().await;
     proxy.stop();
     w.cleanup().await;
 }
@@ -556,8 +551,8 @@ async fn connection_cut_between_publish_and_confirm() {
 async fn relay_notification_connection_killed_polling_catches_up() {
     let w = World::new("f_listen").await;
     let app = format!("r-{}", suffix());
-    let (r_stop, r_task) = w.relay(&app, amqp_url()).await;
-    let (_c, c_stop, c_task) = w.consumer(&format!("c-{}", suffix())).await;
+    let relay = w.relay(&app, amqp_url()).await;
+    let consumer = w.consumer(&format!("c-{}", suffix())).await;
     // Wait for the relay's LISTEN session, then kill it, again and again.
     wait_until(DEADLINE, "the relay's LISTEN session", || async {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'")
@@ -584,18 +579,16 @@ async fn relay_notification_connection_killed_polling_catches_up() {
     assert!(kills > 0, "the LISTEN session was never terminated");
     w.assert_exactly_once(&ids, &format!("LISTEN session terminated {kills}x"))
         .await;
-    r_stop.cancel();
-    c_stop.cancel();
-    r_task.await.unwrap().unwrap();
-    c_task.await.unwrap().unwrap();
+    relay.stop().await;
+    consumer.stop().await;
     w.cleanup().await;
 }
 
 #[tokio::test]
 async fn producer_transaction_committing_late_with_an_earlier_id() {
     let w = World::new("f_late").await;
-    let (r_stop, r_task) = w.relay(&format!("r-{}", suffix()), amqp_url()).await;
-    let (_c, c_stop, c_task) = w.consumer(&format!("c-{}", suffix())).await;
+    let relay = w.relay(&format!("r-{}", suffix()), amqp_url()).await;
+    let consumer = w.consumer(&format!("c-{}", suffix())).await;
     let ob = Outbox::new(&w.db.pool, OutboxConfig::default().schema(&w.db.schema))
         .await
         .unwrap();
@@ -626,10 +619,8 @@ async fn producer_transaction_committing_late_with_an_earlier_id() {
     all.push(early_id.to_string());
     w.assert_exactly_once(&all, "a transaction committing late with an earlier id")
         .await;
-    r_stop.cancel();
-    c_stop.cancel();
-    r_task.await.unwrap().unwrap();
-    c_task.await.unwrap().unwrap();
+    relay.stop().await;
+    consumer.stop().await;
     w.cleanup().await;
 }
 
@@ -638,8 +629,8 @@ async fn producer_transaction_committing_late_with_an_earlier_id() {
 #[tokio::test]
 async fn disruptive_broker_restart_and_forced_connection_close() {
     let w = World::new("f_brk").await;
-    let (r_stop, r_task) = w.relay(&format!("r-{}", suffix()), amqp_url()).await;
-    let (_c, c_stop, c_task) = w.consumer(&format!("c-{}", suffix())).await;
+    let relay = w.relay(&format!("r-{}", suffix()), amqp_url()).await;
+    let consumer = w.consumer(&format!("c-{}", suffix())).await;
     let producer = produce(
         &w.db.pool,
         &w.db.schema,
@@ -676,9 +667,7 @@ async fn disruptive_broker_restart_and_forced_connection_close() {
         "broker connections force-closed, then the broker restarted",
     )
     .await;
-    r_stop.cancel();
-    c_stop.cancel();
-    r_task.await.unwrap().unwrap();
-    c_task.await.unwrap().unwrap();
+    relay.stop().await;
+    consumer.stop().await;
     w.cleanup().await;
 }
