@@ -9,8 +9,6 @@ use e2e::{Collector, TestBroker, TestDb, amqp_url, database_url, wait_until};
 use lapin::types::FieldTable;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use outbox::{NewEvent, Outbox, OutboxConfig};
-use serde_json::json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 
@@ -27,34 +25,6 @@ fn relay_cmd(db: &TestDb, broker: &TestBroker) -> Command {
         .stdout(Stdio::null())
         .stderr(Stdio::null());
     c
-}
-
-async fn produce(db: &TestDb, n: usize, per_tx: usize) -> Vec<String> {
-    let ob = Outbox::new(&db.pool, OutboxConfig::default().schema(&db.schema))
-        .await
-        .unwrap();
-    let mut ids = Vec::new();
-    for start in (0..n).step_by(per_tx) {
-        let events = (start..(start + per_tx).min(n)).map(|i| {
-            NewEvent::new(
-                "order",
-                format!("o-{}", i % 31),
-                "OrderPlaced",
-                &json!({"i": i}),
-            )
-            .unwrap()
-        });
-        let mut tx = db.pool.begin().await.unwrap();
-        ids.extend(
-            ob.enqueue_many(&mut *tx, events)
-                .await
-                .unwrap()
-                .into_iter()
-                .map(|i| i.to_string()),
-        );
-        ob.commit(tx).await.unwrap();
-    }
-    ids
 }
 
 fn signal(child: &Child, sig: Signal) {
@@ -81,7 +51,7 @@ async fn relay_sigkilled_at_random_points_again_and_again_loses_nothing() {
     let db = TestDb::producer("proc_kill").await;
     let broker = TestBroker::new("kill", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
-    let ids = produce(&db, 20_000, 500).await;
+    let ids = db.produce(20_000, 500, Duration::ZERO).await;
     let mut kills = 0;
     // Kill points: after the relay has made progress, plus a pseudo-random
     // 0-127 ms, so kills land mid-batch (between publish, confirm, settle
@@ -132,7 +102,7 @@ async fn sigterm_finishes_the_batch_in_flight_and_exits_zero() {
     let db = TestDb::producer("proc_term").await;
     let broker = TestBroker::new("term", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
-    let ids = produce(&db, 20_000, 1000).await;
+    let ids = db.produce(20_000, 1000, Duration::ZERO).await;
     let child = relay_cmd(&db, &broker)
         .env("OUTBOX_BATCH_SIZE", "1000")
         .stderr(Stdio::piped())
@@ -193,7 +163,7 @@ async fn disruptive_broker_restart_mid_stream_loses_nothing() {
     let db = TestDb::producer("proc_brk").await;
     let broker = TestBroker::new("brk", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
-    let ids = produce(&db, 10_000, 500).await;
+    let ids = db.produce(10_000, 500, Duration::ZERO).await;
     let mut child = relay_cmd(&db, &broker)
         .env("OUTBOX_BATCH_SIZE", "100")
         .spawn()
@@ -428,7 +398,7 @@ async fn metrics_health_and_readiness_are_served() {
     let db = TestDb::producer("proc_metrics").await;
     let broker = TestBroker::new("metrics", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
-    let ids = produce(&db, 300, 100).await;
+    let ids = db.produce(300, 100, Duration::ZERO).await;
     // A free port: bind, read it, release it.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

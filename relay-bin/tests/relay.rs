@@ -33,33 +33,6 @@ async fn outbox(db: &TestDb) -> Outbox {
         .unwrap()
 }
 
-/// Enqueues `n` events in transactions of `per_tx`; returns their ids.
-async fn produce(db: &TestDb, outbox: &Outbox, n: usize, per_tx: usize) -> Vec<String> {
-    let mut ids = Vec::with_capacity(n);
-    for chunk in (0..n).collect::<Vec<_>>().chunks(per_tx) {
-        let events = chunk.iter().map(|i| {
-            NewEvent::new(
-                "order",
-                format!("o-{}", i % 97),
-                "OrderPlaced",
-                &json!({"i": i, "pad": "x".repeat(100)}),
-            )
-            .unwrap()
-        });
-        let mut tx = db.pool.begin().await.unwrap();
-        ids.extend(
-            outbox
-                .enqueue_many(&mut *tx, events)
-                .await
-                .unwrap()
-                .into_iter()
-                .map(|id| id.to_string()),
-        );
-        outbox.commit(tx).await.unwrap();
-    }
-    ids
-}
-
 fn spawn(
     relay: &Relay,
 ) -> (
@@ -292,8 +265,7 @@ async fn broker_nacks_are_retried_with_backoff_without_a_hot_loop() {
         AMQPValue::LongString("reject-publish".into()),
     );
     let broker = TestBroker::new("nack", args).await;
-    let ob = outbox(&db).await;
-    let ids = produce(&db, &ob, 3, 3).await;
+    let ids = db.produce(3, 3, Duration::ZERO).await;
     let relay = Relay::new(
         db.pool.clone(),
         RelayConfig {
@@ -352,7 +324,6 @@ async fn three_relays_deliver_every_one_of_20000_events() {
     let db = TestDb::producer("relay_three").await;
     let broker = TestBroker::new("three", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
-    let ob = outbox(&db).await;
     let mut relays = Vec::new();
     for _ in 0..3 {
         let pool = e2e::pool(&format!("relay-{}", db.schema), 4).await;
@@ -368,7 +339,7 @@ async fn three_relays_deliver_every_one_of_20000_events() {
         relays.push(spawn(&relay));
     }
     // Produce while the relays run.
-    let ids = produce(&db, &ob, 20_000, 250).await;
+    let ids = db.produce(20_000, 250, Duration::ZERO).await;
     wait_until(Duration::from_secs(180), "all 20,000 events", || async {
         collector.distinct() >= ids.len()
     })
@@ -399,8 +370,7 @@ async fn terminated_database_backends_mid_batch_lose_nothing() {
     let db = TestDb::producer("relay_pgkill").await;
     let broker = TestBroker::new("pgkill", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
-    let ob = outbox(&db).await;
-    let ids = produce(&db, &ob, 5_000, 500).await;
+    let ids = db.produce(5_000, 500, Duration::ZERO).await;
     let app = format!("relay-{}", db.schema);
     let pool = e2e::pool(&app, 4).await;
     let relay = Relay::new(
@@ -464,8 +434,7 @@ async fn an_unpublishable_event_is_dead_lettered_and_does_not_stall_its_batch() 
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    let ob = outbox(&db).await;
-    let ids = produce(&db, &ob, 50, 50).await;
+    let ids = db.produce(50, 50, Duration::ZERO).await;
     let relay = Relay::new(db.pool.clone(), config(&db, &broker))
         .await
         .unwrap();

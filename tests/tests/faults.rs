@@ -251,41 +251,13 @@ impl Handler for Effect {
 /// Commits `n` events, `per_tx` per transaction, pausing `pace` between
 /// transactions; returns the committed ids.
 fn produce(
-    pool: &PgPool,
-    schema: &str,
+    db: &TestDb,
     n: usize,
     per_tx: usize,
     pace: Duration,
 ) -> tokio::task::JoinHandle<Vec<String>> {
-    let (pool, schema) = (pool.clone(), schema.to_owned());
-    tokio::spawn(async move {
-        let ob = Outbox::new(&pool, OutboxConfig::default().schema(&schema))
-            .await
-            .unwrap();
-        let mut ids = Vec::with_capacity(n);
-        for start in (0..n).step_by(per_tx) {
-            let events = (start..(start + per_tx).min(n)).map(|i| {
-                NewEvent::new(
-                    "order",
-                    format!("o-{}", i % 50),
-                    "OrderPlaced",
-                    &json!({"i": i}),
-                )
-                .unwrap()
-            });
-            let mut tx = pool.begin().await.unwrap();
-            ids.extend(
-                ob.enqueue_many(&mut *tx, events)
-                    .await
-                    .unwrap()
-                    .into_iter()
-                    .map(|id| id.to_string()),
-            );
-            ob.commit(tx).await.unwrap();
-            tokio::time::sleep(pace).await;
-        }
-        ids
-    })
+    let db = db.clone();
+    tokio::spawn(async move { db.produce(n, per_tx, pace).await })
 }
 
 fn signal(child: &Child, sig: Signal) {
@@ -313,13 +285,7 @@ async fn terminate_backends(pool: &PgPool, application_name: &str, query_like: &
 async fn relay_sigkilled_at_random_points_repeatedly() {
     let w = World::new("f_kill").await;
     let consumer = w.consumer(&format!("c-{}", suffix())).await;
-    let producer = produce(
-        &w.db.pool,
-        &w.db.schema,
-        scaled(4_000),
-        20,
-        Duration::from_millis(2),
-    );
+    let producer = produce(&w.db, scaled(4_000), 20, Duration::from_millis(2));
     let mut kills = 0;
     for round in 0..8u64 {
         let before = w.wire.distinct();
@@ -351,7 +317,7 @@ async fn relay_sigkilled_at_random_points_repeatedly() {
 async fn relay_sigstopped_holding_locks_while_a_second_relay_runs() {
     let w = World::new("f_stop").await;
     let consumer = w.consumer(&format!("c-{}", suffix())).await;
-    let backlog = produce(&w.db.pool, &w.db.schema, scaled(5_000), 500, Duration::ZERO)
+    let backlog = produce(&w.db, scaled(5_000), 500, Duration::ZERO)
         .await
         .unwrap();
     let a = w
@@ -390,15 +356,9 @@ async fn relay_sigstopped_holding_locks_while_a_second_relay_runs() {
         .process(env!("CARGO_BIN_EXE_fault-relay"))
         .spawn()
         .unwrap();
-    let more = produce(
-        &w.db.pool,
-        &w.db.schema,
-        scaled(1_000),
-        20,
-        Duration::from_millis(2),
-    )
-    .await
-    .unwrap();
+    let more = produce(&w.db, scaled(1_000), 20, Duration::from_millis(2))
+        .await
+        .unwrap();
     let mut ids = backlog;
     ids.extend(more);
     wait_until(
@@ -427,13 +387,7 @@ async fn database_backends_of_relay_and_consumer_terminated() {
     let (relay_app, consumer_app) = (format!("r-{}", suffix()), format!("c-{}", suffix()));
     let relay = w.relay(&relay_app, amqp_url()).await;
     let consumer = w.consumer(&consumer_app).await;
-    let producer = produce(
-        &w.db.pool,
-        &w.db.schema,
-        scaled(3_000),
-        20,
-        Duration::from_millis(2),
-    );
+    let producer = produce(&w.db, scaled(3_000), 20, Duration::from_millis(2));
     let mut kills = 0;
     while !producer.is_finished() {
         kills += terminate_backends(&w.db.pool, &relay_app, "%").await;
@@ -456,13 +410,7 @@ async fn database_backends_of_relay_and_consumer_terminated() {
 async fn consumer_sigkilled_between_commit_and_ack() {
     let w = World::new("f_ckill").await;
     let relay = w.relay(&format!("r-{}", suffix()), amqp_url()).await;
-    let producer = produce(
-        &w.db.pool,
-        &w.db.schema,
-        scaled(3_000),
-        20,
-        Duration::from_millis(1),
-    );
+    let producer = produce(&w.db, scaled(3_000), 20, Duration::from_millis(1));
     // Kill the consumer process again and again while it works: with
     // batches committing every few ms, kills land between a commit and
     // its ack; the redeliveries must be recognised as duplicates.
@@ -496,13 +444,7 @@ async fn connection_cut_between_publish_and_confirm() {
         .relay(&format!("r-{}", suffix()), proxy.url(&amqp_url()))
         .await;
     let consumer = w.consumer(&format!("c-{}", suffix())).await;
-    let producer = produce(
-        &w.db.pool,
-        &w.db.schema,
-        scaled(3_000),
-        50,
-        Duration::from_millis(3),
-    );
+    let producer = produce(&w.db, scaled(3_000), 50, Duration::from_millis(3));
     let faults = [
         Mode::CutAfter(3_000),
         Mode::Blackhole,
@@ -563,13 +505,7 @@ async fn relay_notification_connection_killed_polling_catches_up() {
             > 0
     })
     .await;
-    let producer = produce(
-        &w.db.pool,
-        &w.db.schema,
-        scaled(1_000),
-        10,
-        Duration::from_millis(5),
-    );
+    let producer = produce(&w.db, scaled(1_000), 10, Duration::from_millis(5));
     let mut kills = 0;
     while !producer.is_finished() {
         kills += terminate_backends(&w.db.pool, &app, "LISTEN%").await;
@@ -602,7 +538,7 @@ async fn producer_transaction_committing_late_with_an_earlier_id() {
         .await
         .unwrap();
     // ...while later ids commit and are published first.
-    let ids = produce(&w.db.pool, &w.db.schema, scaled(500), 10, Duration::ZERO)
+    let ids = produce(&w.db, scaled(500), 10, Duration::ZERO)
         .await
         .unwrap();
     wait_until(DEADLINE, "the later events", || async {
@@ -631,13 +567,7 @@ async fn disruptive_broker_restart_and_forced_connection_close() {
     let w = World::new("f_brk").await;
     let relay = w.relay(&format!("r-{}", suffix()), amqp_url()).await;
     let consumer = w.consumer(&format!("c-{}", suffix())).await;
-    let producer = produce(
-        &w.db.pool,
-        &w.db.schema,
-        scaled(3_000),
-        20,
-        Duration::from_millis(3),
-    );
+    let producer = produce(&w.db, scaled(3_000), 20, Duration::from_millis(3));
     wait_until(DEADLINE, "progress", || async { w.effects().await.1 > 0 }).await;
     let ok = Command::new("rabbitmqctl")
         .args(["close_all_connections", "fault test"])

@@ -78,6 +78,36 @@ impl TestDb {
         .expect("count")
     }
 
+    /// Commits `n` events, `per_tx` per transaction (default wake-up),
+    /// pausing `pace` between transactions; returns their ids in order.
+    pub async fn produce(&self, n: usize, per_tx: usize, pace: Duration) -> Vec<String> {
+        let config = outbox::OutboxConfig::default().schema(&self.schema);
+        let ob = outbox::Outbox::new(&self.pool, config)
+            .await
+            .expect("outbox");
+        let mut ids = Vec::with_capacity(n);
+        for start in (0..n).step_by(per_tx.max(1)) {
+            let events = (start..(start + per_tx).min(n)).map(|i| {
+                let payload = format!("{{\"i\": {i}}}");
+                outbox::NewEvent::from_json(
+                    "order",
+                    format!("o-{}", i % 97),
+                    "OrderPlaced",
+                    payload,
+                )
+                .expect("event")
+            });
+            let mut tx = self.pool.begin().await.expect("begin");
+            let batch = ob.enqueue_many(&mut *tx, events).await.expect("enqueue");
+            ob.commit(tx).await.expect("commit");
+            ids.extend(batch.into_iter().map(|id| id.to_string()));
+            if !pace.is_zero() {
+                tokio::time::sleep(pace).await;
+            }
+        }
+        ids
+    }
+
     /// Drops the schema.
     pub async fn cleanup(self) {
         let _ = sqlx::raw_sql(AssertSqlSafe(format!(
