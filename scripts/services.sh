@@ -63,4 +63,10 @@ else
     wait_for rabbitmq as_root rabbitmqctl -q await_startup
     say "rabbitmq started"
 fi
+# Ordered consumption with several partition queues routes through the
+# consistent-hash exchange, a plugin shipped with RabbitMQ (off by default).
+if ! as_root rabbitmq-plugins -q is_enabled rabbitmq_consistent_hash_exchange >/dev/null 2>&1; then
+    as_root rabbitmq-plugins -q enable rabbitmq_consistent_hash_exchange >/dev/null
+    say "rabbitmq: enabled rabbitmq_consistent_hash_exchange"
+fi
 say "ready: postgres://postgres@$PG_HOST:$PG_PORT/test and amqp://guest:***@127.0.0.1:$AMQP_PORT/%2f"

@@ -12,6 +12,7 @@
 //! | `timestamp` | the event's `created_at`, Unix seconds |
 //! | header [`HEADER_AGGREGATE_TYPE`] | the aggregate type |
 //! | header [`HEADER_AGGREGATE_ID`] | the aggregate id |
+//! | header [`HEADER_AGGREGATE_SEQ`] | ordered events only: the event's position in its aggregate (1, 2, 3, ...) |
 //! | other headers | the event's own headers, as given (`traceparent` untouched) |
 //! | body | the payload, JSON |
 
@@ -21,6 +22,11 @@ pub const CONTENT_TYPE: &str = "application/json";
 pub const HEADER_AGGREGATE_TYPE: &str = "x-aggregate-type";
 /// AMQP header carrying the aggregate id.
 pub const HEADER_AGGREGATE_ID: &str = "x-aggregate-id";
+/// AMQP header (long-long integer) carrying an ordered event's sequence
+/// number within its aggregate: 1 for the aggregate's first ordered event,
+/// then +1 per event in commit order, without gaps except where an event
+/// was dead-lettered or skipped by an operator. Absent on unordered events.
+pub const HEADER_AGGREGATE_SEQ: &str = "x-aggregate-seq";
 /// W3C trace context header; passed through untouched.
 pub const HEADER_TRACEPARENT: &str = "traceparent";
 /// Header the consumer sets on a dead-lettered message: why it was rejected.
