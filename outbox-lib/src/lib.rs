@@ -43,7 +43,7 @@ pub use crate::error::{Error, Result};
 pub use crate::event::{EVENT_ID_NAMESPACE, NewEvent};
 pub use crate::idempotency::*;
 pub use crate::ident::{Ident, wakeup_channel};
-pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, Outbox, OutboxConfig};
+pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, Ordering, Outbox, OutboxConfig};
 pub use crate::wakeup::Wakeup;
 
 /// Applies the producer's migrations (outbox, dead letters, idempotency

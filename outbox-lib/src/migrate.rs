@@ -58,6 +58,11 @@ pub const PRODUCER: MigrationSet = MigrationSet {
             name: "idempotency_keys",
             sql: include_str!("../../migrations/producer/0002_idempotency_keys.sql"),
         },
+        Migration {
+            version: 3,
+            name: "ordering",
+            sql: include_str!("../../migrations/producer/0003_ordering.sql"),
+        },
     ],
 };
 

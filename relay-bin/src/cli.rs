@@ -68,6 +68,41 @@ enum Command {
     /// Inspect, replay or purge events that exhausted their attempts.
     #[command(subcommand)]
     DeadLetters(DeadLetterCommand),
+    /// Ordered aggregates held up by a failing event: list them, skip the
+    /// event (to the dead letters) or retry it now.
+    #[command(subcommand)]
+    Blocked(BlockedCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum BlockedCommand {
+    /// List blocked aggregates, oldest first: the failing event, its error
+    /// and how many events wait behind it.
+    List {
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Move these events to the dead-letter table so their aggregates move
+    /// on. Consumers see a gap in the aggregate's sequence (see
+    /// docs/ORDERING.md); the event can be replayed later.
+    Skip {
+        /// Event ids (from `blocked list`).
+        #[arg(required = true)]
+        ids: Vec<Uuid>,
+        /// Why, recorded as the dead letter's error.
+        #[arg(long, default_value = "no reason given")]
+        reason: String,
+    },
+    /// Make these events due now instead of at their next backoff.
+    Retry {
+        /// Event ids (from `blocked list`).
+        #[arg(required = true)]
+        ids: Vec<Uuid>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -168,6 +203,14 @@ struct RunArgs {
     /// Serve /metrics (Prometheus), /healthz and /readyz on this address.
     #[arg(long, env = "OUTBOX_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
+    /// Lease time of ordered-event partitions: when a relay dies, the
+    /// others take over its partitions after at most about this long (at
+    /// once when it shuts down cleanly).
+    #[arg(long, env = "OUTBOX_LEASE_TTL", default_value = "10s", value_parser = humantime::parse_duration)]
+    lease_ttl: Duration,
+    /// This relay's name in `status` (default `<hostname>-<pid>`).
+    #[arg(long, env = "OUTBOX_RELAY_NAME")]
+    name: Option<String>,
 }
 
 pub(crate) fn init_logging(format: LogFormat) {
@@ -231,6 +274,7 @@ async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
             }
         }
         Command::DeadLetters(cmd) => dead_letters(&pool, schema, cmd).await?,
+        Command::Blocked(cmd) => blocked(&pool, schema, cmd).await?,
         Command::Run(r) => return run_relay(url, schema, r).await,
     }
     Ok(ExitCode::SUCCESS)
@@ -287,7 +331,15 @@ async fn run_relay(url: &str, schema: &Ident, r: &RunArgs) -> Result<ExitCode> {
         max_payload_bytes: r.max_payload_bytes,
         archive: r.archive,
         drain_timeout: r.drain_timeout,
+        lease_ttl: r.lease_ttl,
         ..RelayConfig::default()
+    };
+    let config = match &r.name {
+        Some(name) => RelayConfig {
+            name: name.clone(),
+            ..config
+        },
+        None => config,
     };
     config.validate()?;
     let pool = connect_db(url, r.workers as u32 + 3).await?;
@@ -361,6 +413,20 @@ fn print_status(s: &status::Status) -> Result<()> {
     say!("{:<24}{}", "oldest pending age", age);
     say!("{:<24}{}", "retrying", s.retrying);
     say!("{:<24}{}", "dead letters", s.dead_letters);
+    say!("{:<24}{}", "blocked aggregates", s.blocked.len());
+    say!("{:<24}{}", "unleased partitions", s.unleased_partitions);
+    for r in &s.relays {
+        say!(
+            "  relay {:<30} {:>2} partitions, heartbeat {:.1}s ago",
+            r.name,
+            r.partitions,
+            r.heartbeat_age_s
+        );
+    }
+    if !s.blocked.is_empty() {
+        say!("\nblocked aggregates (oldest first):");
+        print_blocked(&s.blocked)?;
+    }
     if !s.failing.is_empty() {
         say!("\nfailing events (most attempts first):");
         say!(
@@ -379,6 +445,61 @@ fn print_status(s: &status::Status) -> Result<()> {
                 f.next_attempt_at.format("%Y-%m-%d %H:%M:%S%.3f"),
                 f.last_error.as_deref().unwrap_or("")
             );
+        }
+    }
+    Ok(())
+}
+
+fn print_blocked(rows: &[status::BlockedAggregate]) -> Result<()> {
+    say!(
+        "{:<30} {:<38} {:>6} {:>8} {:>8}  {:<25} last error",
+        "aggregate",
+        "failing event",
+        "seq",
+        "attempts",
+        "waiting",
+        "next attempt"
+    );
+    for b in rows {
+        say!(
+            "{:<30} {:<38} {:>6} {:>8} {:>8}  {:<25} {}",
+            format!("{}/{}", b.aggregate_type, b.aggregate_id),
+            b.event_id,
+            b.aggregate_seq,
+            b.attempts,
+            b.waiting,
+            b.next_attempt_at.format("%Y-%m-%d %H:%M:%S%.3f"),
+            b.last_error.as_deref().unwrap_or("")
+        );
+    }
+    Ok(())
+}
+
+async fn blocked(pool: &PgPool, schema: &Ident, cmd: &BlockedCommand) -> Result<()> {
+    match cmd {
+        BlockedCommand::List { limit, json } => {
+            let rows = status::blocked_aggregates(pool, schema, *limit).await?;
+            if *json {
+                say!("{}", serde_json::to_string_pretty(&rows)?);
+            } else if rows.is_empty() {
+                say!("no blocked aggregates");
+            } else {
+                print_blocked(&rows)?;
+            }
+        }
+        BlockedCommand::Skip { ids, reason } => {
+            let n = status::skip_events(pool, schema, ids, reason).await?;
+            say!("skipped {n} event(s): moved to the dead letters");
+            if n < ids.len() as u64 {
+                eprintln!(
+                    "warning: {} of the ids were not in the outbox (delivered, or dead-lettered already)",
+                    ids.len() as u64 - n
+                );
+            }
+        }
+        BlockedCommand::Retry { ids } => {
+            let n = status::retry_now(pool, schema, ids).await?;
+            say!("{n} event(s) due now");
         }
     }
     Ok(())

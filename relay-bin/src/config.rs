@@ -47,6 +47,13 @@ pub struct RelayConfig {
     pub reconnect_min: Duration,
     /// Cap on the reconnect delay.
     pub reconnect_max: Duration,
+    /// How long a partition lease of ordered events lasts without renewal.
+    /// A relay renews every third of it; when a relay dies, survivors take
+    /// its partitions within about this long (at once on a clean shutdown).
+    pub lease_ttl: Duration,
+    /// This relay's name in `outbox-relay status` (which relay holds which
+    /// partitions). Default `<hostname>-<pid>`.
+    pub name: String,
 }
 
 impl Default for RelayConfig {
@@ -70,8 +77,20 @@ impl Default for RelayConfig {
             drain_timeout: Duration::from_secs(30),
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(10),
+            lease_ttl: Duration::from_secs(10),
+            name: default_name(),
         }
     }
+}
+
+fn default_name() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "relay".to_owned());
+    format!("{host}-{}", std::process::id())
 }
 
 impl std::fmt::Debug for RelayConfig {
@@ -95,6 +114,8 @@ impl std::fmt::Debug for RelayConfig {
             .field("drain_timeout", &self.drain_timeout)
             .field("reconnect_min", &self.reconnect_min)
             .field("reconnect_max", &self.reconnect_max)
+            .field("lease_ttl", &self.lease_ttl)
+            .field("name", &self.name)
             .finish()
     }
 }
@@ -141,6 +162,7 @@ impl RelayConfig {
             ("broker timeout", self.broker_timeout),
             ("retry base", self.retry_base),
             ("reconnect min", self.reconnect_min),
+            ("lease TTL", self.lease_ttl),
         ] {
             if d.is_zero() {
                 return bad(format!("{name} must be greater than zero"));

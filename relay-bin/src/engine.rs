@@ -2,7 +2,8 @@
 //! broker connection.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Instant;
 
 use lapin::Connection;
 use outbox::Ident;
@@ -10,6 +11,7 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
 
 use crate::config::{RelayConfig, backoff};
 use crate::error::{Error, Result};
@@ -75,6 +77,21 @@ struct Inner {
     health: Arc<Health>,
     broker_outage: Outage,
     db_outage: Outage,
+    /// This relay's identity in `outbox_relays` and `outbox_leases`.
+    id: Uuid,
+    /// When the last lease round ran; one worker runs it at a time.
+    last_lease_tick: tokio::sync::Mutex<Option<Instant>>,
+    /// Partitions held after the last lease round (`usize::MAX`: none yet).
+    partitions: AtomicUsize,
+}
+
+/// An ordered event as claimed, with whether it is due (the run of an
+/// aggregate stops before its first event that is not).
+#[derive(sqlx::FromRow)]
+struct OrderedRow {
+    #[sqlx(flatten)]
+    event: ClaimedEvent,
+    due: bool,
 }
 
 /// A broker session for [`Relay::run_once`]: one connection, one
@@ -82,6 +99,10 @@ struct Inner {
 pub struct BrokerSession {
     conn: Arc<Connection>,
     publisher: Publisher,
+    /// Which share of the relay's partitions this session publishes
+    /// (`partition % workers == worker`).
+    worker: usize,
+    workers: usize,
 }
 
 impl std::fmt::Debug for BrokerSession {
@@ -114,6 +135,9 @@ impl Relay {
                 health: Arc::new(Health::default()),
                 broker_outage: Outage::new("broker", "outbox-relay"),
                 db_outage: Outage::new("database", "outbox-relay"),
+                id: Uuid::new_v4(),
+                last_lease_tick: tokio::sync::Mutex::new(None),
+                partitions: AtomicUsize::new(usize::MAX),
             }),
         })
     }
@@ -138,7 +162,64 @@ impl Relay {
                 .await?;
         }
         let publisher = Publisher::open(&conn, cfg.broker_timeout).await?;
-        Ok(BrokerSession { conn, publisher })
+        Ok(BrokerSession {
+            conn,
+            publisher,
+            worker: 0,
+            workers: 1,
+        })
+    }
+
+    /// This relay's id in `outbox_relays` and `outbox_leases`.
+    pub fn id(&self) -> Uuid {
+        self.inner.id
+    }
+
+    /// One lease round, at most every third of the lease TTL (whichever
+    /// worker comes first): heartbeat, renew, rebalance. A failed round is
+    /// logged and tried again at the next batch; leases that lapse meanwhile
+    /// go to other relays, which is the point of expiring them.
+    async fn lease_round(&self) {
+        let inner = &self.inner;
+        let cfg = &inner.config;
+        let Ok(mut last) = inner.last_lease_tick.try_lock() else {
+            return;
+        };
+        if last.is_some_and(|t| t.elapsed() < cfg.lease_ttl / 3) {
+            return;
+        }
+        let held: sqlx::Result<Vec<i32>> = sqlx::query_scalar(inner.queries.lease_tick.clone())
+            .bind(inner.id)
+            .bind(&cfg.name)
+            .bind(cfg.lease_ttl.as_millis() as i64)
+            .fetch_all(&inner.pool)
+            .await;
+        match held {
+            Ok(held) => {
+                *last = Some(Instant::now());
+                metrics::gauge!("outbox_relay_partitions_leased").set(held.len() as f64);
+                if inner.partitions.swap(held.len(), Ordering::Relaxed) != held.len() {
+                    tracing::info!(
+                        partitions = held.len(),
+                        "ordered-event partitions leased by this relay"
+                    );
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "lease round failed; retrying at the next batch"),
+        }
+    }
+
+    /// Gives up this relay's leases at once (on shutdown), so survivors do
+    /// not wait for them to expire.
+    async fn release_leases(&self) {
+        let inner = &self.inner;
+        if let Err(e) = sqlx::query(inner.queries.lease_release.clone())
+            .bind(inner.id)
+            .execute(&inner.pool)
+            .await
+        {
+            tracing::warn!(error = %e, "could not release partition leases; they expire by themselves");
+        }
     }
 
     /// Claims one batch, publishes it with pipelined confirms and settles
@@ -157,11 +238,23 @@ impl Relay {
         // in a database crash only means its events are published again,
         // which at-least-once allows and consumers absorb. It keeps the
         // relay's fsyncs off the producers' commit path.
+        self.lease_round().await;
         let mut tx = inner.pool.begin_with(BEGIN_ASYNC_COMMIT).await?;
-        let events: Vec<ClaimedEvent> = sqlx::query_as(inner.queries.claim.clone())
+        let ordered: Vec<OrderedRow> = sqlx::query_as(inner.queries.claim_ordered.clone())
+            .bind(inner.id)
+            .bind(session.workers as i32)
+            .bind(session.worker as i32)
             .bind(cfg.batch_size as i64)
             .fetch_all(&mut *tx)
             .await?;
+        let mut events = due_runs(ordered);
+        if events.len() < cfg.batch_size {
+            let unordered: Vec<ClaimedEvent> = sqlx::query_as(inner.queries.claim.clone())
+                .bind((cfg.batch_size - events.len()) as i64)
+                .fetch_all(&mut *tx)
+                .await?;
+            events.extend(unordered);
+        }
         if events.is_empty() {
             tx.commit().await?;
             return Ok(BatchReport::default());
@@ -247,11 +340,11 @@ impl Relay {
             }
             let mut workers = JoinSet::new();
             let session_stop = shutdown.child_token();
-            for _ in 0..cfg.workers {
+            for worker in 0..cfg.workers {
                 let relay = self.clone();
                 let conn = conn.clone();
                 let stop = session_stop.clone();
-                workers.spawn(async move { relay.work(conn, stop).await });
+                workers.spawn(async move { relay.work(conn, worker, stop).await });
             }
             let mut broker_error = None;
             while let Some(r) = workers.join_next().await {
@@ -283,6 +376,7 @@ impl Relay {
         if let Some(l) = listener {
             l.abort();
         }
+        self.release_leases().await;
         Ok(())
     }
 
@@ -300,11 +394,21 @@ impl Relay {
 
     /// One worker: its own channel, claiming batches until `stop`. Returns
     /// `Err` only for broker failures (the session must be rebuilt).
-    async fn work(&self, conn: Arc<Connection>, stop: CancellationToken) -> Result<()> {
+    async fn work(
+        &self,
+        conn: Arc<Connection>,
+        worker: usize,
+        stop: CancellationToken,
+    ) -> Result<()> {
         let inner = &self.inner;
         let cfg = &inner.config;
         let publisher = Publisher::open(&conn, cfg.broker_timeout).await?;
-        let mut session = BrokerSession { conn, publisher };
+        let mut session = BrokerSession {
+            conn,
+            publisher,
+            worker,
+            workers: cfg.workers,
+        };
         inner.health.broker.store(true, Ordering::Relaxed);
         inner.broker_outage.ok();
         let mut wake = inner.wake.subscribe();
@@ -356,4 +460,31 @@ impl Relay {
     pub fn broker_down_now(&self) -> bool {
         self.inner.broker_outage.is_down()
     }
+}
+
+/// The ordered events to publish: each aggregate's run (head first, in
+/// sequence) up to its first event that is not due yet. A head being
+/// retried goes alone: the events behind it are not sent again and again
+/// while it keeps failing.
+fn due_runs(rows: Vec<OrderedRow>) -> Vec<ClaimedEvent> {
+    let mut out: Vec<ClaimedEvent> = Vec::with_capacity(rows.len());
+    let mut stopped: Option<(String, String)> = None;
+    let mut current: Option<(String, String)> = None;
+    for OrderedRow { event, due } in rows {
+        let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
+        if stopped.as_ref() == Some(&key) {
+            continue;
+        }
+        let head = current.as_ref() != Some(&key);
+        if !due || (head && event.attempts > 0) {
+            if due {
+                out.push(event);
+            }
+            stopped = Some(key);
+            continue;
+        }
+        current = Some(key);
+        out.push(event);
+    }
+    out
 }

@@ -31,6 +31,9 @@ pub struct ClaimedEvent {
     pub created_at: DateTime<Utc>,
     /// Failed attempts so far.
     pub attempts: i32,
+    /// Position in its aggregate (header `x-aggregate-seq`); `None` for
+    /// unordered events.
+    pub aggregate_seq: Option<i64>,
 }
 
 impl ClaimedEvent {
@@ -68,7 +71,12 @@ impl ClaimedEvent {
         // The event's own headers first, so the contract's aggregate headers
         // cannot be overridden by accident.
         if let Ok(Value::Object(map)) = serde_json::from_str::<Value>(&self.headers) {
-            for (k, v) in map {
+            // An event's own header of the sequence's name must not pass
+            // for a sequence number.
+            for (k, v) in map
+                .into_iter()
+                .filter(|(k, _)| k != wire::HEADER_AGGREGATE_SEQ)
+            {
                 headers.insert(ShortString::from(k), json_to_amqp(v));
             }
         }
@@ -80,6 +88,12 @@ impl ClaimedEvent {
             wire::HEADER_AGGREGATE_ID.into(),
             AMQPValue::LongString(self.aggregate_id.as_str().into()),
         );
+        if let Some(seq) = self.aggregate_seq {
+            headers.insert(
+                wire::HEADER_AGGREGATE_SEQ.into(),
+                AMQPValue::LongLongInt(seq),
+            );
+        }
         BasicProperties::default()
             .with_message_id(self.id.to_string().into())
             .with_type(self.event_type.as_str().into())
@@ -125,6 +139,7 @@ mod tests {
             routing_key: None,
             created_at: Utc::now(),
             attempts: 0,
+            aggregate_seq: None,
         }
     }
 
@@ -150,6 +165,12 @@ mod tests {
         assert_eq!(h["ok"], AMQPValue::Boolean(true));
         assert_eq!(h["x-aggregate-type"], AMQPValue::LongString("order".into()));
         assert_eq!(h["x-aggregate-id"], AMQPValue::LongString("o-1".into()));
+        assert!(!h.contains_key("x-aggregate-seq"), "unordered: no sequence");
+        let mut ordered = event(r#"{"x-aggregate-seq": 99}"#);
+        ordered.aggregate_seq = Some(7);
+        let p = ordered.properties();
+        let h = p.headers().as_ref().unwrap().inner();
+        assert_eq!(h["x-aggregate-seq"], AMQPValue::LongLongInt(7));
         assert_eq!(e.routing_key(), "order.OrderPlaced");
         assert_eq!(e.exchange_or("outbox.events"), "outbox.events");
         assert_eq!(e.short_string_problem("outbox.events"), None);

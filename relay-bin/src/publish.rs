@@ -42,6 +42,9 @@ pub enum Outcome {
     /// The event can never be published as it is (a name over AMQP's
     /// 255-byte limit); it is dead-lettered at once.
     Unpublishable(String),
+    /// Not published: an earlier event of its (ordered) aggregate in the
+    /// same batch could not be published. Left in the outbox untouched.
+    HeldBack,
     /// The payload is over the relay's limit; it is dead-lettered at once.
     TooLarge {
         /// Payload size in bytes.
@@ -63,6 +66,9 @@ impl Outcome {
             Outcome::TimedOut => Some("no publisher confirm within the confirm timeout".to_owned()),
             Outcome::ChannelFailed(e) => Some(format!("the broker closed the channel: {e}")),
             Outcome::Unpublishable(why) => Some(why.clone()),
+            Outcome::HeldBack => {
+                Some("held back behind an earlier event of its aggregate".to_owned())
+            }
             Outcome::ExchangeNotFound(x) => Some(format!("exchange {x:?} does not exist")),
             Outcome::TooLarge { size, limit } => Some(format!(
                 "payload is {size} bytes, over the relay's limit of {limit} bytes"
@@ -250,21 +256,32 @@ impl Publisher {
             ..Default::default()
         };
         let started = Instant::now();
+        // Ordered aggregates whose earlier event in this batch could not be
+        // published: their later events must not overtake it.
+        let mut halted: HashSet<(&str, &str)> = HashSet::new();
         for (i, e) in events.iter().enumerate() {
             let exchange = e.exchange_or(default_exchange);
-            if e.payload.len() > max_payload_bytes {
-                outcomes[i] = Some(Outcome::TooLarge {
+            let aggregate = (e.aggregate_type.as_str(), e.aggregate_id.as_str());
+            let ordered = e.aggregate_seq.is_some();
+            let refused = if ordered && halted.contains(&aggregate) {
+                Some(Outcome::HeldBack)
+            } else if e.payload.len() > max_payload_bytes {
+                Some(Outcome::TooLarge {
                     size: e.payload.len(),
                     limit: max_payload_bytes,
-                });
-                continue;
-            }
-            if let Some(why) = e.short_string_problem(exchange) {
-                outcomes[i] = Some(Outcome::Unpublishable(why));
-                continue;
-            }
-            if missing.contains(exchange) {
-                outcomes[i] = Some(Outcome::ExchangeNotFound(exchange.to_owned()));
+                })
+            } else if let Some(why) = e.short_string_problem(exchange) {
+                Some(Outcome::Unpublishable(why))
+            } else if missing.contains(exchange) {
+                Some(Outcome::ExchangeNotFound(exchange.to_owned()))
+            } else {
+                None
+            };
+            if let Some(outcome) = refused {
+                if ordered {
+                    halted.insert(aggregate);
+                }
+                outcomes[i] = Some(outcome);
                 continue;
             }
             // Hands the frames to lapin's IO loop; the confirm comes later.

@@ -7,14 +7,29 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 /// Columns every claim returns, in this order.
 pub(crate) const CLAIM_COLUMNS: &str = "id, aggregate_type, aggregate_id, event_type, payload::text AS payload, \
-     headers::text AS headers, exchange, routing_key, created_at, attempts";
+     headers::text AS headers, exchange, routing_key, created_at, attempts, aggregate_seq";
 
 /// The relay's statements for one schema.
 #[derive(Debug, Clone)]
 pub(crate) struct Queries {
-    /// Claim due events, oldest first, skipping rows other relays hold.
-    /// `$1` batch size.
+    /// Claim due unordered events, oldest first, skipping rows other relays
+    /// hold. `$1` batch size.
     pub(crate) claim: SqlStr,
+    /// Claim ordered events of the partitions this relay leases (`$1`
+    /// relay id) and this worker serves (`partition % $2 = $3`): the due
+    /// head of each aggregate, oldest first, and the events after it, at
+    /// most about `$4` in all. The lease rows are held FOR SHARE until the
+    /// transaction ends, so no lease changes hands under a batch in flight.
+    pub(crate) claim_ordered: SqlStr,
+    /// Push back the later events of aggregates whose head failed, to the
+    /// head's next attempt. `$1` aggregate types, `$2` ids, `$3` head
+    /// seqs, `$4` delays in ms.
+    pub(crate) hold_back: SqlStr,
+    /// One lease round (`outbox_lease_tick`): `$1` relay id, `$2` name,
+    /// `$3` TTL in ms. Returns the partitions held.
+    pub(crate) lease_tick: SqlStr,
+    /// Give up every lease of relay `$1` and leave the relay list.
+    pub(crate) lease_release: SqlStr,
     /// Remove delivered events. `$1` ids.
     pub(crate) delete: SqlStr,
     /// Move delivered events to `outbox_published`. `$1` ids.
@@ -45,17 +60,59 @@ impl Queries {
         Self {
             claim: sql(format!(
                 "SELECT {CLAIM_COLUMNS} FROM {s}.outbox
-                 WHERE available_at <= now()
+                 WHERE available_at <= now() AND aggregate_seq IS NULL
                  ORDER BY available_at, id
                  LIMIT $1
                  FOR UPDATE SKIP LOCKED"
+            )),
+            claim_ordered: sql(format!(
+                "WITH parts AS (
+                     SELECT partition FROM {s}.outbox_leases
+                     WHERE owner = $1 AND expires_at > now() AND partition % $2 = $3
+                     FOR SHARE),
+                 heads AS MATERIALIZED (
+                     SELECT h.* FROM parts CROSS JOIN LATERAL (
+                         SELECT o.aggregate_type, o.aggregate_id, o.aggregate_seq, o.available_at, o.id
+                         FROM {s}.outbox o
+                         WHERE {s}.outbox_partition(o.aggregate_type, o.aggregate_id) = parts.partition
+                           AND o.aggregate_seq IS NOT NULL AND o.available_at <= now()
+                           AND NOT EXISTS (
+                               SELECT 1 FROM {s}.outbox e
+                               WHERE e.aggregate_type = o.aggregate_type AND e.aggregate_id = o.aggregate_id
+                                 AND e.aggregate_seq IS NOT NULL AND e.aggregate_seq < o.aggregate_seq)
+                         ORDER BY o.available_at, o.id
+                         LIMIT (SELECT ceil($4::numeric / count(*)) FROM parts)) h),
+                 run AS (SELECT greatest(1, $4 / greatest(count(*), 1)) AS n FROM heads)
+                 SELECT r.*, r.available_at <= now() AS due
+                 FROM heads CROSS JOIN run CROSS JOIN LATERAL (
+                     SELECT {CLAIM_COLUMNS}, available_at FROM {s}.outbox x
+                     WHERE x.aggregate_type = heads.aggregate_type AND x.aggregate_id = heads.aggregate_id
+                       AND x.aggregate_seq >= heads.aggregate_seq
+                     ORDER BY x.aggregate_seq
+                     LIMIT run.n) r
+                 ORDER BY heads.available_at, heads.id, r.aggregate_seq"
+            )),
+            hold_back: sql(format!(
+                "UPDATE {s}.outbox o
+                 SET available_at = greatest(o.available_at, now() + f.delay_ms * interval '1 millisecond')
+                 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[]) AS f(t, a, seq, delay_ms)
+                 WHERE o.aggregate_type = f.t AND o.aggregate_id = f.a
+                   AND o.aggregate_seq IS NOT NULL AND o.aggregate_seq > f.seq"
+            )),
+            lease_tick: sql(format!(
+                "SELECT p FROM {s}.outbox_lease_tick($1, $2, $3 * interval '1 millisecond') AS p"
+            )),
+            lease_release: sql(format!(
+                "WITH r AS (DELETE FROM {s}.outbox_relays WHERE id = $1)
+                 UPDATE {s}.outbox_leases SET owner = NULL, owner_name = NULL, expires_at = '-infinity'
+                 WHERE owner = $1"
             )),
             delete: sql(format!("DELETE FROM {s}.outbox WHERE id = ANY($1)")),
             archive: sql(format!(
                 "WITH d AS (DELETE FROM {s}.outbox WHERE id = ANY($1) RETURNING *)
                  INSERT INTO {s}.outbox_published
-                     (id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key, created_at, attempts)
-                 SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key, created_at, attempts + 1
+                     (id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key, created_at, attempts, aggregate_seq)
+                 SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key, created_at, attempts + 1, aggregate_seq
                  FROM d
                  ON CONFLICT (id) DO NOTHING"
             )),
@@ -75,15 +132,15 @@ impl Queries {
                             RETURNING o.*, f.error AS final_error)
                  INSERT INTO {s}.outbox_dead_letters
                      (id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key,
-                      created_at, attempts, last_error, error_history)
+                      created_at, attempts, last_error, error_history, aggregate_seq)
                  SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key,
-                        created_at, attempts + 1, final_error, {history}
+                        created_at, attempts + 1, final_error, {history}, aggregate_seq
                  FROM d
                  ON CONFLICT (id) DO UPDATE SET
                      payload = EXCLUDED.payload, headers = EXCLUDED.headers, exchange = EXCLUDED.exchange,
                      routing_key = EXCLUDED.routing_key, attempts = EXCLUDED.attempts,
                      last_error = EXCLUDED.last_error, error_history = EXCLUDED.error_history,
-                     dead_lettered_at = now()",
+                     aggregate_seq = EXCLUDED.aggregate_seq, dead_lettered_at = now()",
                 history = history_push("d.error_history", "d.final_error"),
             )),
         }

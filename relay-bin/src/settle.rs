@@ -1,5 +1,7 @@
 //! Recording what the broker said, in the claim's transaction.
 
+use std::collections::HashSet;
+
 use crate::config::{RelayConfig, backoff};
 use crate::error::Result;
 use crate::message::ClaimedEvent;
@@ -16,11 +18,20 @@ pub struct Settled {
     pub retried: usize,
     /// Moved to the dead-letter table.
     pub dead_lettered: usize,
+    /// Ordered events left untouched because an earlier event of their
+    /// aggregate failed in the same batch: they go again after it.
+    pub held_back: usize,
 }
 
 /// Deletes (or archives) delivered events, reschedules failed ones with
-/// backoff and dead-letters those out of attempts. At most three
+/// backoff and dead-letters those out of attempts. At most four
 /// statements per batch, whatever its size.
+///
+/// Ordered events (in the batch in aggregate order): the first failure of
+/// an aggregate is settled like any failure; the aggregate's later events
+/// in the batch are left as they are, even if the broker took them, and the
+/// aggregate's later events in the outbox wait for the failed one's next
+/// attempt, so nothing overtakes it.
 pub(crate) async fn settle(
     conn: &mut PgConnection,
     queries: &Queries,
@@ -31,7 +42,19 @@ pub(crate) async fn settle(
     let mut delivered = Vec::new();
     let (mut retry_ids, mut retry_delays, mut retry_errors) = (Vec::new(), Vec::new(), Vec::new());
     let (mut dead_ids, mut dead_errors) = (Vec::new(), Vec::new());
+    let mut failed_aggregates = HashSet::new();
+    let mut held_back = 0;
+    let mut hold = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (e, o) in events.iter().zip(outcomes) {
+        let aggregate = e
+            .aggregate_seq
+            .map(|seq| (e.aggregate_type.as_str(), e.aggregate_id.as_str(), seq));
+        if let Some((t, a, _)) = aggregate
+            && failed_aggregates.contains(&(t, a))
+        {
+            held_back += 1;
+            continue;
+        }
         let Some(error) = o.error() else {
             delivered.push(e.id);
             continue;
@@ -41,10 +64,20 @@ pub(crate) async fn settle(
             dead_ids.push(e.id);
             dead_errors.push(error);
         } else {
-            let delay = backoff(config.retry_base, config.retry_max, attempt as u32);
+            let delay =
+                backoff(config.retry_base, config.retry_max, attempt as u32).as_millis() as i64;
             retry_ids.push(e.id);
-            retry_delays.push(delay.as_millis() as i64);
+            retry_delays.push(delay);
             retry_errors.push(error);
+            if let Some((t, a, seq)) = aggregate {
+                hold.0.push(t);
+                hold.1.push(a);
+                hold.2.push(seq);
+                hold.3.push(delay);
+            }
+        }
+        if let Some((t, a, _)) = aggregate {
+            failed_aggregates.insert((t, a));
         }
     }
     if !delivered.is_empty() {
@@ -66,6 +99,15 @@ pub(crate) async fn settle(
             .execute(&mut *conn)
             .await?;
     }
+    if !hold.0.is_empty() {
+        sqlx::query(queries.hold_back.clone())
+            .bind(&hold.0)
+            .bind(&hold.1)
+            .bind(&hold.2)
+            .bind(&hold.3)
+            .execute(&mut *conn)
+            .await?;
+    }
     if !dead_ids.is_empty() {
         sqlx::query(queries.dead_letter.clone())
             .bind(&dead_ids)
@@ -77,5 +119,6 @@ pub(crate) async fn settle(
         delivered: delivered.len(),
         retried: retry_ids.len(),
         dead_lettered: dead_ids.len(),
+        held_back,
     })
 }

@@ -1,4 +1,5 @@
-//! Operator views and actions: backlog status and the dead-letter table.
+//! Operator views and actions: backlog status, blocked aggregates, partition
+//! leases and the dead-letter table.
 
 use chrono::{DateTime, Utc};
 use outbox::Ident;
@@ -7,6 +8,7 @@ use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
 use crate::error::Result;
+use crate::queries::Queries;
 
 /// The outbox at a glance (`outbox-relay status`).
 #[derive(Debug, Clone, Serialize)]
@@ -23,6 +25,45 @@ pub struct Status {
     pub dead_letters: i64,
     /// The retrying events with the most attempts, and why they failed.
     pub failing: Vec<FailingEvent>,
+    /// Ordered aggregates whose next event failed: their later events wait
+    /// for it (oldest first, at most 20; see [`blocked_aggregates`]).
+    pub blocked: Vec<BlockedAggregate>,
+    /// Relays holding partition leases of ordered events, and how many.
+    pub relays: Vec<RelayLeases>,
+    /// Partitions no live relay holds (their ordered events wait for one).
+    pub unleased_partitions: i64,
+}
+
+/// An ordered aggregate held up by its failing head event.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct BlockedAggregate {
+    /// Aggregate type.
+    pub aggregate_type: String,
+    /// Aggregate id.
+    pub aggregate_id: String,
+    /// The failing event (skip it with `outbox-relay blocked skip <id>`).
+    pub event_id: Uuid,
+    /// Its sequence number.
+    pub aggregate_seq: i64,
+    /// Failed attempts so far.
+    pub attempts: i32,
+    /// Why it failed last.
+    pub last_error: Option<String>,
+    /// When it is tried again.
+    pub next_attempt_at: DateTime<Utc>,
+    /// Later events of the aggregate waiting behind it.
+    pub waiting: i64,
+}
+
+/// A relay and the partitions it leases.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct RelayLeases {
+    /// The relay's name (`--name`).
+    pub name: String,
+    /// Partitions it holds (of 64).
+    pub partitions: i64,
+    /// Seconds since its last heartbeat.
+    pub heartbeat_age_s: f64,
 }
 
 /// An event being retried.
@@ -117,6 +158,21 @@ pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
     )))
     .fetch_all(pool)
     .await?;
+    let blocked = blocked_aggregates(pool, schema, 20).await?;
+    let relays = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT r.name, count(l.partition) AS partitions,
+                extract(epoch FROM now() - r.heartbeat_at)::float8 AS heartbeat_age_s
+         FROM {s}.outbox_relays r
+         LEFT JOIN {s}.outbox_leases l ON l.owner = r.id AND l.expires_at > now()
+         GROUP BY r.id, r.name, r.heartbeat_at ORDER BY r.name"
+    )))
+    .fetch_all(pool)
+    .await?;
+    let unleased_partitions = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {s}.outbox_leases WHERE owner IS NULL OR expires_at <= now()"
+    )))
+    .fetch_one(pool)
+    .await?;
     Ok(Status {
         backlog,
         due,
@@ -124,7 +180,126 @@ pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
         retrying,
         dead_letters,
         failing,
+        blocked,
+        relays,
+        unleased_partitions,
     })
+}
+
+/// Ordered aggregates whose head event has failed at least once, oldest
+/// first: their later events wait until it is delivered, dead-lettered or
+/// skipped.
+pub async fn blocked_aggregates(
+    pool: &PgPool,
+    schema: &Ident,
+    limit: i64,
+) -> Result<Vec<BlockedAggregate>> {
+    let s = schema.quoted();
+    Ok(sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT o.aggregate_type, o.aggregate_id, o.id AS event_id, o.aggregate_seq, o.attempts, o.last_error,
+                o.available_at AS next_attempt_at,
+                (SELECT count(*) FROM {s}.outbox w
+                 WHERE w.aggregate_type = o.aggregate_type AND w.aggregate_id = o.aggregate_id
+                   AND w.aggregate_seq > o.aggregate_seq) AS waiting
+         FROM {s}.outbox o
+         WHERE o.aggregate_seq IS NOT NULL AND o.attempts > 0
+           AND NOT EXISTS (SELECT 1 FROM {s}.outbox e
+                           WHERE e.aggregate_type = o.aggregate_type AND e.aggregate_id = o.aggregate_id
+                             AND e.aggregate_seq < o.aggregate_seq)
+         ORDER BY o.created_at LIMIT $1"
+    )))
+    .bind(limit)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// Moves the given events from the outbox to the dead-letter table with
+/// `reason`, so the aggregates they block move on (consumers see the gap
+/// in the sequence). Waits for any batch in flight on their partitions
+/// and keeps relays off them until done. Returns how many were moved; a
+/// moved event can be replayed like any dead letter.
+pub async fn skip_events(pool: &PgPool, schema: &Ident, ids: &[Uuid], reason: &str) -> Result<u64> {
+    let s = schema.quoted();
+    let mut tx = pool.begin().await?;
+    // The partitions' lease rows, exclusively: relays publish a partition
+    // only while holding its row FOR SHARE.
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT partition FROM {s}.outbox_leases
+         WHERE partition IN (SELECT {s}.outbox_partition(aggregate_type, aggregate_id)
+                             FROM {s}.outbox WHERE id = ANY($1))
+         ORDER BY partition FOR UPDATE"
+    )))
+    .bind(ids)
+    .execute(&mut *tx)
+    .await?;
+    let aggregates: Vec<(String, String)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT aggregate_type, aggregate_id FROM {s}.outbox WHERE id = ANY($1) AND aggregate_seq IS NOT NULL"
+    )))
+    .bind(ids)
+    .fetch_all(&mut *tx)
+    .await?;
+    let errors = vec![format!("skipped by an operator: {reason}"); ids.len()];
+    let moved = sqlx::query(Queries::new(schema).dead_letter)
+        .bind(ids)
+        .bind(&errors)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    release_held_back(&mut tx, schema, &aggregates).await?;
+    tx.commit().await?;
+    Ok(moved)
+}
+
+/// Makes the given failed events due now (and, for ordered ones, the
+/// events of their aggregate waiting behind them). Returns how many
+/// events were rescheduled.
+pub async fn retry_now(pool: &PgPool, schema: &Ident, ids: &[Uuid]) -> Result<u64> {
+    let s = schema.quoted();
+    let mut tx = pool.begin().await?;
+    let moved = sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {s}.outbox SET available_at = now() WHERE id = ANY($1) AND available_at > now()"
+    )))
+    .bind(ids)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    let aggregates: Vec<(String, String)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT aggregate_type, aggregate_id FROM {s}.outbox WHERE id = ANY($1) AND aggregate_seq IS NOT NULL"
+    )))
+    .bind(ids)
+    .fetch_all(&mut *tx)
+    .await?;
+    let released = release_held_back(&mut tx, schema, &aggregates).await?;
+    tx.commit().await?;
+    Ok(moved + released)
+}
+
+/// Events of these aggregates that were pushed back behind a failed head
+/// (never attempted themselves) become due now.
+async fn release_held_back(
+    tx: &mut sqlx::PgConnection,
+    schema: &Ident,
+    aggregates: &[(String, String)],
+) -> Result<u64> {
+    if aggregates.is_empty() {
+        return Ok(0);
+    }
+    let (types, ids): (Vec<&str>, Vec<&str>) = aggregates
+        .iter()
+        .map(|(t, a)| (t.as_str(), a.as_str()))
+        .unzip();
+    Ok(sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {}.outbox o SET available_at = now()
+         FROM unnest($1::text[], $2::text[]) AS f(t, a)
+         WHERE o.aggregate_type = f.t AND o.aggregate_id = f.a AND o.aggregate_seq IS NOT NULL
+           AND o.attempts = 0 AND o.available_at > now()",
+        schema.quoted()
+    )))
+    .bind(&types)
+    .bind(&ids)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected())
 }
 
 /// Lists up to `limit` dead letters, newest first.
@@ -156,10 +331,12 @@ pub async fn replay_dead_letters(
     let rows: Vec<(Uuid, bool)> = sqlx::query_as(AssertSqlSafe(format!(
         "WITH d AS (DELETE FROM {s}.outbox_dead_letters WHERE $1::uuid[] IS NULL OR id = ANY($1) RETURNING *)
          INSERT INTO {s}.outbox (id, aggregate_type, aggregate_id, event_type, payload, headers, exchange,
-                                 routing_key, created_at, available_at, attempts, last_error, error_history)
+                                 routing_key, created_at, available_at, attempts, last_error, error_history,
+                                 aggregate_seq)
          SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key,
                 created_at, now(), 0, NULL,
-                error_history || jsonb_build_array(jsonb_build_object('at', now(), 'error', 'replayed from dead letters'))
+                error_history || jsonb_build_array(jsonb_build_object('at', now(), 'error', 'replayed from dead letters')),
+                aggregate_seq
          FROM d
          ON CONFLICT (id) DO NOTHING
          RETURNING id, created_at < now() - $2 * interval '1 millisecond'"

@@ -1,6 +1,7 @@
 //! The relay engine as a process the fault tests can SIGKILL and SIGSTOP.
 //! Settings from the environment: DATABASE_URL, AMQP_URL, SCHEMA, EXCHANGE,
-//! BATCH_SIZE (default 100), LISTEN (default 1).
+//! BATCH_SIZE (default 100), LISTEN (default 1), LEASE_TTL_MS (default
+//! 2000).
 
 use std::time::Duration;
 
@@ -42,6 +43,12 @@ async fn main() -> Result<()> {
         broker_timeout: Duration::from_secs(3),
         reconnect_min: Duration::from_millis(50),
         reconnect_max: Duration::from_millis(500),
+        lease_ttl: Duration::from_millis(
+            std::env::var("LEASE_TTL_MS")
+                .ok()
+                .and_then(|b| b.parse().ok())
+                .unwrap_or(2000),
+        ),
         ..RelayConfig::default()
     };
     let relay = Relay::new(pool, config).await?;

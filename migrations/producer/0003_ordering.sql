@@ -1,0 +1,104 @@
+-- Producer schema, version 3: per-aggregate ordering (docs/ORDERING.md).
+-- Runs with search_path set to the target schema.
+--
+-- An ordered event carries `aggregate_seq`: its position in its aggregate,
+-- 1, 2, 3, ... in commit order. Producers take the next number from
+-- `outbox_sequences` with a row lock held until their commit, so two
+-- transactions writing events of one aggregate are serialised there and the
+-- numbers follow commit order. Unordered events leave it NULL.
+--
+-- On a large existing outbox the index changes below rewrite indexes under
+-- a lock: run this migration when the backlog is small.
+
+ALTER TABLE outbox ADD COLUMN aggregate_seq bigint CHECK (aggregate_seq >= 1);
+ALTER TABLE outbox_dead_letters ADD COLUMN aggregate_seq bigint;
+ALTER TABLE outbox_published ADD COLUMN aggregate_seq bigint;
+
+-- The partition of an aggregate: relays lease partitions, and one partition
+-- has one publisher at a time. 64 partitions, fixed: every relay must agree.
+CREATE FUNCTION outbox_partition(aggregate_type text, aggregate_id text) RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $fn$
+    SELECT (hashtextextended(aggregate_type || '/' || aggregate_id, 0) & 63)::integer
+$fn$;
+
+-- Unordered events are claimed oldest first with SKIP LOCKED, as before.
+DROP INDEX outbox_due_idx;
+CREATE INDEX outbox_due_idx ON outbox (available_at, id) WHERE aggregate_seq IS NULL;
+-- Ordered events: at most one row per (aggregate, seq); a relay finds the
+-- due heads of its partitions oldest first.
+CREATE UNIQUE INDEX outbox_aggregate_seq_idx ON outbox (aggregate_type, aggregate_id, aggregate_seq)
+    WHERE aggregate_seq IS NOT NULL;
+CREATE INDEX outbox_ordered_due_idx ON outbox (outbox_partition(aggregate_type, aggregate_id), available_at, id)
+    WHERE aggregate_seq IS NOT NULL;
+
+-- The last sequence number handed out per aggregate. Only ever grows;
+-- a rolled-back transaction rolls its increment back with it.
+CREATE TABLE outbox_sequences (
+    aggregate_type text   NOT NULL,
+    aggregate_id   text   NOT NULL,
+    last_seq       bigint NOT NULL CHECK (last_seq >= 0),
+    PRIMARY KEY (aggregate_type, aggregate_id)
+);
+
+-- For producers in other languages: reserves `n` numbers for an aggregate
+-- and returns the last one (the range is last-n+1 .. last). Call it in the
+-- transaction that inserts the events.
+CREATE FUNCTION outbox_next_seq(p_aggregate_type text, p_aggregate_id text, p_n bigint DEFAULT 1)
+RETURNS bigint LANGUAGE sql VOLATILE SET search_path FROM CURRENT AS $fn$
+    INSERT INTO outbox_sequences AS q (aggregate_type, aggregate_id, last_seq)
+    VALUES (p_aggregate_type, p_aggregate_id, p_n)
+    ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = q.last_seq + EXCLUDED.last_seq
+    RETURNING last_seq
+$fn$;
+
+-- Live relays, by heartbeat.
+CREATE TABLE outbox_relays (
+    id           uuid        PRIMARY KEY,
+    name         text        NOT NULL,
+    started_at   timestamptz NOT NULL DEFAULT now(),
+    heartbeat_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- One row per partition. A relay publishes a partition's ordered events
+-- only inside a transaction that holds its lease row FOR SHARE, so a lease
+-- cannot change hands while a batch of it is in flight.
+CREATE TABLE outbox_leases (
+    partition  integer     PRIMARY KEY CHECK (partition BETWEEN 0 AND 63),
+    owner      uuid,
+    owner_name text,
+    expires_at timestamptz NOT NULL DEFAULT '-infinity'
+);
+INSERT INTO outbox_leases (partition) SELECT generate_series(0, 63);
+
+-- One lease round of relay `p_relay`: heartbeat, renew its leases, give up
+-- partitions above its fair share (64 / live relays, rounded up), take free
+-- or expired ones below it. Returns the partitions it holds afterwards.
+CREATE FUNCTION outbox_lease_tick(p_relay uuid, p_name text, p_ttl interval)
+RETURNS SETOF integer LANGUAGE plpgsql VOLATILE
+SET search_path FROM CURRENT SET lock_timeout = '5s' AS $fn$
+DECLARE
+    live  integer;
+    share integer;
+    mine  integer;
+BEGIN
+    INSERT INTO outbox_relays AS r (id, name) VALUES (p_relay, p_name)
+    ON CONFLICT (id) DO UPDATE SET heartbeat_at = now();
+    DELETE FROM outbox_relays WHERE heartbeat_at < now() - p_ttl * 10;
+    SELECT count(*) INTO live FROM outbox_relays WHERE heartbeat_at > now() - p_ttl;
+    share := ceil(64.0 / greatest(live, 1));
+    UPDATE outbox_leases SET expires_at = now() + p_ttl WHERE owner = p_relay;
+    SELECT count(*) INTO mine FROM outbox_leases WHERE owner = p_relay;
+    IF mine > share THEN
+        UPDATE outbox_leases SET owner = NULL, owner_name = NULL, expires_at = '-infinity'
+        WHERE partition IN (SELECT partition FROM outbox_leases WHERE owner = p_relay
+                            ORDER BY partition DESC LIMIT mine - share);
+    ELSIF mine < share THEN
+        UPDATE outbox_leases SET owner = p_relay, owner_name = p_name, expires_at = now() + p_ttl
+        WHERE partition IN (SELECT partition FROM outbox_leases
+                            WHERE owner IS NULL OR expires_at <= now()
+                            ORDER BY partition LIMIT share - mine
+                            FOR UPDATE SKIP LOCKED);
+    END IF;
+    RETURN QUERY SELECT l.partition FROM outbox_leases l WHERE l.owner = p_relay ORDER BY 1;
+END
+$fn$;

@@ -1,0 +1,243 @@
+//! Per-aggregate sequence numbers on the write side, against a real
+//! PostgreSQL.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use outbox::{NewEvent, Ordering, Outbox, OutboxConfig, Wakeup};
+use serde_json::json;
+
+async fn outbox(pool: &sqlx::PgPool, schema: &str, ordering: Ordering) -> Outbox {
+    Outbox::new(
+        pool,
+        OutboxConfig::default()
+            .schema(schema)
+            .wakeup(Wakeup::PollOnly)
+            .ordering(ordering),
+    )
+    .await
+    .expect("outbox")
+}
+
+fn event(agg: &str, id: &str, n: i64) -> NewEvent {
+    NewEvent::new(agg, id, "Changed", &json!({ "n": n })).unwrap()
+}
+
+/// (aggregate_type, aggregate_id, payload n, aggregate_seq) of every row.
+async fn rows(pool: &sqlx::PgPool, schema: &str) -> Vec<(String, String, i64, Option<i64>)> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT aggregate_type, aggregate_id, (payload->>'n')::bigint, aggregate_seq
+         FROM \"{schema}\".outbox ORDER BY aggregate_type, aggregate_id, (payload->>'n')::bigint"
+    )))
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn ordered_types_are_numbered_per_aggregate_and_others_are_not() {
+    let (pool, schema) = migrated("ord_types").await;
+    let outbox = outbox(&pool, &schema, Ordering::types(["order"])).await;
+    let mut tx = pool.begin().await.unwrap();
+    for n in 1..=3 {
+        outbox
+            .enqueue(&mut *tx, event("order", "a", n))
+            .await
+            .unwrap();
+        outbox
+            .enqueue(&mut *tx, event("order", "b", n))
+            .await
+            .unwrap();
+        outbox
+            .enqueue(&mut *tx, event("cart", "a", n))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let got = rows(&pool, &schema).await;
+    for (t, a, n, seq) in got {
+        match t.as_str() {
+            "order" => assert_eq!(seq, Some(n), "{t}/{a} #{n}"),
+            _ => assert_eq!(seq, None, "{t}/{a} is not ordered"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn enqueue_many_numbers_in_input_order_and_continues_the_sequence() {
+    let (pool, schema) = migrated("ord_many").await;
+    let outbox = outbox(&pool, &schema, Ordering::All).await;
+    let mut tx = pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut *tx, event("order", "a", 1))
+        .await
+        .unwrap();
+    let batch: Vec<NewEvent> = (2..=101)
+        .flat_map(|n| [event("order", "a", n), event("order", "b", n - 1)])
+        .collect();
+    let ids = outbox.enqueue_many(&mut *tx, batch).await.unwrap();
+    assert_eq!(ids.len(), 200);
+    tx.commit().await.unwrap();
+    for (t, a, n, seq) in rows(&pool, &schema).await {
+        assert_eq!(seq, Some(n), "{t}/{a} #{n}");
+    }
+}
+
+#[tokio::test]
+async fn a_repeated_id_takes_no_number_and_leaves_no_hole() {
+    let (pool, schema) = migrated("ord_dup").await;
+    let outbox = outbox(&pool, &schema, Ordering::All).await;
+    let mut tx = pool.begin().await.unwrap();
+    let first = event("order", "a", 1).id_from_key("k1");
+    outbox.enqueue(&mut *tx, first.clone()).await.unwrap();
+    // Same id again, alone and inside a batch.
+    outbox.enqueue(&mut *tx, first.clone()).await.unwrap();
+    outbox
+        .enqueue_many(&mut *tx, [first, event("order", "a", 2)])
+        .await
+        .unwrap();
+    outbox
+        .enqueue(&mut *tx, event("order", "a", 3))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let got: Vec<Option<i64>> = rows(&pool, &schema)
+        .await
+        .into_iter()
+        .map(|r| r.3)
+        .collect();
+    assert_eq!(got, vec![Some(1), Some(2), Some(3)]);
+}
+
+#[tokio::test]
+async fn a_rolled_back_transaction_gives_its_numbers_back() {
+    let (pool, schema) = migrated("ord_rollback").await;
+    let outbox = outbox(&pool, &schema, Ordering::All).await;
+    let mut tx = pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut *tx, event("order", "a", 1))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut *tx, event("order", "a", 1))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(rows(&pool, &schema).await[0].3, Some(1));
+}
+
+/// Concurrent writers of one aggregate: numbers follow commit order, so a
+/// writer that holds its transaction open makes the other wait.
+#[tokio::test]
+async fn numbers_follow_commit_order_across_concurrent_writers() {
+    let (pool, schema) = migrated("ord_concurrent").await;
+    let outbox = outbox(&pool, &schema, Ordering::All).await;
+    let writers = 8;
+    let per_writer = 25;
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let (pool, outbox) = (pool.clone(), outbox.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in 0..per_writer {
+                let mut tx = pool.begin().await.unwrap();
+                outbox
+                    .enqueue(&mut *tx, event("order", "hot", (w * 1000 + i) as i64))
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let seqs: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT aggregate_seq FROM \"{schema}\".outbox ORDER BY aggregate_seq"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let expected: Vec<i64> = (1..=(writers * per_writer) as i64).collect();
+    assert_eq!(seqs, expected, "gapless, one number per event");
+    // Commit order: the counter's row lock is held until commit, so a
+    // second writer of the aggregate waits and takes the next number.
+    let mut a = pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut *a, event("order", "hot", -1))
+        .await
+        .unwrap();
+    let second = {
+        let (pool, outbox) = (pool.clone(), outbox.clone());
+        tokio::spawn(async move {
+            let mut b = pool.begin().await.unwrap();
+            outbox
+                .enqueue(&mut *b, event("order", "hot", -2))
+                .await
+                .unwrap();
+            b.commit().await.unwrap();
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !second.is_finished(),
+        "a second writer of the aggregate waits for the first to commit"
+    );
+    a.commit().await.unwrap();
+    second.await.unwrap();
+    let last: Vec<(i64, Option<i64>)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT (payload->>'n')::bigint, aggregate_seq FROM \"{schema}\".outbox
+         WHERE (payload->>'n')::bigint < 0 ORDER BY aggregate_seq"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let n = (writers * per_writer) as i64;
+    assert_eq!(last, vec![(-1, Some(n + 1)), (-2, Some(n + 2))]);
+}
+
+#[tokio::test]
+async fn sql_producers_get_numbers_from_the_documented_function() {
+    let (pool, schema) = migrated("ord_sql").await;
+    let mut tx = pool.begin().await.unwrap();
+    let last: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT \"{schema}\".outbox_next_seq('order', 'a', 2)"
+    )))
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(last, 2);
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq)
+         VALUES ('order', 'a', 'Changed', '{{\"n\": 1}}', 1), ('order', 'a', 'Changed', '{{\"n\": 2}}', 2)"
+    )))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    // The Rust producer continues the same sequence.
+    let outbox = outbox(&pool, &schema, Ordering::All).await;
+    let mut tx = pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut *tx, event("order", "a", 3))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let got: Vec<Option<i64>> = rows(&pool, &schema)
+        .await
+        .into_iter()
+        .map(|r| r.3)
+        .collect();
+    assert_eq!(got, vec![Some(1), Some(2), Some(3)]);
+    // Two rows with the same number for one aggregate are refused.
+    let dup = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq)
+         VALUES ('order', 'a', 'Changed', '{{}}', 3)"
+    )))
+    .execute(&pool)
+    .await;
+    assert!(dup.is_err(), "unique (aggregate, seq)");
+}

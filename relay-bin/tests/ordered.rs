@@ -1,0 +1,333 @@
+//! Ordered mode of the relay against the real services: per-aggregate
+//! sequence on the wire, failures that block only their own aggregate, the
+//! operator's skip, and partition leases that move between relays.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use e2e::{TestBroker, TestDb, amqp_url, wait_until};
+use futures_util::StreamExt as _;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use outbox::{NewEvent, Ordering, Outbox, OutboxConfig};
+use outbox_relay::{Relay, RelayConfig, status};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
+    RelayConfig {
+        amqp_url: amqp_url(),
+        schema: db.schema.clone(),
+        default_exchange: broker.exchange.clone(),
+        declare_exchange: None,
+        poll_interval: Duration::from_millis(100),
+        retry_base: Duration::from_millis(50),
+        retry_max: Duration::from_millis(200),
+        max_attempts: 1000,
+        lease_ttl: Duration::from_secs(1),
+        ..RelayConfig::default()
+    }
+}
+
+fn spawn(relay: &Relay) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+    let stop = CancellationToken::new();
+    let (r, s) = (relay.clone(), stop.clone());
+    (
+        stop,
+        tokio::spawn(async move {
+            r.run(s).await.expect("relay run");
+        }),
+    )
+}
+
+/// (aggregate id, seq) of every delivery, in arrival order.
+type Log = Arc<Mutex<Vec<(String, i64)>>>;
+
+fn log_queue(queue: &str) -> Log {
+    let log: Log = Arc::default();
+    let (queue, l) = (queue.to_owned(), log.clone());
+    tokio::spawn(async move {
+        let conn = e2e::connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        let mut deliveries = ch
+            .basic_consume(
+                queue.as_str().into(),
+                "log".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        while let Some(Ok(d)) = deliveries.next().await {
+            let h = d.properties.headers().clone().unwrap_or_default();
+            let h = h.inner();
+            let id = match h.get("x-aggregate-id") {
+                Some(AMQPValue::LongString(s)) => s.to_string(),
+                other => panic!("x-aggregate-id missing: {other:?}"),
+            };
+            // 0: an unordered event (no sequence header).
+            let seq = match h.get("x-aggregate-seq") {
+                Some(AMQPValue::LongLongInt(n)) => *n,
+                None => 0,
+                other => panic!("x-aggregate-seq of the wrong type: {other:?}"),
+            };
+            d.acker.ack(BasicAckOptions::default()).await.unwrap();
+            l.lock().unwrap().push((id, seq));
+        }
+    });
+    log
+}
+
+fn seqs_of(log: &Log, aggregate: &str) -> Vec<i64> {
+    log.lock()
+        .unwrap()
+        .iter()
+        .filter(|(a, _)| a == aggregate)
+        .map(|(_, s)| *s)
+        .collect()
+}
+
+async fn ordered_outbox(db: &TestDb) -> Outbox {
+    Outbox::new(
+        &db.pool,
+        OutboxConfig::default()
+            .schema(&db.schema)
+            .ordering(Ordering::All),
+    )
+    .await
+    .unwrap()
+}
+
+fn event(aggregate: &str, n: i64) -> NewEvent {
+    NewEvent::new("account", aggregate, "Changed", &json!({ "n": n })).unwrap()
+}
+
+#[tokio::test]
+async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
+    let db = TestDb::producer("ord_block").await;
+    let broker = TestBroker::new("ord_block", FieldTable::default()).await;
+    let log = log_queue(&broker.queue);
+    let ob = ordered_outbox(&db).await;
+    // a#1 goes to an exchange that does not exist: it fails on every attempt.
+    let mut tx = db.pool.begin().await.unwrap();
+    let poison = ob
+        .enqueue(&mut *tx, event("a", 1).exchange("no.such.exchange"))
+        .await
+        .unwrap();
+    for n in 1..=5 {
+        if n > 1 {
+            ob.enqueue(&mut *tx, event("a", n)).await.unwrap();
+        }
+        ob.enqueue(&mut *tx, event("b", n)).await.unwrap();
+    }
+    ob.commit(tx).await.unwrap();
+
+    let relay = Relay::new(db.pool.clone(), config(&db, &broker))
+        .await
+        .unwrap();
+    let (stop, task) = spawn(&relay);
+    wait_until(DEADLINE, "b's five events", || async {
+        seqs_of(&log, "b").len() >= 5
+    })
+    .await;
+    assert_eq!(seqs_of(&log, "b"), vec![1, 2, 3, 4, 5]);
+    // a is blocked at its first event; status says so and why.
+    let schema = outbox::Ident::new("schema", &db.schema).unwrap();
+    wait_until(DEADLINE, "a listed as blocked after 3 attempts", || async {
+        status::blocked_aggregates(&db.pool, &schema, 10)
+            .await
+            .unwrap()
+            .first()
+            .is_some_and(|b| b.attempts >= 3)
+    })
+    .await;
+    let blocked = status::blocked_aggregates(&db.pool, &schema, 10)
+        .await
+        .unwrap();
+    assert_eq!(blocked.len(), 1, "{blocked:?}");
+    assert_eq!(blocked[0].aggregate_id, "a");
+    assert_eq!(blocked[0].event_id, poison);
+    assert_eq!(blocked[0].aggregate_seq, 1);
+    assert_eq!(blocked[0].waiting, 4);
+    assert!(
+        blocked[0]
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("no.such.exchange")
+    );
+    assert!(
+        seqs_of(&log, "a").is_empty(),
+        "nothing of a overtakes its failing first event"
+    );
+
+    // The operator skips it: a moves on, in order.
+    let moved = status::skip_events(&db.pool, &schema, &[poison], "bad exchange")
+        .await
+        .unwrap();
+    assert_eq!(moved, 1);
+    wait_until(DEADLINE, "a's remaining events", || async {
+        seqs_of(&log, "a").len() >= 4
+    })
+    .await;
+    assert_eq!(seqs_of(&log, "a"), vec![2, 3, 4, 5]);
+    let (error, seq): (String, Option<i64>) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT last_error, aggregate_seq FROM \"{}\".outbox_dead_letters WHERE id = $1",
+        db.schema
+    )))
+    .bind(poison)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(error, "skipped by an operator: bad exchange");
+    assert_eq!(seq, Some(1), "the dead letter keeps its sequence number");
+    assert!(
+        status::blocked_aggregates(&db.pool, &schema, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    stop.cancel();
+    task.await.unwrap();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+#[tokio::test]
+async fn many_aggregates_arrive_in_sequence_with_unordered_events_alongside() {
+    let db = TestDb::producer("ord_many").await;
+    let broker = TestBroker::new("ord_many", FieldTable::default()).await;
+    let log = log_queue(&broker.queue);
+    let ob = Outbox::new(
+        &db.pool,
+        OutboxConfig::default()
+            .schema(&db.schema)
+            .ordering(Ordering::types(["account"])),
+    )
+    .await
+    .unwrap();
+    let relay = Relay::new(db.pool.clone(), config(&db, &broker))
+        .await
+        .unwrap();
+    let (stop, task) = spawn(&relay);
+    // 40 aggregates x 50 events, committed by 4 concurrent writers while
+    // the relay runs, plus unordered events that carry no sequence.
+    let mut writers = Vec::new();
+    for w in 0..4 {
+        let (pool, ob) = (db.pool.clone(), ob.clone());
+        writers.push(tokio::spawn(async move {
+            for round in 0..50 {
+                let mut tx = pool.begin().await.unwrap();
+                let mut batch = Vec::new();
+                for a in (w..40).step_by(4) {
+                    batch.push(event(&format!("acc-{a}"), round));
+                }
+                ob.enqueue_many(&mut *tx, batch).await.unwrap();
+                ob.commit(tx).await.unwrap();
+            }
+        }));
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
+    let mut tx = db.pool.begin().await.unwrap();
+    ob.enqueue(
+        &mut *tx,
+        NewEvent::new("cart", "c-1", "Changed", &json!({})).unwrap(),
+    )
+    .await
+    .unwrap();
+    ob.commit(tx).await.unwrap();
+    wait_until(DEADLINE, "2,001 events", || async {
+        log.lock().unwrap().len() >= 2001
+    })
+    .await;
+    assert_eq!(
+        seqs_of(&log, "c-1"),
+        vec![0],
+        "unordered: no sequence header"
+    );
+    for a in 0..40 {
+        let got = seqs_of(&log, &format!("acc-{a}"));
+        assert_eq!(got, (1..=50).collect::<Vec<_>>(), "acc-{a}");
+    }
+    wait_until(DEADLINE, "the outbox drained", || async {
+        db.count("outbox").await == 0
+    })
+    .await;
+    stop.cancel();
+    task.await.unwrap();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+async fn leases(db: &TestDb) -> Vec<(Option<uuid::Uuid>, i64)> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT owner, count(*) FROM \"{}\".outbox_leases WHERE expires_at > now() GROUP BY owner ORDER BY 2",
+        db.schema
+    )))
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn leases_split_between_relays_and_move_to_the_survivor() {
+    let db = TestDb::producer("ord_lease").await;
+    let broker = TestBroker::new("ord_lease", FieldTable::default()).await;
+    let a = Relay::new(db.pool.clone(), config(&db, &broker))
+        .await
+        .unwrap();
+    let b = Relay::new(db.pool.clone(), config(&db, &broker))
+        .await
+        .unwrap();
+    let c = Relay::new(db.pool.clone(), config(&db, &broker))
+        .await
+        .unwrap();
+    let (stop_a, task_a) = spawn(&a);
+    let (stop_b, task_b) = spawn(&b);
+    let (stop_c, task_c) = spawn(&c);
+    // Fair share: at most ceil(64 / 3) = 22 each, all 64 held.
+    wait_until(DEADLINE, "64 partitions split three ways", || async {
+        let l = leases(&db).await;
+        l.len() == 3
+            && l.iter().all(|(o, n)| o.is_some() && (20..=22).contains(n))
+            && l.iter().map(|(_, n)| n).sum::<i64>() == 64
+    })
+    .await;
+    // Clean shutdown: a's leases are released at once.
+    stop_a.cancel();
+    task_a.await.unwrap();
+    let l = leases(&db).await;
+    assert!(
+        l.iter().all(|(o, _)| *o != Some(a.id())),
+        "a released its leases on shutdown: {l:?}"
+    );
+    wait_until(DEADLINE, "b and c share 64", || async {
+        let l = leases(&db).await;
+        l.len() == 2 && l.iter().map(|(_, n)| n).sum::<i64>() == 64
+    })
+    .await;
+    // Abrupt death: c's task is dropped without releasing anything. b
+    // takes over once c's leases expire (TTL 1 s).
+    task_c.abort();
+    let died = Instant::now();
+    let _ = task_c.await;
+    stop_c.cancel();
+    wait_until(DEADLINE, "b holds all 64", || async {
+        leases(&db).await == vec![(Some(b.id()), 64)]
+    })
+    .await;
+    let took = died.elapsed();
+    println!("lease handover after an abrupt death: {took:?} (TTL 1 s)");
+    assert!(
+        took < Duration::from_secs(30),
+        "handover bounded by the TTL plus a lease round, took {took:?}"
+    );
+    stop_b.cancel();
+    task_b.await.unwrap();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
