@@ -1,5 +1,7 @@
-//! One batch, one transaction: dedup every delivery in one statement, run
-//! the handler for fresh events only, isolate each event's effect, commit.
+//! One batch, one transaction: dedup every delivery in one statement, lock
+//! the sequences of its ordered aggregates, run the handler for fresh
+//! events only (in sequence, when ordered), isolate each event's effect,
+//! commit.
 
 use std::collections::HashSet;
 
@@ -10,6 +12,23 @@ use tracing::{Instrument as _, Span};
 use crate::dedup::Inbox;
 use crate::event::Event;
 use crate::handler::{BatchOutcome, Handlers, Outcome};
+use crate::sequence::{self, Decision, Position, Sequencer, Sequences};
+
+/// The decoded deliveries of one batch.
+pub(crate) struct Batch<'a> {
+    pub(crate) events: &'a [Event],
+    /// One span per event.
+    pub(crate) spans: &'a [Span],
+    /// Per event, its position in its aggregate when it is sequenced and
+    /// ordering is on; otherwise empty or `None`.
+    pub(crate) positions: &'a [Option<Position>],
+}
+
+impl Batch<'_> {
+    fn position(&self, i: usize) -> Option<&Position> {
+        self.positions.get(i).and_then(Option::as_ref)
+    }
+}
 
 /// What happened to one event of a committed batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,20 +36,28 @@ pub(crate) enum Verdict {
     /// Already in the inbox (processed before, or earlier in this batch):
     /// ack without effect.
     Duplicate,
+    /// Sequenced, at or below its aggregate's last applied number: ack
+    /// without effect.
+    Stale { seq: i64, last: i64 },
+    /// Sequenced and not applicable yet (a gap, or held back behind a
+    /// failed event of its aggregate): back through the retry queue.
+    Deferred(String),
     /// Fresh; the handler decided.
     Handled(Outcome),
 }
 
-/// Processes `events` in one transaction and commits it. `Err` means
+/// Processes `batch` in one transaction and commits it. `Err` means
 /// nothing committed; the caller retries the batch or lets it be
-/// redelivered.
+/// redelivered. `sequences` is `Some` when ordering is on (per-event
+/// handlers only).
 pub(crate) async fn process(
     pool: &PgPool,
     inbox: &Inbox,
+    sequences: Option<&Sequences>,
     handlers: &Handlers,
-    events: &[Event],
-    spans: &[Span],
+    batch: &Batch<'_>,
 ) -> sqlx::Result<Vec<Verdict>> {
+    let events = batch.events;
     let mut keys: Vec<&str> = events.iter().map(|e| e.id()).collect();
     keys.sort_unstable();
     keys.dedup();
@@ -51,24 +78,23 @@ pub(crate) async fn process(
         let runs: Vec<usize> = (0..events.len())
             .filter(|&i| fresh.contains(events[i].id()) && first.insert(events[i].id()))
             .collect();
+        // After the inbox claim, in every instance: one lock order.
+        let mut order = match sequences {
+            Some(s) => {
+                s.lock(&mut tx, runs.iter().filter_map(|&i| batch.position(i)))
+                    .await?
+            }
+            None => None,
+        };
         let mut verdicts = vec![Verdict::Duplicate; events.len()];
         let done = match handlers {
             Handlers::PerEvent(h) => {
                 let pass = Pass {
                     isolated,
                     known: known.take(),
+                    order: order.as_mut(),
                 };
-                match run_each(
-                    &mut tx,
-                    h.as_ref(),
-                    events,
-                    spans,
-                    &runs,
-                    pass,
-                    &mut verdicts,
-                )
-                .await?
-                {
+                match run_each(&mut tx, h.as_ref(), batch, &runs, pass, &mut verdicts).await? {
                     Pass1::Done => true,
                     Pass1::Failed(failure) => {
                         known = failure;
@@ -91,15 +117,17 @@ pub(crate) async fn process(
             tx.rollback().await?;
             continue;
         }
+        // Everything fresh but not applied (failed, deferred, stale) loses
+        // its inbox row: a later copy or a replay must run again.
         let failed: Vec<&str> = runs
             .iter()
             .filter(|&&i| !matches!(verdicts[i], Verdict::Handled(Outcome::Ack)))
             .map(|&i| events[i].id())
             .collect();
         // Also the guard against a handler that returned Ack after one of
-        // its statements failed: in an aborted transaction this statement
-        // errors, where COMMIT would silently roll back and we would ack.
-        match inbox.forget(&mut tx, &failed).await {
+        // its statements failed: in an aborted transaction these statements
+        // error, where COMMIT would silently roll back and we would ack.
+        match finish(&mut tx, inbox, sequences.zip(order.as_ref()), &failed).await {
             Ok(()) => {}
             Err(e) if isolated_only && in_failed_transaction(&e) => {
                 tx.rollback().await?;
@@ -124,11 +152,27 @@ pub(crate) async fn process(
     unreachable!("the isolated pass always returns")
 }
 
-struct Pass {
+/// Records the sequence numbers the batch moved, then forgets the inbox
+/// rows of `failed`: the last statements before COMMIT.
+async fn finish(
+    tx: &mut PgConnection,
+    inbox: &Inbox,
+    order: Option<(&Sequences, &Sequencer)>,
+    failed: &[&str],
+) -> sqlx::Result<()> {
+    if let Some((sequences, order)) = order {
+        sequences.advance(&mut *tx, order).await?;
+    }
+    inbox.forget(tx, failed).await
+}
+
+struct Pass<'s> {
     /// Savepoint per event.
     isolated: bool,
     /// An event whose (failing) outcome is already decided.
     known: Option<(usize, Outcome)>,
+    /// Ordering on: the sequence state of the batch's aggregates.
+    order: Option<&'s mut Sequencer>,
 }
 
 /// How a pass of [`run_each`] ended.
@@ -141,64 +185,98 @@ enum Pass1 {
     Failed(Option<(usize, Outcome)>),
 }
 
-/// Runs the per-event handler for each fresh event. A non-isolated pass
-/// stops at the first failure and returns it: the batch must be rerun
-/// isolated.
+/// Runs the per-event handler for each fresh event, in delivery order;
+/// with ordering, only for the events next in their aggregate's sequence.
+/// A non-isolated pass stops at the first failure and returns it: the
+/// batch must be rerun isolated.
 async fn run_each(
     tx: &mut PgConnection,
     h: &dyn crate::handler::DynHandler,
-    events: &[Event],
-    spans: &[Span],
+    batch: &Batch<'_>,
     runs: &[usize],
-    pass: Pass,
+    mut pass: Pass<'_>,
     verdicts: &mut [Verdict],
 ) -> sqlx::Result<Pass1> {
     for &i in runs {
-        if let Some((k, o)) = &pass.known
-            && *k == i
-        {
-            verdicts[i] = Verdict::Handled(o.clone());
-            continue;
-        }
-        if pass.isolated {
-            sqlx::raw_sql("SAVEPOINT outbox_event")
-                .execute(&mut *tx)
-                .await?;
-        }
-        let mut outcome = guarded(h.handle_dyn(&mut *tx, &events[i]))
-            .instrument(spans[i].clone())
-            .await;
-        if !pass.isolated {
-            if !outcome.is_ack() {
-                // If an earlier handler returned Ack after one of its
-                // statements failed, this failure is only the aborted
-                // transaction's echo: ask this event again when isolated.
-                let aborted = match sqlx::raw_sql("SELECT 1").execute(&mut *tx).await {
-                    Ok(_) => false,
-                    Err(e) if in_failed_transaction(&e) => true,
-                    Err(e) => return Err(e),
-                };
-                return Ok(Pass1::Failed((!aborted).then_some((i, outcome))));
-            }
-        } else if outcome.is_ack() {
-            match sqlx::raw_sql("RELEASE SAVEPOINT outbox_event")
-                .execute(&mut *tx)
-                .await
-            {
-                Ok(_) => {}
-                Err(e) if in_failed_transaction(&e) => {
-                    rollback_to(tx, UNDO_EVENT).await?;
-                    outcome =
-                        Outcome::retry("handler returned Ack but one of its statements failed");
+        let position = batch.position(i);
+        if let (Some(order), Some(p)) = (pass.order.as_deref(), position) {
+            let not_applied = match order.decide(p) {
+                Decision::Apply => None,
+                Decision::Stale { last } => Some(Verdict::Stale { seq: p.seq, last }),
+                Decision::Gap { expected } => {
+                    Some(Verdict::Deferred(sequence::gap_reason(expected, p.seq)))
                 }
-                Err(e) => return Err(e),
+                Decision::HeldBack => Some(Verdict::Deferred(sequence::HELD_BACK.to_owned())),
+            };
+            if let Some(v) = not_applied {
+                verdicts[i] = v;
+                continue;
             }
-        } else {
-            rollback_to(tx, UNDO_EVENT).await?;
+        }
+        let outcome = match &pass.known {
+            Some((k, o)) if *k == i => o.clone(),
+            _ => match run_one(tx, h, batch, i, pass.isolated).await? {
+                Some(outcome) => outcome,
+                None => return Ok(Pass1::Failed(None)),
+            },
+        };
+        if !pass.isolated && !outcome.is_ack() {
+            return Ok(Pass1::Failed(Some((i, outcome))));
+        }
+        if let (Some(order), Some(p)) = (pass.order.as_deref_mut(), position) {
+            order.record(p, outcome.is_ack());
         }
         verdicts[i] = Verdict::Handled(outcome);
     }
     Ok(Pass1::Done)
+}
+
+/// Runs the handler for event `i`; isolated, inside its own savepoint.
+/// `None`: a non-isolated pass found the transaction aborted by an
+/// earlier handler, so this event's failure is only that error's echo
+/// and it must be asked again when isolated.
+async fn run_one(
+    tx: &mut PgConnection,
+    h: &dyn crate::handler::DynHandler,
+    batch: &Batch<'_>,
+    i: usize,
+    isolated: bool,
+) -> sqlx::Result<Option<Outcome>> {
+    if isolated {
+        sqlx::raw_sql("SAVEPOINT outbox_event")
+            .execute(&mut *tx)
+            .await?;
+    }
+    let outcome = guarded(h.handle_dyn(&mut *tx, &batch.events[i]))
+        .instrument(batch.spans[i].clone())
+        .await;
+    if !isolated {
+        if !outcome.is_ack() {
+            match sqlx::raw_sql("SELECT 1").execute(&mut *tx).await {
+                Ok(_) => {}
+                Err(e) if in_failed_transaction(&e) => return Ok(None),
+                Err(e) => return Err(e),
+            }
+        }
+        return Ok(Some(outcome));
+    }
+    if !outcome.is_ack() {
+        rollback_to(tx, UNDO_EVENT).await?;
+        return Ok(Some(outcome));
+    }
+    match sqlx::raw_sql("RELEASE SAVEPOINT outbox_event")
+        .execute(&mut *tx)
+        .await
+    {
+        Ok(_) => Ok(Some(outcome)),
+        Err(e) if in_failed_transaction(&e) => {
+            rollback_to(tx, UNDO_EVENT).await?;
+            Ok(Some(Outcome::retry(
+                "handler returned Ack but one of its statements failed",
+            )))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Runs the batch handler over the fresh events; returns true when every

@@ -21,6 +21,45 @@ pub enum DedupKey {
     PayloadField(String),
 }
 
+/// Whether a consumer applies sequenced events in per-aggregate order
+/// (`docs/CONSUMER.md`, "Ordered consumption").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Ordering {
+    /// Every event is applied when it arrives; the `x-aggregate-seq`
+    /// header is ignored.
+    #[default]
+    Off,
+    /// Events carrying `x-aggregate-seq` are applied in sequence per
+    /// aggregate (`x-aggregate-type`, `x-aggregate-id`), tracked in the
+    /// `inbox_sequences` table in the same transaction as their effects: a
+    /// sequence number at or below the last applied one is stale (acked,
+    /// handler not run); one above the next expected is a gap (sent back
+    /// through the retry queue until the missing event was applied, then
+    /// dead-lettered like any retry). Events without the header are not
+    /// affected. Needs a per-event [`Handler`](crate::Handler).
+    BySequence {
+        /// For an aggregate this consumer has no record of, accept the
+        /// first sequence number it sees as the start (for a consumer
+        /// joining a stream whose early events it never received). When
+        /// false, every aggregate starts at 1.
+        accept_first_seen: bool,
+    },
+}
+
+impl Ordering {
+    /// Per-aggregate ordering, every aggregate starting at sequence 1.
+    pub const fn by_sequence() -> Self {
+        Ordering::BySequence {
+            accept_first_seen: false,
+        }
+    }
+
+    pub(crate) fn is_on(&self) -> bool {
+        !matches!(self, Ordering::Off)
+    }
+}
+
 /// Configuration of a [`Consumer`](crate::Consumer).
 ///
 /// Build it with [`ConsumerConfig::new`] and change the public fields you
@@ -71,6 +110,9 @@ pub struct ConsumerConfig {
     /// Default true. The main queue itself is not declared; see
     /// [`declare_topology`](crate::declare_topology).
     pub declare_retry_queues: bool,
+    /// Per-aggregate ordering of sequenced events. Default
+    /// [`Ordering::Off`].
+    pub ordering: Ordering,
     /// Fault injection for tests: after the first commit, close the broker
     /// connection without acking and return from `run`.
     #[doc(hidden)]
@@ -94,6 +136,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("broker_timeout", &self.broker_timeout)
             .field("max_reconnect_delay", &self.max_reconnect_delay)
             .field("declare_retry_queues", &self.declare_retry_queues)
+            .field("ordering", &self.ordering)
             .finish_non_exhaustive()
     }
 }
@@ -120,6 +163,7 @@ impl ConsumerConfig {
             broker_timeout: Duration::from_secs(10),
             max_reconnect_delay: Duration::from_secs(5),
             declare_retry_queues: true,
+            ordering: Ordering::Off,
             crash_after_commit: false,
         }
     }
@@ -133,6 +177,12 @@ impl ConsumerConfig {
     /// Sets where the dedup key comes from.
     pub fn dedup_key(mut self, key: DedupKey) -> Self {
         self.dedup_key = key;
+        self
+    }
+
+    /// Sets the per-aggregate ordering of sequenced events.
+    pub fn ordering(mut self, ordering: Ordering) -> Self {
+        self.ordering = ordering;
         self
     }
 

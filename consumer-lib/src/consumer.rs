@@ -18,12 +18,13 @@ use tokio_util::sync::CancellationToken;
 use tracing::Span;
 use tracing::field::Empty;
 
-use crate::batch::{self, Verdict};
-use crate::config::ConsumerConfig;
+use crate::batch::{self, Batch, Verdict};
+use crate::config::{ConsumerConfig, Ordering as EventOrdering};
 use crate::dedup::Inbox;
 use crate::error::{Error, Result, bounded};
 use crate::event::{Event, dedup_key};
 use crate::handler::{BatchHandler, Handler, Handlers, Outcome};
+use crate::sequence::{Sequences, position};
 use crate::settle::{Action, Settle, settle};
 use crate::telemetry::{ConsumerStats, Counters};
 use crate::topology::declare_retry_queues;
@@ -47,6 +48,8 @@ struct Inner {
     pool: PgPool,
     handlers: Handlers,
     inbox: Inbox,
+    /// Ordering on: the `inbox_sequences` statements.
+    sequences: Option<Sequences>,
     counters: Counters,
     broker: Outage,
     database: Outage,
@@ -79,6 +82,11 @@ impl Consumer {
 
     /// A consumer running `handler` once per batch with all its fresh
     /// events, for set-based effects.
+    ///
+    /// Refuses (with [`Error::Config`]) a configuration with
+    /// [`ordering`](ConsumerConfig::ordering) on: ordered consumption stops
+    /// an aggregate at its first failing event, which a set-based handler
+    /// that applies the batch at once cannot honour.
     pub fn with_batch_handler(
         config: ConsumerConfig,
         pool: PgPool,
@@ -90,6 +98,23 @@ impl Consumer {
     fn build(config: ConsumerConfig, pool: PgPool, handlers: Handlers) -> Result<Self> {
         let schema = config.validate()?;
         let inbox = Inbox::new(&schema, &config.consumer_name);
+        let sequences = match config.ordering {
+            EventOrdering::Off => None,
+            EventOrdering::BySequence { accept_first_seen } => {
+                if matches!(handlers, Handlers::Batch(_)) {
+                    return Err(Error::Config(
+                        "ordering needs a per-event Handler: a BatchHandler applies its \
+                         events at once and cannot stop an aggregate at its first failing event"
+                            .to_owned(),
+                    ));
+                }
+                Some(Sequences::new(
+                    &schema,
+                    &config.consumer_name,
+                    accept_first_seen,
+                ))
+            }
+        };
         let (broker, database) = (
             Outage::new("broker", config.consumer_name.clone()),
             Outage::new("database", config.consumer_name.clone()),
@@ -101,6 +126,7 @@ impl Consumer {
                 pool,
                 handlers,
                 inbox,
+                sequences,
                 counters: Counters::default(),
                 broker,
                 database,
@@ -289,6 +315,8 @@ impl Consumer {
         // Decode; poison stays in its delivery for the dead-letter copy.
         let mut events = Vec::with_capacity(deliveries.len());
         let mut spans = Vec::with_capacity(deliveries.len());
+        let mut positions = Vec::new();
+        let ordered = cfg.ordering.is_on();
         let mut slots: Vec<std::result::Result<usize, (String, Span)>> =
             Vec::with_capacity(deliveries.len());
         for d in &mut deliveries {
@@ -305,8 +333,16 @@ impl Consumer {
                 duplicate = Empty,
                 outcome = Empty,
             );
-            match dedup_key(&d.properties, &d.data, &cfg.dedup_key) {
-                Ok(id) => {
+            let decoded = dedup_key(&d.properties, &d.data, &cfg.dedup_key).and_then(|id| {
+                let at = if ordered {
+                    position(&d.properties)?
+                } else {
+                    None
+                };
+                Ok((id, at))
+            });
+            match decoded {
+                Ok((id, at)) => {
                     let event = Event {
                         id,
                         properties: std::mem::take(&mut d.properties),
@@ -327,6 +363,9 @@ impl Consumer {
                     }
                     slots.push(Ok(events.len()));
                     events.push(event);
+                    if ordered {
+                        positions.push(at);
+                    }
                     spans.push(span);
                 }
                 Err(reason) => slots.push(Err((reason, span))),
@@ -338,7 +377,13 @@ impl Consumer {
         } else {
             let mut backoff = FIRST_BACKOFF;
             loop {
-                match batch::process(&me.pool, &me.inbox, &me.handlers, &events, &spans).await {
+                let batch = Batch {
+                    events: &events,
+                    spans: &spans,
+                    positions: &positions,
+                };
+                let sequences = me.sequences.as_ref();
+                match batch::process(&me.pool, &me.inbox, sequences, &me.handlers, &batch).await {
                     Ok(v) => {
                         me.database.ok();
                         break v;
@@ -363,7 +408,7 @@ impl Consumer {
             return Ok(Some(End::Crashed));
         }
 
-        let mut counts = [0u64; 5]; // processed, duplicate, retried, rejected, poison
+        let mut counts = [0u64; 6]; // processed, duplicate, retried, rejected, poison, stale
         let mut items = Vec::with_capacity(deliveries.len());
         for (d, slot) in deliveries.iter().zip(&slots) {
             let (action, props, body) = match slot {
@@ -376,6 +421,23 @@ impl Consumer {
                                 .record("outcome", "duplicate");
                             counts[1] += 1;
                             Action::Ack
+                        }
+                        Verdict::Stale { seq, last } => {
+                            span.record("duplicate", false).record("outcome", "stale");
+                            counts[5] += 1;
+                            let _enter = span.enter();
+                            tracing::debug!(
+                                seq,
+                                last_seq = last,
+                                "stale: at or below the aggregate's last applied sequence number; acked, handler not run"
+                            );
+                            Action::Ack
+                        }
+                        Verdict::Deferred(reason) => {
+                            span.record("duplicate", false)
+                                .record("outcome", "deferred");
+                            let retry = Outcome::Retry(reason.clone());
+                            self.action_for(event, &retry, span, &mut counts)
                         }
                         Verdict::Handled(o) => {
                             span.record("duplicate", false).record("outcome", o.label());
@@ -414,9 +476,16 @@ impl Consumer {
         settle(publisher, &cfg.queue, name, &items, cfg.broker_timeout).await?;
 
         let c = &me.counters;
-        for (label, n) in ["processed", "duplicate", "retried", "rejected", "poison"]
-            .into_iter()
-            .zip(counts)
+        for (label, n) in [
+            "processed",
+            "duplicate",
+            "retried",
+            "rejected",
+            "poison",
+            "stale",
+        ]
+        .into_iter()
+        .zip(counts)
         {
             c.events(name, label, n);
         }
@@ -433,7 +502,7 @@ impl Consumer {
         event: &Event,
         outcome: &Outcome,
         span: &Span,
-        counts: &mut [u64; 5],
+        counts: &mut [u64; 6],
     ) -> Action {
         let cfg = &self.inner.config;
         let _enter = span.enter();

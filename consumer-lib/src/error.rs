@@ -55,6 +55,20 @@ pub enum Error {
         /// Broker's reply text.
         text: String,
     },
+    /// The broker lacks an exchange type because its plugin is not
+    /// enabled; the broker closed the connection.
+    #[error(
+        "the broker has no exchange type {exchange_type}: enable it with `rabbitmq-plugins enable {plugin}`"
+    )]
+    MissingPlugin {
+        /// The exchange type refused.
+        exchange_type: &'static str,
+        /// The RabbitMQ plugin that provides it.
+        plugin: &'static str,
+        /// lapin's error.
+        #[source]
+        source: lapin::Error,
+    },
     /// An error from `outbox-lib` (invalid schema name, inbox not migrated).
     #[error(transparent)]
     Outbox(#[from] outbox::Error),
@@ -76,7 +90,7 @@ impl Error {
             | Error::Nacked { .. }
             | Error::Returned { .. } => true,
             Error::Outbox(e) => e.is_transient(),
-            Error::Config(_) => false,
+            Error::Config(_) | Error::MissingPlugin { .. } => false,
         }
     }
 }

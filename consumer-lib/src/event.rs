@@ -43,6 +43,16 @@ impl Event {
         self.header_str(wire::HEADER_AGGREGATE_ID)
     }
 
+    /// The event's position in its aggregate (header `x-aggregate-seq`):
+    /// `Some` for ordered events. See
+    /// [`Ordering`](crate::Ordering) for what the consumer does with it.
+    pub fn aggregate_seq(&self) -> Option<i64> {
+        match self.header(wire::HEADER_AGGREGATE_SEQ)? {
+            AMQPValue::Timestamp(_) => None,
+            v => amqp_int(v),
+        }
+    }
+
     /// The W3C `traceparent` header, if the producer sent one.
     pub fn traceparent(&self) -> Option<Cow<'_, str>> {
         self.header_str(wire::HEADER_TRACEPARENT)

@@ -41,6 +41,14 @@
 //! # Ok(()) }
 //! ```
 //!
+//! **Ordered consumption** (opt-in, [`ConsumerConfig::ordering`]): events
+//! carrying `x-aggregate-seq` are applied per aggregate in sequence order,
+//! tracked in the `inbox_sequences` table in the same transaction as their
+//! effects; stale copies are acked without effect, gaps wait in the retry
+//! queue. [`declare_ordered_topology`] declares the routing that keeps
+//! each aggregate on one single-active-consumer queue (optionally
+//! partitioned by a consistent-hash exchange).
+//!
 //! Contracts: `docs/CONSUMER.md` (guarantees, retries, dead letters,
 //! metrics) and `docs/INBOX_TABLE.md` (the inbox table and retention).
 #![deny(missing_docs)]
@@ -54,6 +62,7 @@ mod event;
 mod handler;
 mod migrate;
 mod retention;
+mod sequence;
 mod settle;
 mod telemetry;
 mod topology;
@@ -62,18 +71,20 @@ mod version;
 
 use sqlx::PgPool;
 
-pub use crate::config::{ConsumerConfig, DedupKey};
+pub use crate::config::{ConsumerConfig, DedupKey, Ordering};
 pub use crate::consumer::Consumer;
 pub use crate::error::{Error, Result};
 pub use crate::event::{Event, MAX_DEDUP_KEY_BYTES};
 pub use crate::handler::{BatchHandler, BatchOutcome, Handler, Outcome};
 pub use crate::retention::{DEFAULT_RETENTION, RetentionTask, cleanup_inbox};
 pub use crate::telemetry::ConsumerStats;
-pub use crate::topology::{TopologyConfig, declare_topology};
+pub use crate::topology::{
+    MAX_PARTITIONS, OrderedTopology, TopologyConfig, declare_ordered_topology, declare_topology,
+};
 pub use crate::trace::TraceContext;
 pub use crate::version::apply_if_newer;
 
-/// Applies the consumer's migrations (the inbox and version tables) to
+/// Applies the consumer's migrations (the inbox, version and sequence tables) to
 /// `schema`, creating it if needed. Safe to run concurrently and
 /// repeatedly. Returns the versions applied (empty: nothing to do).
 pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>> {

@@ -1,13 +1,20 @@
 use outbox::__private::{Migration, MigrationSet};
 
-/// The consumer's migration set: the inbox and version records.
+/// The consumer's migration set: the inbox, version and sequence records.
 pub(crate) const CONSUMER: MigrationSet = MigrationSet {
     name: "consumer",
     what: "the inbox",
     fix: "outbox_consumer::migrate(&pool, schema)",
-    migrations: &[Migration {
-        version: 1,
-        name: "inbox",
-        sql: include_str!("../../migrations/consumer/0001_inbox.sql"),
-    }],
+    migrations: &[
+        Migration {
+            version: 1,
+            name: "inbox",
+            sql: include_str!("../../migrations/consumer/0001_inbox.sql"),
+        },
+        Migration {
+            version: 2,
+            name: "inbox_sequences",
+            sql: include_str!("../../migrations/consumer/0002_inbox_sequences.sql"),
+        },
+    ],
 };

@@ -17,6 +17,9 @@ pub struct ConsumerStats {
     pub rejected: u64,
     /// Poison messages dead-lettered (no dedup key, undecodable body).
     pub poison: u64,
+    /// Sequenced events at or below their aggregate's last applied
+    /// sequence number, acked without running the handler (ordering on).
+    pub stale: u64,
     /// Committed batches.
     pub batches: u64,
     /// Broker sessions started (1 + reconnections).
@@ -26,7 +29,7 @@ pub struct ConsumerStats {
 impl ConsumerStats {
     /// Every delivery settled (acked after its outcome was made durable).
     pub fn settled(&self) -> u64 {
-        self.processed + self.duplicates + self.retried + self.rejected + self.poison
+        self.processed + self.duplicates + self.retried + self.rejected + self.poison + self.stale
     }
 }
 
@@ -37,6 +40,7 @@ pub(crate) struct Counters {
     pub(crate) retried: AtomicU64,
     pub(crate) rejected: AtomicU64,
     pub(crate) poison: AtomicU64,
+    pub(crate) stale: AtomicU64,
     pub(crate) batches: AtomicU64,
     pub(crate) connections: AtomicU64,
 }
@@ -50,6 +54,7 @@ impl Counters {
             retried: g(&self.retried),
             rejected: g(&self.rejected),
             poison: g(&self.poison),
+            stale: g(&self.stale),
             batches: g(&self.batches),
             connections: g(&self.connections),
         }
@@ -66,6 +71,7 @@ impl Counters {
             "duplicate" => &self.duplicates,
             "retried" => &self.retried,
             "rejected" => &self.rejected,
+            "stale" => &self.stale,
             _ => &self.poison,
         };
         a.fetch_add(n, Ordering::Relaxed);

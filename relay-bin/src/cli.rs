@@ -56,7 +56,7 @@ pub(crate) enum LogFormat {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Publish the outbox until SIGTERM or SIGINT (then drain and exit 0).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Create or upgrade the outbox tables (a no-op when up to date).
     Migrate,
     /// Backlog, age of the oldest pending event, retries and dead letters.

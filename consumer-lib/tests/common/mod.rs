@@ -39,6 +39,7 @@ pub struct Env {
     pub exchange: String,
     pub queue: String,
     queues: Vec<String>,
+    exchanges: Vec<String>,
 }
 
 impl Env {
@@ -77,6 +78,7 @@ impl Env {
             exchange,
             queue: queue.clone(),
             queues: Vec::new(),
+            exchanges: Vec::new(),
         };
         env.add_queue(&queue).await;
         env
@@ -91,6 +93,11 @@ impl Env {
         )
         .await
         .unwrap();
+        self.delete_on_teardown(queue);
+    }
+
+    /// Deletes `queue`, `<queue>.retry` and `<queue>.dlq` at teardown.
+    pub fn delete_on_teardown(&mut self, queue: &str) {
         for q in [
             queue.to_owned(),
             format!("{queue}.retry"),
@@ -98,6 +105,11 @@ impl Env {
         ] {
             self.queues.push(q);
         }
+    }
+
+    /// Deletes `exchange` at teardown.
+    pub fn delete_exchange_on_teardown(&mut self, exchange: &str) {
+        self.exchanges.push(exchange.to_owned());
     }
 
     pub fn config(&self, consumer_name: &str) -> ConsumerConfig {
@@ -201,13 +213,12 @@ impl Env {
                 .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
                 .await;
         }
-        let _ = self
-            .channel
-            .exchange_delete(
-                self.exchange.as_str().into(),
-                ExchangeDeleteOptions::default(),
-            )
-            .await;
+        for x in self.exchanges.iter().chain([&self.exchange]) {
+            let _ = self
+                .channel
+                .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+                .await;
+        }
         let _ = self.amqp.close(200, "bye".into()).await;
         sqlx::raw_sql(AssertSqlSafe(format!(
             "DROP SCHEMA {} CASCADE",
