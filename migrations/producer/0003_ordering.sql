@@ -24,12 +24,62 @@ $fn$;
 -- Unordered events are claimed oldest first with SKIP LOCKED, as before.
 DROP INDEX outbox_due_idx;
 CREATE INDEX outbox_due_idx ON outbox (available_at, id) WHERE aggregate_seq IS NULL;
--- Ordered events: at most one row per (aggregate, seq); a relay finds the
--- due heads of its partitions oldest first.
+-- Ordered events: at most one row per (aggregate, seq).
 CREATE UNIQUE INDEX outbox_aggregate_seq_idx ON outbox (aggregate_type, aggregate_id, aggregate_seq)
     WHERE aggregate_seq IS NOT NULL;
-CREATE INDEX outbox_ordered_due_idx ON outbox (outbox_partition(aggregate_type, aggregate_id), available_at, id)
+-- A relay walks the aggregates of a partition in key order, one index
+-- descent per aggregate (see outbox_heads).
+CREATE INDEX outbox_ordered_idx
+    ON outbox (outbox_partition(aggregate_type, aggregate_id), aggregate_type, aggregate_id, aggregate_seq)
     WHERE aggregate_seq IS NOT NULL;
+
+-- Heads in key order strictly after (p_after_type, p_after_id).
+CREATE FUNCTION outbox_heads_from(p_partition integer, p_after_type text, p_after_id text, p_limit integer)
+RETURNS TABLE (aggregate_type text, aggregate_id text, aggregate_seq bigint, available_at timestamptz, id uuid)
+LANGUAGE plpgsql STABLE SET search_path FROM CURRENT AS $fn$
+BEGIN
+    RETURN QUERY
+    WITH RECURSIVE h AS (
+        (SELECT o.aggregate_type, o.aggregate_id, o.aggregate_seq, o.available_at, o.id
+         FROM outbox o
+         WHERE outbox_partition(o.aggregate_type, o.aggregate_id) = p_partition
+           AND o.aggregate_seq IS NOT NULL
+           AND (o.aggregate_type, o.aggregate_id) > (p_after_type, p_after_id)
+         ORDER BY outbox_partition(o.aggregate_type, o.aggregate_id), o.aggregate_type, o.aggregate_id, o.aggregate_seq
+         LIMIT 1)
+        UNION ALL
+        SELECT n.* FROM h CROSS JOIN LATERAL (
+            SELECT o.aggregate_type, o.aggregate_id, o.aggregate_seq, o.available_at, o.id
+            FROM outbox o
+            WHERE outbox_partition(o.aggregate_type, o.aggregate_id) = p_partition
+              AND o.aggregate_seq IS NOT NULL
+              AND (o.aggregate_type, o.aggregate_id) > (h.aggregate_type, h.aggregate_id)
+            ORDER BY outbox_partition(o.aggregate_type, o.aggregate_id), o.aggregate_type, o.aggregate_id, o.aggregate_seq
+            LIMIT 1) n
+    )
+    SELECT * FROM h WHERE h.available_at <= now() LIMIT p_limit;
+END
+$fn$;
+
+-- The heads (lowest pending seq) of up to p_limit due aggregates of a
+-- partition, in key order starting after (p_after_type, p_after_id) and
+-- wrapping around to the start: a skip scan, one index descent per
+-- aggregate, whatever the number of events queued behind each head. Relays
+-- pass the last key they got, so every aggregate gets its turn.
+CREATE FUNCTION outbox_heads(p_partition integer, p_after_type text, p_after_id text, p_limit integer)
+RETURNS TABLE (aggregate_type text, aggregate_id text, aggregate_seq bigint, available_at timestamptz, id uuid)
+LANGUAGE plpgsql STABLE SET search_path FROM CURRENT AS $fn$
+DECLARE
+    found_after integer;
+BEGIN
+    RETURN QUERY SELECT * FROM outbox_heads_from(p_partition, p_after_type, p_after_id, p_limit);
+    GET DIAGNOSTICS found_after = ROW_COUNT;
+    IF found_after < p_limit AND p_after_type <> '' THEN
+        RETURN QUERY SELECT * FROM outbox_heads_from(p_partition, '', '', p_limit - found_after) h
+                     WHERE (h.aggregate_type, h.aggregate_id) <= (p_after_type, p_after_id);
+    END IF;
+END
+$fn$;
 
 -- The last sequence number handed out per aggregate. Only ever grows;
 -- a rolled-back transaction rolls its increment back with it.

@@ -1,6 +1,7 @@
 //! The relay: claim, publish, settle, under a supervisor that owns the
 //! broker connection.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
@@ -92,6 +93,7 @@ struct OrderedRow {
     #[sqlx(flatten)]
     event: ClaimedEvent,
     due: bool,
+    partition: i32,
 }
 
 /// A broker session for [`Relay::run_once`]: one connection, one
@@ -103,6 +105,9 @@ pub struct BrokerSession {
     /// (`partition % workers == worker`).
     worker: usize,
     workers: usize,
+    /// Per partition, the last aggregate served: the next claim resumes
+    /// after it (round robin over aggregates, wrapping at the end).
+    cursors: HashMap<i32, (String, String)>,
 }
 
 impl std::fmt::Debug for BrokerSession {
@@ -167,6 +172,7 @@ impl Relay {
             publisher,
             worker: 0,
             workers: 1,
+            cursors: HashMap::new(),
         })
     }
 
@@ -240,13 +246,31 @@ impl Relay {
         // relay's fsyncs off the producers' commit path.
         self.lease_round().await;
         let mut tx = inner.pool.begin_with(BEGIN_ASYNC_COMMIT).await?;
+        // Heads per partition: the batch spread over this worker's share of
+        // the relay's partitions.
+        let held = match inner.partitions.load(Ordering::Relaxed) {
+            usize::MAX => 64,
+            n => n.max(1),
+        };
+        let share = held.div_ceil(session.workers).max(1);
+        let per_partition = cfg.batch_size.div_ceil(share).max(1);
+        let (parts, (types, ids)): (Vec<i32>, (Vec<&str>, Vec<&str>)) = session
+            .cursors
+            .iter()
+            .map(|(p, (t, a))| (*p, (t.as_str(), a.as_str())))
+            .unzip();
         let ordered: Vec<OrderedRow> = sqlx::query_as(inner.queries.claim_ordered.clone())
             .bind(inner.id)
             .bind(session.workers as i32)
             .bind(session.worker as i32)
+            .bind(per_partition as i32)
+            .bind(&parts)
+            .bind(&types)
+            .bind(&ids)
             .bind(cfg.batch_size as i64)
             .fetch_all(&mut *tx)
             .await?;
+        advance_cursors(&mut session.cursors, &ordered, per_partition);
         let mut events = due_runs(ordered);
         if events.len() < cfg.batch_size {
             let unordered: Vec<ClaimedEvent> = sqlx::query_as(inner.queries.claim.clone())
@@ -408,6 +432,7 @@ impl Relay {
             publisher,
             worker,
             workers: cfg.workers,
+            cursors: HashMap::new(),
         };
         inner.health.broker.store(true, Ordering::Relaxed);
         inner.broker_outage.ok();
@@ -462,6 +487,36 @@ impl Relay {
     }
 }
 
+/// Moves each partition's cursor past the last aggregate claimed, or back
+/// to the start when the partition had fewer than `per_partition` due
+/// aggregates left (the walk reached its end).
+fn advance_cursors(
+    cursors: &mut HashMap<i32, (String, String)>,
+    rows: &[OrderedRow],
+    per_partition: usize,
+) {
+    let mut heads: HashMap<i32, (usize, (&str, &str))> = HashMap::new();
+    let mut previous: Option<(&str, &str)> = None;
+    for r in rows {
+        let key = (
+            r.event.aggregate_type.as_str(),
+            r.event.aggregate_id.as_str(),
+        );
+        if previous != Some(key) {
+            let entry = heads.entry(r.partition).or_insert((0, key));
+            entry.0 += 1;
+            entry.1 = key;
+        }
+        previous = Some(key);
+    }
+    cursors.clear();
+    for (partition, (count, (t, a))) in heads {
+        if count >= per_partition {
+            cursors.insert(partition, (t.to_owned(), a.to_owned()));
+        }
+    }
+}
+
 /// The ordered events to publish: each aggregate's run (head first, in
 /// sequence) up to its first event that is not due yet. A head being
 /// retried goes alone: the events behind it are not sent again and again
@@ -470,7 +525,7 @@ fn due_runs(rows: Vec<OrderedRow>) -> Vec<ClaimedEvent> {
     let mut out: Vec<ClaimedEvent> = Vec::with_capacity(rows.len());
     let mut stopped: Option<(String, String)> = None;
     let mut current: Option<(String, String)> = None;
-    for OrderedRow { event, due } in rows {
+    for OrderedRow { event, due, .. } in rows {
         let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
         if stopped.as_ref() == Some(&key) {
             continue;

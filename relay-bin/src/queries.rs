@@ -17,14 +17,12 @@ pub(crate) struct Queries {
     pub(crate) claim: SqlStr,
     /// Claim ordered events of the partitions this relay leases (`$1`
     /// relay id) and this worker serves (`partition % $2 = $3`): the due
-    /// head of each aggregate, oldest first, and the events after it, at
-    /// most about `$4` in all. The lease rows are held FOR SHARE until the
-    /// transaction ends, so no lease changes hands under a batch in flight.
+    /// heads of up to `$4` aggregates per partition, in key order after the
+    /// worker's cursor (`$5` partitions, `$6` types, `$7` ids), and the
+    /// events after each head, at most about `$8` in all. The lease rows are
+    /// held FOR SHARE until the transaction ends, so no lease changes hands
+    /// under a batch in flight.
     pub(crate) claim_ordered: SqlStr,
-    /// Push back the later events of aggregates whose head failed, to the
-    /// head's next attempt. `$1` aggregate types, `$2` ids, `$3` head
-    /// seqs, `$4` delays in ms.
-    pub(crate) hold_back: SqlStr,
     /// One lease round (`outbox_lease_tick`): `$1` relay id, `$2` name,
     /// `$3` TTL in ms. Returns the partitions held.
     pub(crate) lease_tick: SqlStr,
@@ -70,34 +68,21 @@ impl Queries {
                      SELECT partition FROM {s}.outbox_leases
                      WHERE owner = $1 AND expires_at > now() AND partition % $2 = $3
                      FOR SHARE),
+                 cursor AS (SELECT * FROM unnest($5::int[], $6::text[], $7::text[]) AS c(partition, t, a)),
                  heads AS MATERIALIZED (
-                     SELECT h.* FROM parts CROSS JOIN LATERAL (
-                         SELECT o.aggregate_type, o.aggregate_id, o.aggregate_seq, o.available_at, o.id
-                         FROM {s}.outbox o
-                         WHERE {s}.outbox_partition(o.aggregate_type, o.aggregate_id) = parts.partition
-                           AND o.aggregate_seq IS NOT NULL AND o.available_at <= now()
-                           AND NOT EXISTS (
-                               SELECT 1 FROM {s}.outbox e
-                               WHERE e.aggregate_type = o.aggregate_type AND e.aggregate_id = o.aggregate_id
-                                 AND e.aggregate_seq IS NOT NULL AND e.aggregate_seq < o.aggregate_seq)
-                         ORDER BY o.available_at, o.id
-                         LIMIT (SELECT ceil($4::numeric / count(*)) FROM parts)) h),
-                 run AS (SELECT greatest(1, $4 / greatest(count(*), 1)) AS n FROM heads)
-                 SELECT r.*, r.available_at <= now() AS due
+                     SELECT parts.partition, h.*, row_number() OVER () AS ord
+                     FROM parts LEFT JOIN cursor USING (partition)
+                     CROSS JOIN LATERAL {s}.outbox_heads(
+                         parts.partition, coalesce(cursor.t, ''), coalesce(cursor.a, ''), $4) h),
+                 run AS (SELECT greatest(1, $8 / greatest(count(*), 1)) AS n FROM heads)
+                 SELECT r.*, r.available_at <= now() AS due, heads.partition
                  FROM heads CROSS JOIN run CROSS JOIN LATERAL (
                      SELECT {CLAIM_COLUMNS}, available_at FROM {s}.outbox x
                      WHERE x.aggregate_type = heads.aggregate_type AND x.aggregate_id = heads.aggregate_id
                        AND x.aggregate_seq >= heads.aggregate_seq
                      ORDER BY x.aggregate_seq
                      LIMIT run.n) r
-                 ORDER BY heads.available_at, heads.id, r.aggregate_seq"
-            )),
-            hold_back: sql(format!(
-                "UPDATE {s}.outbox o
-                 SET available_at = greatest(o.available_at, now() + f.delay_ms * interval '1 millisecond')
-                 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[]) AS f(t, a, seq, delay_ms)
-                 WHERE o.aggregate_type = f.t AND o.aggregate_id = f.a
-                   AND o.aggregate_seq IS NOT NULL AND o.aggregate_seq > f.seq"
+                 ORDER BY heads.ord, r.aggregate_seq"
             )),
             lease_tick: sql(format!(
                 "SELECT p FROM {s}.outbox_lease_tick($1, $2, $3 * interval '1 millisecond') AS p"

@@ -24,14 +24,14 @@ pub struct Settled {
 }
 
 /// Deletes (or archives) delivered events, reschedules failed ones with
-/// backoff and dead-letters those out of attempts. At most four
+/// backoff and dead-letters those out of attempts. At most three
 /// statements per batch, whatever its size.
 ///
 /// Ordered events (in the batch in aggregate order): the first failure of
 /// an aggregate is settled like any failure; the aggregate's later events
-/// in the batch are left as they are, even if the broker took them, and the
-/// aggregate's later events in the outbox wait for the failed one's next
-/// attempt, so nothing overtakes it.
+/// in the batch are left as they are, even if the broker took them: they go
+/// again after it. Claims only ever start an aggregate at its head, so
+/// nothing overtakes the failed event.
 pub(crate) async fn settle(
     conn: &mut PgConnection,
     queries: &Queries,
@@ -44,12 +44,11 @@ pub(crate) async fn settle(
     let (mut dead_ids, mut dead_errors) = (Vec::new(), Vec::new());
     let mut failed_aggregates = HashSet::new();
     let mut held_back = 0;
-    let mut hold = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (e, o) in events.iter().zip(outcomes) {
         let aggregate = e
             .aggregate_seq
-            .map(|seq| (e.aggregate_type.as_str(), e.aggregate_id.as_str(), seq));
-        if let Some((t, a, _)) = aggregate
+            .map(|_| (e.aggregate_type.as_str(), e.aggregate_id.as_str()));
+        if let Some((t, a)) = aggregate
             && failed_aggregates.contains(&(t, a))
         {
             held_back += 1;
@@ -69,14 +68,8 @@ pub(crate) async fn settle(
             retry_ids.push(e.id);
             retry_delays.push(delay);
             retry_errors.push(error);
-            if let Some((t, a, seq)) = aggregate {
-                hold.0.push(t);
-                hold.1.push(a);
-                hold.2.push(seq);
-                hold.3.push(delay);
-            }
         }
-        if let Some((t, a, _)) = aggregate {
+        if let Some((t, a)) = aggregate {
             failed_aggregates.insert((t, a));
         }
     }
@@ -96,15 +89,6 @@ pub(crate) async fn settle(
             .bind(&retry_ids)
             .bind(&retry_delays)
             .bind(&retry_errors)
-            .execute(&mut *conn)
-            .await?;
-    }
-    if !hold.0.is_empty() {
-        sqlx::query(queries.hold_back.clone())
-            .bind(&hold.0)
-            .bind(&hold.1)
-            .bind(&hold.2)
-            .bind(&hold.3)
             .execute(&mut *conn)
             .await?;
     }

@@ -232,12 +232,6 @@ pub async fn skip_events(pool: &PgPool, schema: &Ident, ids: &[Uuid], reason: &s
     .bind(ids)
     .execute(&mut *tx)
     .await?;
-    let aggregates: Vec<(String, String)> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT aggregate_type, aggregate_id FROM {s}.outbox WHERE id = ANY($1) AND aggregate_seq IS NOT NULL"
-    )))
-    .bind(ids)
-    .fetch_all(&mut *tx)
-    .await?;
     let errors = vec![format!("skipped by an operator: {reason}"); ids.len()];
     let moved = sqlx::query(Queries::new(schema).dead_letter)
         .bind(ids)
@@ -245,59 +239,19 @@ pub async fn skip_events(pool: &PgPool, schema: &Ident, ids: &[Uuid], reason: &s
         .execute(&mut *tx)
         .await?
         .rows_affected();
-    release_held_back(&mut tx, schema, &aggregates).await?;
     tx.commit().await?;
     Ok(moved)
 }
 
-/// Makes the given failed events due now (and, for ordered ones, the
-/// events of their aggregate waiting behind them). Returns how many
-/// events were rescheduled.
+/// Makes the given failed events due now instead of at their next
+/// backoff. Returns how many were rescheduled.
 pub async fn retry_now(pool: &PgPool, schema: &Ident, ids: &[Uuid]) -> Result<u64> {
-    let s = schema.quoted();
-    let mut tx = pool.begin().await?;
-    let moved = sqlx::query(AssertSqlSafe(format!(
-        "UPDATE {s}.outbox SET available_at = now() WHERE id = ANY($1) AND available_at > now()"
-    )))
-    .bind(ids)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    let aggregates: Vec<(String, String)> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT aggregate_type, aggregate_id FROM {s}.outbox WHERE id = ANY($1) AND aggregate_seq IS NOT NULL"
-    )))
-    .bind(ids)
-    .fetch_all(&mut *tx)
-    .await?;
-    let released = release_held_back(&mut tx, schema, &aggregates).await?;
-    tx.commit().await?;
-    Ok(moved + released)
-}
-
-/// Events of these aggregates that were pushed back behind a failed head
-/// (never attempted themselves) become due now.
-async fn release_held_back(
-    tx: &mut sqlx::PgConnection,
-    schema: &Ident,
-    aggregates: &[(String, String)],
-) -> Result<u64> {
-    if aggregates.is_empty() {
-        return Ok(0);
-    }
-    let (types, ids): (Vec<&str>, Vec<&str>) = aggregates
-        .iter()
-        .map(|(t, a)| (t.as_str(), a.as_str()))
-        .unzip();
     Ok(sqlx::query(AssertSqlSafe(format!(
-        "UPDATE {}.outbox o SET available_at = now()
-         FROM unnest($1::text[], $2::text[]) AS f(t, a)
-         WHERE o.aggregate_type = f.t AND o.aggregate_id = f.a AND o.aggregate_seq IS NOT NULL
-           AND o.attempts = 0 AND o.available_at > now()",
+        "UPDATE {}.outbox SET available_at = now() WHERE id = ANY($1) AND available_at > now()",
         schema.quoted()
     )))
-    .bind(&types)
-    .bind(&ids)
-    .execute(&mut *tx)
+    .bind(ids)
+    .execute(pool)
     .await?
     .rows_affected())
 }

@@ -8,7 +8,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
-use outbox::{NewEvent, Outbox, OutboxConfig, Wakeup};
+use outbox::{NewEvent, Ordering, Outbox, OutboxConfig, Wakeup};
 use serde_json::{Value, json};
 use sqlx::{AssertSqlSafe, PgPool};
 
@@ -85,13 +85,20 @@ pub(crate) async fn drop_schema(pool: &PgPool, schema: &str) -> Result<()> {
     Ok(())
 }
 
-/// Fills the outbox of `schema` with `n` events, 1,000 per statement.
-pub(crate) async fn fill_outbox(pool: &PgPool, schema: &str, n: usize) -> Result<()> {
+/// Fills the outbox of `schema` with `n` events over 1,000 aggregates,
+/// 1,000 per statement; `ordering` says which are ordered.
+pub(crate) async fn fill_outbox(
+    pool: &PgPool,
+    schema: &str,
+    n: usize,
+    ordering: Ordering,
+) -> Result<()> {
     let ob = Outbox::new(
         pool,
         OutboxConfig::default()
             .schema(schema)
-            .wakeup(Wakeup::PollOnly),
+            .wakeup(Wakeup::PollOnly)
+            .ordering(ordering),
     )
     .await?;
     let body = payload();

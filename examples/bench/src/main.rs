@@ -8,7 +8,7 @@ mod write;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use outbox::Wakeup;
+use outbox::{Ordering, Wakeup};
 use serde_json::{Value, json};
 
 /// Benchmarks the outbox toolkit against the local services.
@@ -37,7 +37,8 @@ struct Args {
     /// Where to write the results.
     #[arg(long, default_value = "target/bench/results.json")]
     out: std::path::PathBuf,
-    /// Run only these sections (relay, growth, write, latency, consumer);
+    /// Run only these sections (relay, growth, ordered, write, latency,
+    /// consumer);
     /// all by default.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -50,6 +51,7 @@ struct Sizes {
     drain: usize,
     backlog_big: usize,
     consumer: usize,
+    ordered: usize,
     write_secs: f64,
     latency_secs: f64,
 }
@@ -70,6 +72,7 @@ async fn main() -> Result<()> {
             drain: 2_000,
             backlog_big: 20_000,
             consumer: 1_000,
+            ordered: 2_000,
             write_secs: 0.5,
             latency_secs: 1.0,
         }
@@ -78,6 +81,7 @@ async fn main() -> Result<()> {
             drain: 100_000,
             backlog_big: 1_000_000,
             consumer: 50_000,
+            ordered: 100_000,
             write_secs: 5.0,
             latency_secs: 10.0,
         }
@@ -160,6 +164,7 @@ async fn main() -> Result<()> {
             10_000.min(sizes.backlog_big),
             10_000.min(sizes.backlog_big),
             1,
+            Ordering::None,
         )
         .await?;
         let big = relay::drain_rate(
@@ -168,9 +173,11 @@ async fn main() -> Result<()> {
             sizes.backlog_big,
             sizes.drain.min(sizes.backlog_big),
             1,
+            Ordering::None,
         )
         .await?;
-        let two = relay::drain_rate(&pool, url, sizes.drain, sizes.drain, 2).await?;
+        let two =
+            relay::drain_rate(&pool, url, sizes.drain, sizes.drain, 2, Ordering::None).await?;
         r.add(
             "drain_per_s_backlog_10k",
             small,
@@ -199,6 +206,40 @@ async fn main() -> Result<()> {
             "two_relays_vs_one_ratio",
             two / small,
             "two relays / one relay",
+            "",
+        );
+    }
+    if run("ordered") {
+        // Same backlog shape (1,000 aggregates), same relay settings, one
+        // after the other; unordered first, then every event ordered, then
+        // ordered with three relays sharing the partitions.
+        let n = sizes.ordered;
+        eprintln!("bench: ordered vs unordered drain ({n} events, 1,000 aggregates)");
+        let unordered = relay::drain_rate(&pool, url, n, n, 1, Ordering::None).await?;
+        let ordered = relay::drain_rate(&pool, url, n, n, 1, Ordering::All).await?;
+        let ordered3 = relay::drain_rate(&pool, url, n, n, 3, Ordering::All).await?;
+        r.add(
+            "unordered_drain_per_s",
+            unordered,
+            "drain events/s, unordered (in-process, same run)",
+            "",
+        );
+        r.add(
+            "ordered_drain_per_s",
+            ordered,
+            "drain events/s, ordered mode",
+            "",
+        );
+        r.add(
+            "ordered_vs_unordered_ratio",
+            ordered / unordered,
+            "ordered_vs_unordered_ratio",
+            ">= 0.8",
+        );
+        r.add(
+            "ordered_drain_per_s_three_relays",
+            ordered3,
+            "drain events/s, ordered mode, three relays",
             "",
         );
     }

@@ -12,7 +12,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Confirmation};
-use outbox::{NewEvent, Outbox, OutboxConfig};
+use outbox::{NewEvent, Ordering, Outbox, OutboxConfig};
 use outbox_consumer::{Consumer, ConsumerConfig, Event, Handler, Outcome};
 use outbox_relay::{Relay, RelayConfig};
 use sqlx::{PgConnection, PgPool};
@@ -91,12 +91,13 @@ pub(crate) async fn drain_rate(
     backlog: usize,
     measure: usize,
     relays: usize,
+    ordering: Ordering,
 ) -> Result<f64> {
     let schema = fresh_schema(pool, "drain").await?;
     let conn = connect(url).await?;
     let name = format!("bench.drain.{}", suffix());
     topology(&conn, &name).await?;
-    fill_outbox(pool, &schema, backlog).await?;
+    fill_outbox(pool, &schema, backlog, ordering).await?;
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
     let started = Instant::now();
@@ -138,7 +139,7 @@ pub(crate) async fn drain_process(
     let conn = connect(url).await?;
     let name = format!("bench.proc.{}", suffix());
     topology(&conn, &name).await?;
-    fill_outbox(pool, &schema, n).await?;
+    fill_outbox(pool, &schema, n, Ordering::None).await?;
     let started = Instant::now();
     let mut child = Command::new(&bin)
         .env("DATABASE_URL", database_url)
