@@ -1,0 +1,378 @@
+//! Per-aggregate order end to end, under relay crashes: producers commit
+//! events of 1,000 aggregates (each transaction bumps the aggregates'
+//! versions under row locks, so version order is commit order); three
+//! relay processes in ordered mode are SIGKILLed and restarted while they
+//! publish; ordered consumers on four single-active-consumer partition
+//! queues apply the events. Oracle: every committed event applied exactly
+//! once, and for every aggregate the applied versions are 1, 2, 3, ... in
+//! the order they were applied.
+
+use std::collections::{HashMap, HashSet};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use e2e::{TestBroker, TestDb, amqp_url, database_url, suffix, wait_until};
+use futures_util::StreamExt as _;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use outbox::{NewEvent, Ordering, Outbox, OutboxConfig};
+use outbox_consumer::{
+    Consumer, ConsumerConfig, Event, Handler, OrderedTopology, Outcome, declare_ordered_topology,
+};
+use serde_json::json;
+use sqlx::{AssertSqlSafe, PgConnection};
+use tokio_util::sync::CancellationToken;
+
+const AGGREGATES: usize = 1_000;
+const PER_TX: usize = 10;
+const WRITERS: usize = 8;
+const DEADLINE: Duration = Duration::from_secs(300);
+
+/// Events committed in total (50,000 by default; `FAULT_SCALE` multiplies).
+fn events() -> usize {
+    50_000
+        * std::env::var("FAULT_SCALE")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1usize)
+            .max(1)
+}
+
+struct Apply {
+    insert: String,
+}
+
+impl Handler for Apply {
+    async fn handle(&self, conn: &mut PgConnection, event: &Event) -> Outcome {
+        let version = event
+            .payload::<serde_json::Value>()
+            .ok()
+            .and_then(|b| b["version"].as_i64());
+        let Some(version) = version else {
+            return Outcome::Reject("no version in the payload".into());
+        };
+        let aggregate = event.aggregate_id().unwrap_or_default().into_owned();
+        match sqlx::query(AssertSqlSafe(self.insert.clone()))
+            .bind(aggregate)
+            .bind(version)
+            .bind(event.id())
+            .execute(conn)
+            .await
+        {
+            Ok(_) => Outcome::Ack,
+            Err(e) => Outcome::Retry(e.to_string()),
+        }
+    }
+}
+
+fn relay_process(db: &TestDb, exchange: &str) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_fault-relay"))
+        .env("DATABASE_URL", database_url())
+        .env("AMQP_URL", amqp_url())
+        .env("SCHEMA", &db.schema)
+        .env("EXCHANGE", exchange)
+        .env("BATCH_SIZE", "200")
+        .env("LEASE_TTL_MS", "1000")
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("fault-relay")
+}
+
+fn kill_now(mut child: Child) {
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGKILL).expect("SIGKILL");
+    child.wait().unwrap();
+}
+
+/// Commits `n` events from `WRITERS` concurrent writers: each transaction
+/// bumps the version of `PER_TX` aggregates (locking their rows) and
+/// enqueues one event per aggregate carrying the new version.
+async fn produce(db: &TestDb, n: usize) {
+    let outbox = Outbox::new(
+        &db.pool,
+        OutboxConfig::default()
+            .schema(&db.schema)
+            .ordering(Ordering::types(["account"])),
+    )
+    .await
+    .unwrap();
+    let bump = format!(
+        "UPDATE \"{}\".accounts SET version = version + 1 WHERE id = ANY($1) RETURNING id, version",
+        db.schema
+    );
+    let transactions = n / PER_TX;
+    let mut writers = Vec::new();
+    for w in 0..WRITERS {
+        let (pool, outbox, bump) = (db.pool.clone(), outbox.clone(), bump.clone());
+        writers.push(tokio::spawn(async move {
+            for k in (w..transactions).step_by(WRITERS) {
+                let ids: Vec<String> = (0..PER_TX)
+                    .map(|j| format!("acc-{}", (k * 37 + j * 101) % AGGREGATES))
+                    .collect();
+                let mut tx = pool.begin().await.unwrap();
+                let mut bumped: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(bump.clone()))
+                    .bind(&ids)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .unwrap();
+                bumped.sort();
+                let events = bumped.iter().map(|(id, version)| {
+                    NewEvent::new("account", id, "Changed", &json!({ "version": version })).unwrap()
+                });
+                outbox.enqueue_many(&mut *tx, events).await.unwrap();
+                outbox.commit(tx).await.unwrap();
+            }
+        }));
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
+}
+
+/// What the relays put on the wire, per aggregate: sequence numbers in the
+/// order of their first arrival, and how many copies arrived again.
+#[derive(Default)]
+struct Wire {
+    first: HashMap<String, Vec<i64>>,
+    seen: HashSet<(String, i64)>,
+    duplicates: usize,
+}
+
+/// Consumes `queue` (bound to the relays' exchange) and records the wire.
+async fn watch_wire(conn: &lapin::Connection, exchange: &str, queue: &str) -> Arc<Mutex<Wire>> {
+    let ch = conn.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(queue.into(), durable, FieldTable::default())
+        .await
+        .unwrap();
+    ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        "account.*".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let mut deliveries = ch
+        .basic_consume(
+            queue.into(),
+            "wire".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let wire = Arc::new(Mutex::new(Wire::default()));
+    let w = wire.clone();
+    tokio::spawn(async move {
+        while let Some(Ok(d)) = deliveries.next().await {
+            let headers = d.properties.headers().clone().unwrap_or_default();
+            let h = headers.inner();
+            let (Some(AMQPValue::LongString(id)), Some(AMQPValue::LongLongInt(seq))) =
+                (h.get("x-aggregate-id"), h.get("x-aggregate-seq"))
+            else {
+                panic!("ordered event without its aggregate id and sequence: {h:?}");
+            };
+            let _ = d.acker.ack(BasicAckOptions::default()).await;
+            let mut w = w.lock().unwrap();
+            if w.seen.insert((id.to_string(), *seq)) {
+                w.first.entry(id.to_string()).or_default().push(*seq);
+            } else {
+                w.duplicates += 1;
+            }
+        }
+    });
+    wire
+}
+
+#[tokio::test]
+async fn three_relays_killed_and_restarted_keep_every_aggregate_in_commit_order() {
+    let n = events();
+    let db = TestDb::producer("ord_e2e").await;
+    let consumer_schema = format!("{}_c", db.schema);
+    outbox_consumer::migrate(&db.pool, &consumer_schema)
+        .await
+        .unwrap();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE \"{s}\".accounts (id text PRIMARY KEY, version bigint NOT NULL DEFAULT 0);
+         INSERT INTO \"{s}\".accounts (id) SELECT 'acc-' || i FROM generate_series(0, {last}) i;
+         CREATE TABLE \"{c}\".effects (applied bigserial PRIMARY KEY, aggregate_id text NOT NULL,
+                                       version bigint NOT NULL, event_id text NOT NULL);",
+        s = db.schema,
+        c = consumer_schema,
+        last = AGGREGATES - 1
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    // Routing: the relay's exchange → consistent hash on x-aggregate-id →
+    // four single-active-consumer queues, one ordered consumer each.
+    let broker = TestBroker::new("ord_e2e", FieldTable::default()).await;
+    let conn = e2e::connect().await;
+    let name = format!("test.ord_e2e.{}.c", suffix());
+    let queues = declare_ordered_topology(
+        &conn,
+        &OrderedTopology::new(&name, &broker.exchange, "account.*", 4),
+    )
+    .await
+    .unwrap();
+    let wire_queue = format!("{name}.wire");
+    let wire = watch_wire(&conn, &broker.exchange, &wire_queue).await;
+    let stop = CancellationToken::new();
+    let mut consumers = Vec::new();
+    for q in &queues {
+        let pool = e2e::pool(&format!("c-{}", suffix()), 4).await;
+        let mut config = ConsumerConfig::new(amqp_url(), q, "ordered")
+            .schema(&consumer_schema)
+            .ordering(outbox_consumer::Ordering::by_sequence());
+        config.retry_delay = Duration::from_millis(100);
+        config.max_retry_delay = Duration::from_millis(500);
+        config.max_retries = 1_000;
+        let insert = format!(
+            "INSERT INTO \"{consumer_schema}\".effects (aggregate_id, version, event_id) VALUES ($1, $2, $3)"
+        );
+        let consumer = Consumer::new(config, pool, Apply { insert }).unwrap();
+        let s = stop.clone();
+        consumers.push(tokio::spawn(async move { consumer.run(s).await }));
+    }
+
+    let started = Instant::now();
+    let mut relays: Vec<Child> = (0..3)
+        .map(|_| relay_process(&db, &broker.exchange))
+        .collect();
+    let producer = {
+        let db = db.clone();
+        tokio::spawn(async move { produce(&db, n).await })
+    };
+    // Kill one relay at a time, at staggered moments, and start a fresh
+    // one in its place, until the producers are done and the outbox is
+    // half drained at least once more.
+    let mut kills = 0;
+    let mut round = 0u64;
+    loop {
+        tokio::time::sleep(Duration::from_millis(400 + (round * 173) % 600)).await;
+        let left = db.count("outbox").await;
+        if producer.is_finished() && (left == 0 || kills >= 12) {
+            break;
+        }
+        let victim = (round as usize) % relays.len();
+        let child = std::mem::replace(&mut relays[victim], relay_process(&db, &broker.exchange));
+        kill_now(child);
+        kills += 1;
+        round += 1;
+    }
+    producer.await.unwrap();
+
+    let applied = |pool: sqlx::PgPool, c: String| async move {
+        sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!(
+            "SELECT count(DISTINCT event_id) FROM \"{c}\".effects"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    wait_until(DEADLINE, &format!("{n} effects"), || async {
+        applied(db.pool.clone(), consumer_schema.clone()).await >= n as i64
+    })
+    .await;
+    let elapsed = started.elapsed();
+
+    // Exactly once.
+    let (total, distinct): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT count(*), count(DISTINCT event_id) FROM \"{consumer_schema}\".effects"
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(distinct, n as i64, "every committed event applied");
+    assert_eq!(total, distinct, "no event applied twice");
+    // Commit order per aggregate: versions 1..=final, in application order.
+    let finals: HashMap<String, i64> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT id, version FROM \"{}\".accounts",
+        db.schema
+    )))
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect();
+    let orders: Vec<(String, Vec<i64>)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT aggregate_id, array_agg(version ORDER BY applied) FROM \"{consumer_schema}\".effects GROUP BY 1"
+    )))
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(orders.len(), AGGREGATES);
+    for (aggregate, versions) in &orders {
+        let expected: Vec<i64> = (1..=finals[aggregate]).collect();
+        assert_eq!(
+            versions, &expected,
+            "{aggregate}: applied out of commit order"
+        );
+    }
+    // The relays' own guarantee, on the wire: each sequence number first
+    // arrives after every lower one of its aggregate (copies may repeat).
+    wait_until(DEADLINE, "the wire queue to see every event", || async {
+        wire.lock().unwrap().seen.len() >= n
+    })
+    .await;
+    let duplicates = {
+        let w = wire.lock().unwrap();
+        for (aggregate, seqs) in &w.first {
+            let expected: Vec<i64> = (1..=finals[aggregate]).collect();
+            assert_eq!(seqs, &expected, "{aggregate}: published out of order");
+        }
+        w.duplicates
+    };
+    let left: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM \"{}\".outbox",
+        db.schema
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(left, 0, "the outbox drained");
+    println!(
+        "ordered e2e: {n} events over {AGGREGATES} aggregates, 3 relays, {kills} SIGKILLs; \
+         {duplicates} duplicates on the wire; every aggregate published and applied in \
+         commit order; {elapsed:?}"
+    );
+
+    for r in relays {
+        kill_now(r);
+    }
+    stop.cancel();
+    for c in consumers {
+        c.await.unwrap().unwrap();
+    }
+    let ch = conn.create_channel().await.unwrap();
+    for q in &queues {
+        for suffix in ["", ".retry", ".dlq"] {
+            let _ = ch
+                .queue_delete(format!("{q}{suffix}").as_str().into(), Default::default())
+                .await;
+        }
+    }
+    let _ = ch
+        .queue_delete(wire_queue.as_str().into(), Default::default())
+        .await;
+    let _ = ch
+        .exchange_delete(name.as_str().into(), Default::default())
+        .await;
+    let _ = sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS \"{consumer_schema}\" CASCADE"
+    )))
+    .execute(&db.pool)
+    .await;
+    db.cleanup().await;
+    broker.cleanup().await;
+}
