@@ -100,9 +100,12 @@ async fn produce(db: &TestDb, n: usize) {
     )
     .await
     .unwrap();
+    // Rows locked in key order: concurrent writers cannot deadlock.
     let bump = format!(
-        "UPDATE \"{}\".accounts SET version = version + 1 WHERE id = ANY($1) RETURNING id, version",
-        db.schema
+        "WITH l AS (SELECT id FROM \"{s}\".accounts WHERE id = ANY($1) ORDER BY id FOR UPDATE)
+         UPDATE \"{s}\".accounts a SET version = a.version + 1 FROM l WHERE a.id = l.id
+         RETURNING a.id, a.version",
+        s = db.schema
     );
     let transactions = n / PER_TX;
     let mut writers = Vec::new();
