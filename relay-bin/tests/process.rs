@@ -406,10 +406,12 @@ async fn metrics_health_and_readiness_are_served() {
         .unwrap()
         .port();
     let addr = format!("127.0.0.1:{port}");
-    let mut child = relay_cmd(&db, &broker)
-        .env("OUTBOX_METRICS_ADDR", &addr)
-        .spawn()
-        .unwrap();
+    let mut child = e2e::KillOnDrop(
+        relay_cmd(&db, &broker)
+            .env("OUTBOX_METRICS_ADDR", &addr)
+            .spawn()
+            .unwrap(),
+    );
     wait_until(Duration::from_secs(60), "all events", || async {
         collector.distinct() >= ids.len()
     })

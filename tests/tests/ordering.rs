@@ -8,11 +8,11 @@
 //! the order they were applied.
 
 use std::collections::{HashMap, HashSet};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use e2e::{TestBroker, TestDb, amqp_url, database_url, suffix, wait_until};
+use e2e::{KillOnDrop, TestBroker, TestDb, amqp_url, database_url, suffix, wait_until};
 use futures_util::StreamExt as _;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
@@ -68,8 +68,8 @@ impl Handler for Apply {
     }
 }
 
-fn relay_process(db: &TestDb, exchange: &str) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_fault-relay"))
+fn relay_process(db: &TestDb, exchange: &str) -> KillOnDrop {
+    let child = Command::new(env!("CARGO_BIN_EXE_fault-relay"))
         .env("DATABASE_URL", database_url())
         .env("AMQP_URL", amqp_url())
         .env("SCHEMA", &db.schema)
@@ -80,10 +80,11 @@ fn relay_process(db: &TestDb, exchange: &str) -> Child {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .expect("fault-relay")
+        .expect("fault-relay");
+    KillOnDrop(child)
 }
 
-fn kill_now(mut child: Child) {
+fn kill_now(mut child: KillOnDrop) {
     kill(Pid::from_raw(child.id() as i32), Signal::SIGKILL).expect("SIGKILL");
     child.wait().unwrap();
 }
@@ -249,7 +250,7 @@ async fn three_relays_killed_and_restarted_keep_every_aggregate_in_commit_order(
     }
 
     let started = Instant::now();
-    let mut relays: Vec<Child> = (0..3)
+    let mut relays: Vec<KillOnDrop> = (0..3)
         .map(|_| relay_process(&db, &broker.exchange))
         .collect();
     let producer = {

@@ -302,3 +302,28 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A child process that is SIGKILLed and reaped when dropped, so a test
+/// that fails half-way leaves no process behind.
+#[derive(Debug)]
+pub struct KillOnDrop(pub std::process::Child);
+
+impl std::ops::Deref for KillOnDrop {
+    type Target = std::process::Child;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for KillOnDrop {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
