@@ -33,14 +33,20 @@ CREATE INDEX outbox_ordered_idx
     ON outbox (outbox_partition(aggregate_type, aggregate_id), aggregate_type, aggregate_id, aggregate_seq)
     WHERE aggregate_seq IS NOT NULL;
 
--- Heads in key order strictly after (p_after_type, p_after_id).
-CREATE FUNCTION outbox_heads_from(p_partition integer, p_after_type text, p_after_id text, p_limit integer)
-RETURNS TABLE (aggregate_type text, aggregate_id text, aggregate_seq bigint, available_at timestamptz, id uuid)
+-- Heads in key order strictly after (p_after_type, p_after_id): each row is
+-- one aggregate's head and whether it is due. The walk stops after p_limit
+-- due heads or p_scan heads in all, so aggregates that are backing off cost
+-- at most p_scan index descents per call, however many there are.
+CREATE FUNCTION outbox_heads_from(p_partition integer, p_after_type text, p_after_id text,
+                                  p_limit integer, p_scan integer)
+RETURNS TABLE (aggregate_type text, aggregate_id text, aggregate_seq bigint, available_at timestamptz,
+               id uuid, due boolean)
 LANGUAGE plpgsql STABLE SET search_path FROM CURRENT AS $fn$
 BEGIN
     RETURN QUERY
     WITH RECURSIVE h AS (
-        (SELECT o.aggregate_type, o.aggregate_id, o.aggregate_seq, o.available_at, o.id
+        (SELECT o.aggregate_type, o.aggregate_id, o.aggregate_seq, o.available_at, o.id,
+                o.available_at <= now() AS due, 1 AS steps, (o.available_at <= now())::int AS dues
          FROM outbox o
          WHERE outbox_partition(o.aggregate_type, o.aggregate_id) = p_partition
            AND o.aggregate_seq IS NOT NULL
@@ -48,7 +54,9 @@ BEGIN
          ORDER BY outbox_partition(o.aggregate_type, o.aggregate_id), o.aggregate_type, o.aggregate_id, o.aggregate_seq
          LIMIT 1)
         UNION ALL
-        SELECT n.* FROM h CROSS JOIN LATERAL (
+        SELECT n.aggregate_type, n.aggregate_id, n.aggregate_seq, n.available_at, n.id,
+               n.available_at <= now(), h.steps + 1, h.dues + (n.available_at <= now())::int
+        FROM h CROSS JOIN LATERAL (
             SELECT o.aggregate_type, o.aggregate_id, o.aggregate_seq, o.available_at, o.id
             FROM outbox o
             WHERE outbox_partition(o.aggregate_type, o.aggregate_id) = p_partition
@@ -56,27 +64,40 @@ BEGIN
               AND (o.aggregate_type, o.aggregate_id) > (h.aggregate_type, h.aggregate_id)
             ORDER BY outbox_partition(o.aggregate_type, o.aggregate_id), o.aggregate_type, o.aggregate_id, o.aggregate_seq
             LIMIT 1) n
+        WHERE h.steps < p_scan AND h.dues < p_limit
     )
-    SELECT * FROM h WHERE h.available_at <= now() LIMIT p_limit;
+    SELECT h.aggregate_type, h.aggregate_id, h.aggregate_seq, h.available_at, h.id, h.due FROM h;
 END
 $fn$;
 
--- The heads (lowest pending seq) of up to p_limit due aggregates of a
--- partition, in key order starting after (p_after_type, p_after_id) and
--- wrapping around to the start: a skip scan, one index descent per
--- aggregate, whatever the number of events queued behind each head. Relays
--- pass the last key they got, so every aggregate gets its turn.
-CREATE FUNCTION outbox_heads(p_partition integer, p_after_type text, p_after_id text, p_limit integer)
-RETURNS TABLE (aggregate_type text, aggregate_id text, aggregate_seq bigint, available_at timestamptz, id uuid)
+-- The heads of a partition in key order starting after (p_after_type,
+-- p_after_id) and wrapping around to the start, up to p_limit due ones or
+-- p_scan in all (due or not). Relays pass the last key they got, so every
+-- aggregate gets its turn.
+CREATE FUNCTION outbox_heads(p_partition integer, p_after_type text, p_after_id text,
+                             p_limit integer, p_scan integer)
+RETURNS TABLE (aggregate_type text, aggregate_id text, aggregate_seq bigint, available_at timestamptz,
+               id uuid, due boolean)
 LANGUAGE plpgsql STABLE SET search_path FROM CURRENT AS $fn$
 DECLARE
-    found_after integer;
+    r     record;
+    steps integer := 0;
+    dues  integer := 0;
 BEGIN
-    RETURN QUERY SELECT * FROM outbox_heads_from(p_partition, p_after_type, p_after_id, p_limit);
-    GET DIAGNOSTICS found_after = ROW_COUNT;
-    IF found_after < p_limit AND p_after_type <> '' THEN
-        RETURN QUERY SELECT * FROM outbox_heads_from(p_partition, '', '', p_limit - found_after) h
-                     WHERE (h.aggregate_type, h.aggregate_id) <= (p_after_type, p_after_id);
+    FOR r IN SELECT * FROM outbox_heads_from(p_partition, p_after_type, p_after_id, p_limit, p_scan) LOOP
+        steps := steps + 1;
+        dues := dues + r.due::int;
+        aggregate_type := r.aggregate_type; aggregate_id := r.aggregate_id;
+        aggregate_seq := r.aggregate_seq; available_at := r.available_at; id := r.id; due := r.due;
+        RETURN NEXT;
+    END LOOP;
+    IF dues < p_limit AND steps < p_scan AND p_after_type <> '' THEN
+        FOR r IN SELECT * FROM outbox_heads_from(p_partition, '', '', p_limit - dues, p_scan - steps) w
+                 WHERE (w.aggregate_type, w.aggregate_id) <= (p_after_type, p_after_id) LOOP
+            aggregate_type := r.aggregate_type; aggregate_id := r.aggregate_id;
+            aggregate_seq := r.aggregate_seq; available_at := r.available_at; id := r.id; due := r.due;
+            RETURN NEXT;
+        END LOOP;
     END IF;
 END
 $fn$;
@@ -110,13 +131,16 @@ CREATE TABLE outbox_relays (
 );
 
 -- One row per partition. A relay publishes a partition's ordered events
--- only inside a transaction that holds its lease row FOR SHARE, so a lease
--- cannot change hands while a batch of it is in flight.
+-- only inside a transaction that holds its lease row FOR KEY SHARE, so a
+-- lease cannot change hands while a batch of it is in flight. `owner` is
+-- part of a unique key on purpose: changing it is a key update, which waits
+-- for those locks, while renewing `expires_at` does not.
 CREATE TABLE outbox_leases (
     partition  integer     PRIMARY KEY CHECK (partition BETWEEN 0 AND 63),
     owner      uuid,
     owner_name text,
-    expires_at timestamptz NOT NULL DEFAULT '-infinity'
+    expires_at timestamptz NOT NULL DEFAULT '-infinity',
+    UNIQUE (partition, owner)
 );
 INSERT INTO outbox_leases (partition) SELECT generate_series(0, 63);
 

@@ -361,17 +361,19 @@ fn give_back_seq_sql(schema: &Ident) -> SqlStr {
 }
 
 /// Numbers the ordered rows `enqueue_many` just inserted (`$1`: their ids,
-/// as its RETURNING gave them), per aggregate in input order (`$2`: every id, in input order).
+/// as its RETURNING gave them), per aggregate in input order (an id given
+/// twice counts once, at its first position) (`$2`: every id, in input order).
 /// Counters are taken in key order, so two producers cannot deadlock on
 /// them.
 fn number_many_sql(schema: &Ident) -> SqlStr {
     let s = schema.quoted();
     AssertSqlSafe(format!(
         "WITH mine AS (
-             SELECT o.id, o.aggregate_type, o.aggregate_id, i.ord
+             SELECT DISTINCT ON (o.id) o.id, o.aggregate_type, o.aggregate_id, i.ord
              FROM unnest($2::uuid[]) WITH ORDINALITY AS i(id, ord)
              JOIN {s}.outbox o ON o.id = i.id
-             WHERE i.id = ANY($1)),
+             WHERE i.id = ANY($1)
+             ORDER BY o.id, i.ord),
          counts AS (
              SELECT aggregate_type, aggregate_id, count(*) AS n FROM mine
              GROUP BY aggregate_type, aggregate_id),

@@ -102,13 +102,26 @@ async fn a_repeated_id_takes_no_number_and_leaves_no_hole() {
         .enqueue(&mut *tx, event("order", "a", 3))
         .await
         .unwrap();
+    // The same new id twice in one call: one row, one number.
+    let twice = event("order", "a", 4).id_from_key("k4");
+    outbox
+        .enqueue_many(&mut *tx, [twice.clone(), twice, event("order", "a", 5)])
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     let got: Vec<Option<i64>> = rows(&pool, &schema)
         .await
         .into_iter()
         .map(|r| r.3)
         .collect();
-    assert_eq!(got, vec![Some(1), Some(2), Some(3)]);
+    assert_eq!(got, vec![Some(1), Some(2), Some(3), Some(4), Some(5)]);
+    let last: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT last_seq FROM \"{schema}\".outbox_sequences"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(last, 5, "the counter has no hole either");
 }
 
 #[tokio::test]

@@ -176,7 +176,9 @@ struct RunArgs {
     /// Do not LISTEN for wake-ups (poll only).
     #[arg(long, env = "OUTBOX_NO_LISTEN")]
     no_listen: bool,
-    /// Attempts before an event is dead-lettered.
+    /// Attempts before an event is dead-lettered. Ordered events are never
+    /// dead-lettered by the relay: they block their aggregate until delivered
+    /// or skipped (`outbox-relay blocked`).
     #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 10)]
     max_attempts: i32,
     /// First retry delay (doubles per attempt, with jitter).

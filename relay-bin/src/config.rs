@@ -27,7 +27,9 @@ pub struct RelayConfig {
     pub poll_interval: Duration,
     /// Listen for wake-up notifications (polling stays the safety net).
     pub listen: bool,
-    /// Attempts before an event moves to the dead-letter table.
+    /// Attempts before an unordered event moves to the dead-letter table
+    /// (ordered events block their aggregate instead, until delivered or
+    /// skipped by an operator).
     pub max_attempts: i32,
     /// First retry delay; doubles per attempt, with jitter.
     pub retry_base: Duration,

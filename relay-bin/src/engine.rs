@@ -183,8 +183,8 @@ impl Relay {
 
     /// One lease round, at most every third of the lease TTL (whichever
     /// worker comes first): heartbeat, renew, rebalance. A failed round is
-    /// logged and tried again at the next batch; leases that lapse meanwhile
-    /// go to other relays, which is the point of expiring them.
+    /// logged and tried again a round later; leases that lapse meanwhile go
+    /// to other relays, which is the point of expiring them.
     async fn lease_round(&self) {
         let inner = &self.inner;
         let cfg = &inner.config;
@@ -211,7 +211,11 @@ impl Relay {
                     );
                 }
             }
-            Err(e) => tracing::warn!(error = %e, "lease round failed; retrying at the next batch"),
+            Err(e) => {
+                // Not at every batch: at the next round's time.
+                *last = Some(Instant::now());
+                tracing::warn!(error = %e, "lease round failed; retrying at the next round");
+            }
         }
     }
 
@@ -254,6 +258,9 @@ impl Relay {
         };
         let share = held.div_ceil(session.workers).max(1);
         let per_partition = cfg.batch_size.div_ceil(share).max(1);
+        // Aggregates looked at per partition, due or not: bounds the walk
+        // when many heads are backing off.
+        let scan_per_partition = (per_partition * 4).max(64);
         let (parts, (types, ids)): (Vec<i32>, (Vec<&str>, Vec<&str>)) = session
             .cursors
             .iter()
@@ -268,17 +275,27 @@ impl Relay {
             .bind(&types)
             .bind(&ids)
             .bind(cfg.batch_size as i64)
+            .bind(scan_per_partition as i32)
             .fetch_all(&mut *tx)
             .await?;
-        advance_cursors(&mut session.cursors, &ordered, per_partition);
+        advance_cursors(
+            &mut session.cursors,
+            &ordered,
+            per_partition,
+            scan_per_partition,
+        );
         let mut events = due_runs(ordered);
-        if events.len() < cfg.batch_size {
-            let unordered: Vec<ClaimedEvent> = sqlx::query_as(inner.queries.claim.clone())
-                .bind((cfg.batch_size - events.len()) as i64)
-                .fetch_all(&mut *tx)
-                .await?;
-            events.extend(unordered);
-        }
+        // Unordered events always get a quarter of the batch at least: a
+        // large ordered backlog cannot hold them up.
+        let room = cfg
+            .batch_size
+            .saturating_sub(events.len())
+            .max(cfg.batch_size.div_ceil(4));
+        let unordered: Vec<ClaimedEvent> = sqlx::query_as(inner.queries.claim.clone())
+            .bind(room as i64)
+            .fetch_all(&mut *tx)
+            .await?;
+        events.extend(unordered);
         if events.is_empty() {
             tx.commit().await?;
             return Ok(BatchReport::default());
@@ -487,15 +504,17 @@ impl Relay {
     }
 }
 
-/// Moves each partition's cursor past the last aggregate claimed, or back
-/// to the start when the partition had fewer than `per_partition` due
-/// aggregates left (the walk reached its end).
+/// Moves each partition's cursor past the last aggregate looked at, or back
+/// to the start when the walk reached the partition's end (fewer than
+/// `per_partition` due heads and fewer than `scan` heads in all).
 fn advance_cursors(
     cursors: &mut HashMap<i32, (String, String)>,
     rows: &[OrderedRow],
     per_partition: usize,
+    scan: usize,
 ) {
-    let mut heads: HashMap<i32, (usize, (&str, &str))> = HashMap::new();
+    // Per partition: heads seen, due heads, last head.
+    let mut heads: HashMap<i32, (usize, usize, (&str, &str))> = HashMap::new();
     let mut previous: Option<(&str, &str)> = None;
     for r in rows {
         let key = (
@@ -503,15 +522,16 @@ fn advance_cursors(
             r.event.aggregate_id.as_str(),
         );
         if previous != Some(key) {
-            let entry = heads.entry(r.partition).or_insert((0, key));
+            let entry = heads.entry(r.partition).or_insert((0, 0, key));
             entry.0 += 1;
-            entry.1 = key;
+            entry.1 += usize::from(r.due);
+            entry.2 = key;
         }
         previous = Some(key);
     }
     cursors.clear();
-    for (partition, (count, (t, a))) in heads {
-        if count >= per_partition {
+    for (partition, (seen, due, (t, a))) in heads {
+        if due >= per_partition || seen >= scan {
             cursors.insert(partition, (t.to_owned(), a.to_owned()));
         }
     }

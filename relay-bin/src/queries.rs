@@ -18,10 +18,12 @@ pub(crate) struct Queries {
     /// Claim ordered events of the partitions this relay leases (`$1`
     /// relay id) and this worker serves (`partition % $2 = $3`): the due
     /// heads of up to `$4` aggregates per partition, in key order after the
-    /// worker's cursor (`$5` partitions, `$6` types, `$7` ids), and the
-    /// events after each head, at most about `$8` in all. The lease rows are
-    /// held FOR SHARE until the transaction ends, so no lease changes hands
-    /// under a batch in flight.
+    /// worker's cursor (`$5` partitions, `$6` types, `$7` ids), looking at
+    /// `$9` aggregates per partition at most, and the events after each due
+    /// head, at most about `$8` in all. Heads not due come back alone with
+    /// `due` false (they only move the cursor). The lease rows are
+    /// held FOR KEY SHARE until the transaction ends, so no lease changes
+    /// owner under a batch in flight (renewals go through).
     pub(crate) claim_ordered: SqlStr,
     /// One lease round (`outbox_lease_tick`): `$1` relay id, `$2` name,
     /// `$3` TTL in ms. Returns the partitions held.
@@ -67,21 +69,21 @@ impl Queries {
                 "WITH parts AS (
                      SELECT partition FROM {s}.outbox_leases
                      WHERE owner = $1 AND expires_at > now() AND partition % $2 = $3
-                     FOR SHARE),
+                     FOR KEY SHARE),
                  cursor AS (SELECT * FROM unnest($5::int[], $6::text[], $7::text[]) AS c(partition, t, a)),
                  heads AS MATERIALIZED (
                      SELECT parts.partition, h.*, row_number() OVER () AS ord
                      FROM parts LEFT JOIN cursor USING (partition)
                      CROSS JOIN LATERAL {s}.outbox_heads(
-                         parts.partition, coalesce(cursor.t, ''), coalesce(cursor.a, ''), $4) h),
-                 run AS (SELECT greatest(1, $8 / greatest(count(*), 1)) AS n FROM heads)
-                 SELECT r.*, r.available_at <= now() AS due, heads.partition
+                         parts.partition, coalesce(cursor.t, ''), coalesce(cursor.a, ''), $4, $9) h),
+                 run AS (SELECT greatest(1, $8 / greatest(count(*) FILTER (WHERE due), 1)) AS n FROM heads)
+                 SELECT r.*, heads.due AND r.available_at <= now() AS due, heads.partition
                  FROM heads CROSS JOIN run CROSS JOIN LATERAL (
                      SELECT {CLAIM_COLUMNS}, available_at FROM {s}.outbox x
                      WHERE x.aggregate_type = heads.aggregate_type AND x.aggregate_id = heads.aggregate_id
                        AND x.aggregate_seq >= heads.aggregate_seq
                      ORDER BY x.aggregate_seq
-                     LIMIT run.n) r
+                     LIMIT CASE WHEN heads.due THEN run.n ELSE 1 END) r
                  ORDER BY heads.ord, r.aggregate_seq"
             )),
             lease_tick: sql(format!(

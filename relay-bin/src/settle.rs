@@ -28,7 +28,8 @@ pub struct Settled {
 /// statements per batch, whatever its size.
 ///
 /// Ordered events (in the batch in aggregate order): the first failure of
-/// an aggregate is settled like any failure; the aggregate's later events
+/// an aggregate is retried with backoff, whatever its attempts (never
+/// dead-lettered here: only an operator's skip moves past it); the aggregate's later events
 /// in the batch are left as they are, even if the broker took them: they go
 /// again after it. Claims only ever start an aggregate at its head, so
 /// nothing overtakes the failed event.
@@ -59,7 +60,10 @@ pub(crate) async fn settle(
             continue;
         };
         let attempt = e.attempts.saturating_add(1);
-        if o.is_permanent() || attempt >= config.max_attempts {
+        // An ordered event is never dead-lettered by the relay: that would
+        // leave a hole its consumers wait on. It blocks its aggregate
+        // (`outbox-relay blocked`) until delivered or skipped.
+        if aggregate.is_none() && (o.is_permanent() || attempt >= config.max_attempts) {
             dead_ids.push(e.id);
             dead_errors.push(error);
         } else {

@@ -222,7 +222,7 @@ pub async fn skip_events(pool: &PgPool, schema: &Ident, ids: &[Uuid], reason: &s
     let s = schema.quoted();
     let mut tx = pool.begin().await?;
     // The partitions' lease rows, exclusively: relays publish a partition
-    // only while holding its row FOR SHARE.
+    // only while holding its row FOR KEY SHARE.
     sqlx::query(AssertSqlSafe(format!(
         "SELECT partition FROM {s}.outbox_leases
          WHERE partition IN (SELECT {s}.outbox_partition(aggregate_type, aggregate_id)

@@ -124,9 +124,17 @@ async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
     }
     ob.commit(tx).await.unwrap();
 
-    let relay = Relay::new(db.pool.clone(), config(&db, &broker))
-        .await
-        .unwrap();
+    // Two attempts would dead-letter an unordered event; an ordered one
+    // stays and blocks its aggregate (a dead letter would be a hole).
+    let relay = Relay::new(
+        db.pool.clone(),
+        RelayConfig {
+            max_attempts: 2,
+            ..config(&db, &broker)
+        },
+    )
+    .await
+    .unwrap();
     let (stop, task) = spawn(&relay);
     wait_until(DEADLINE, "b's five events", || async {
         seqs_of(&log, "b").len() >= 5
@@ -161,6 +169,11 @@ async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
     assert!(
         seqs_of(&log, "a").is_empty(),
         "nothing of a overtakes its failing first event"
+    );
+    assert_eq!(
+        db.count("outbox_dead_letters").await,
+        0,
+        "not dead-lettered"
     );
 
     // The operator skips it: a moves on, in order.
@@ -328,6 +341,62 @@ async fn leases_split_between_relays_and_move_to_the_survivor() {
     );
     stop_b.cancel();
     task_b.await.unwrap();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+/// Heads that are backing off do not make a claim walk every aggregate: a
+/// claim looks at a bounded number per partition and its cursor moves past
+/// them, so a due aggregate behind many blocked ones is still reached.
+#[tokio::test]
+async fn a_claim_walks_past_many_blocked_aggregates_in_bounded_steps() {
+    let db = TestDb::producer("ord_walk").await;
+    let broker = TestBroker::new("ord_walk", FieldTable::default()).await;
+    let log = log_queue(&broker.queue);
+    let s = &db.schema;
+    // 100 blocked aggregates of partition 7 (heads retried, next attempt in
+    // an hour), and one due aggregate of the same partition after them.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq,
+                                    attempts, available_at)
+         SELECT 'account', id, 'Changed', '{{}}', 1, 1, now() + interval '1 hour'
+         FROM (SELECT 'b-' || i AS id FROM generate_series(1, 20000) i) c
+         WHERE \"{s}\".outbox_partition('account', id) = 7
+         LIMIT 100;
+         INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq)
+         SELECT 'account', id, 'Changed', '{{}}', 1
+         FROM (SELECT 'zz-' || i AS id FROM generate_series(1, 20000) i) c
+         WHERE \"{s}\".outbox_partition('account', id) = 7
+         LIMIT 1;"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let relay = Relay::new(
+        db.pool.clone(),
+        RelayConfig {
+            batch_size: 4,
+            ..config(&db, &broker)
+        },
+    )
+    .await
+    .unwrap();
+    let mut session = relay.connect().await.unwrap();
+    // One claim looks at 64 aggregates of a partition at most (none due
+    // among the first 64 here), so it publishes nothing...
+    let first = relay.run_once(&mut session).await.unwrap();
+    assert_eq!(first.claimed, 0, "the walk stops before the due aggregate");
+    // ...and the next one resumes where it stopped and reaches it.
+    let second = relay.run_once(&mut session).await.unwrap();
+    assert_eq!(second.claimed, 1);
+    wait_until(DEADLINE, "the due aggregate's event", || async {
+        log.lock()
+            .unwrap()
+            .iter()
+            .any(|(a, _)| a.starts_with("zz-"))
+    })
+    .await;
+    session.close(Duration::from_secs(5)).await;
     db.cleanup().await;
     broker.cleanup().await;
 }
