@@ -25,7 +25,7 @@ pub const HEADER_AGGREGATE_ID: &str = "x-aggregate-id";
 /// AMQP header (long-long integer) carrying an ordered event's sequence
 /// number within its aggregate: 1 for the aggregate's first ordered event,
 /// then +1 per event in commit order, without gaps except where an event
-/// was dead-lettered or skipped by an operator. Absent on unordered events.
+/// was skipped by an operator (or dead-lettered). Absent on unordered events.
 pub const HEADER_AGGREGATE_SEQ: &str = "x-aggregate-seq";
 /// W3C trace context header; passed through untouched.
 pub const HEADER_TRACEPARENT: &str = "traceparent";
