@@ -12,7 +12,7 @@ use tracing::{Instrument as _, Span};
 use crate::dedup::Inbox;
 use crate::event::Event;
 use crate::handler::{BatchOutcome, Handlers, Outcome};
-use crate::sequence::{self, Decision, Position, Sequencer, Sequences};
+use crate::sequence::{Decision, Deferral, Position, Sequencer, Sequences};
 
 /// The decoded deliveries of one batch.
 pub(crate) struct Batch<'a> {
@@ -40,8 +40,9 @@ pub(crate) enum Verdict {
     /// without effect.
     Stale { seq: i64, last: i64 },
     /// Sequenced and not applicable yet (a gap, or held back behind a
-    /// failed event of its aggregate): back through the retry queue.
-    Deferred(String),
+    /// failed event of its aggregate): back through the retry queue,
+    /// counted as a deferral, not a handler retry.
+    Deferred(Deferral),
     /// Fresh; the handler decided.
     Handled(Outcome),
 }
@@ -203,10 +204,16 @@ async fn run_each(
             let not_applied = match order.decide(p) {
                 Decision::Apply => None,
                 Decision::Stale { last } => Some(Verdict::Stale { seq: p.seq, last }),
-                Decision::Gap { expected } => {
-                    Some(Verdict::Deferred(sequence::gap_reason(expected, p.seq)))
-                }
-                Decision::HeldBack => Some(Verdict::Deferred(sequence::HELD_BACK.to_owned())),
+                Decision::Gap { expected } => Some(Verdict::Deferred(Deferral {
+                    expected,
+                    got: p.seq,
+                    held_back: false,
+                })),
+                Decision::HeldBack { expected } => Some(Verdict::Deferred(Deferral {
+                    expected,
+                    got: p.seq,
+                    held_back: true,
+                })),
             };
             if let Some(v) = not_applied {
                 verdicts[i] = v;

@@ -21,6 +21,9 @@ pub enum DedupKey {
     PayloadField(String),
 }
 
+/// Default of [`ConsumerConfig::max_deferrals`].
+const DEFAULT_MAX_DEFERRALS: u32 = 100;
+
 /// Whether a consumer applies sequenced events in per-aggregate order
 /// (`docs/CONSUMER.md`, "Ordered consumption").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -34,15 +37,19 @@ pub enum Ordering {
     /// aggregate (`x-aggregate-type`, `x-aggregate-id`), tracked in the
     /// `inbox_sequences` table in the same transaction as their effects: a
     /// sequence number at or below the last applied one is stale (acked,
-    /// handler not run); one above the next expected is a gap (sent back
-    /// through the retry queue until the missing event was applied, then
-    /// dead-lettered like any retry). Events without the header are not
-    /// affected. Needs a per-event [`Handler`](crate::Handler).
+    /// handler not run); one above the next expected is a gap (deferred:
+    /// sent back through the retry queue until the missing event was
+    /// applied, at most [`max_deferrals`](ConsumerConfig::max_deferrals)
+    /// times, then dead-lettered). Deferrals do not count against
+    /// [`max_retries`](ConsumerConfig::max_retries). Events without the
+    /// header are not affected. Needs a per-event
+    /// [`Handler`](crate::Handler).
     BySequence {
         /// For an aggregate this consumer has no record of, accept the
-        /// first sequence number it sees as the start (for a consumer
-        /// joining a stream whose early events it never received). When
-        /// false, every aggregate starts at 1.
+        /// lowest sequence number among the fresh events of the batch that
+        /// first brings it as the start (for a consumer joining a stream
+        /// whose early events it never received). When false, every
+        /// aggregate starts at 1.
         accept_first_seen: bool,
     },
 }
@@ -96,8 +103,18 @@ pub struct ConsumerConfig {
     pub max_retries: u32,
     /// Delay before the first retry; doubles with every retry. Default 1 s.
     pub retry_delay: Duration,
-    /// Upper bound of the retry delay. Default 5 min.
+    /// Upper bound of the retry delay, of handler retries and deferrals
+    /// alike. Default 5 min.
     pub max_retry_delay: Duration,
+    /// With ordering on: how many times a sequenced event may be deferred
+    /// (sent back through the retry queue because of a sequence gap, or
+    /// held back behind a failed earlier event of its aggregate) before it
+    /// is dead-lettered. Counted in header `x-deferral-count`, separately
+    /// from the handler's `max_retries`; the delay doubles from
+    /// `retry_delay` up to `max_retry_delay`. Default 100: with the default
+    /// delays (1 s doubling to 5 min) a gap may stay open about 7.7 hours
+    /// (511 s for the first 9 deferrals, then 91 × 5 min), at least.
+    pub max_deferrals: u32,
     /// Where the dedup key comes from. Default: the AMQP message id.
     pub dedup_key: DedupKey,
     /// Bound on every broker round trip (connect, declare, confirm, ack).
@@ -132,6 +149,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("max_retries", &self.max_retries)
             .field("retry_delay", &self.retry_delay)
             .field("max_retry_delay", &self.max_retry_delay)
+            .field("max_deferrals", &self.max_deferrals)
             .field("dedup_key", &self.dedup_key)
             .field("broker_timeout", &self.broker_timeout)
             .field("max_reconnect_delay", &self.max_reconnect_delay)
@@ -159,6 +177,7 @@ impl ConsumerConfig {
             max_retries: 5,
             retry_delay: Duration::from_secs(1),
             max_retry_delay: Duration::from_secs(300),
+            max_deferrals: DEFAULT_MAX_DEFERRALS,
             dedup_key: DedupKey::MessageId,
             broker_timeout: Duration::from_secs(10),
             max_reconnect_delay: Duration::from_secs(5),
@@ -230,7 +249,8 @@ impl ConsumerConfig {
         format!("{}.dlq", self.queue)
     }
 
-    /// Delay before the retry number `attempt` (1 for the first retry).
+    /// Delay before the retry number `attempt` (1 for the first retry), or
+    /// before the deferral number `attempt`.
     pub(crate) fn retry_backoff(&self, attempt: u32) -> Duration {
         let factor = 2u32.saturating_pow(attempt.saturating_sub(1).min(20));
         self.retry_delay
@@ -277,5 +297,14 @@ mod tests {
         assert_eq!(c.retry_backoff(3), Duration::from_millis(400));
         assert_eq!(c.retry_backoff(4), Duration::from_millis(500));
         assert_eq!(c.retry_backoff(99), Duration::from_millis(500));
+    }
+
+    #[test]
+    fn default_deferral_budget_keeps_a_gap_open_for_hours() {
+        let c = cfg();
+        let total: Duration = (1..=c.max_deferrals).map(|n| c.retry_backoff(n)).sum();
+        // As documented on `max_deferrals`: 511 s + 91 × 5 min.
+        assert_eq!(total, Duration::from_secs(511 + 91 * 300));
+        assert!(total > Duration::from_secs(7 * 3600));
     }
 }

@@ -24,7 +24,7 @@ use crate::dedup::Inbox;
 use crate::error::{Error, Result, bounded};
 use crate::event::{Event, dedup_key};
 use crate::handler::{BatchHandler, Handler, Handlers, Outcome};
-use crate::sequence::{Sequences, position};
+use crate::sequence::{Deferral, Sequences, position};
 use crate::settle::{Action, Settle, settle};
 use crate::telemetry::{ConsumerStats, Counters};
 use crate::topology::declare_retry_queues;
@@ -433,11 +433,10 @@ impl Consumer {
                             );
                             Action::Ack
                         }
-                        Verdict::Deferred(reason) => {
+                        Verdict::Deferred(deferral) => {
                             span.record("duplicate", false)
                                 .record("outcome", "deferred");
-                            let retry = Outcome::Retry(reason.clone());
-                            self.action_for(event, &retry, span, &mut counts)
+                            self.defer(event, deferral, span, &mut counts)
                         }
                         Verdict::Handled(o) => {
                             span.record("duplicate", false).record("outcome", o.label());
@@ -495,6 +494,32 @@ impl Consumer {
         metrics::histogram!("outbox_consumer_batch_size", "consumer" => name.to_owned())
             .record(deliveries.len() as f64);
         Ok(None)
+    }
+
+    /// A deferred sequenced event: back to the retry queue on its own
+    /// budget (`max_deferrals`, header `x-deferral-count`), its handler
+    /// retry count untouched; dead-lettered once the budget is spent.
+    fn defer(
+        &self,
+        event: &Event,
+        deferral: &Deferral,
+        span: &Span,
+        counts: &mut [u64; 6],
+    ) -> Action {
+        let cfg = &self.inner.config;
+        let _enter = span.enter();
+        let n = event.deferral_count().saturating_add(1);
+        if n > cfg.max_deferrals {
+            counts[3] += 1;
+            let reason = deferral.give_up_reason(cfg.max_deferrals);
+            tracing::warn!(reason = %reason, deferrals = cfg.max_deferrals, "sequence gap never closed; sent to the dead-letter queue");
+            Action::DeadLetter { reason }
+        } else {
+            counts[2] += 1;
+            let delay = cfg.retry_backoff(n);
+            tracing::debug!(reason = %deferral.reason(), deferral = n, delay_ms = delay.as_millis() as u64, "deferred");
+            Action::Defer { deferral: n, delay }
+        }
     }
 
     fn action_for(

@@ -8,6 +8,14 @@ use serde_json::Value;
 
 use crate::config::DedupKey;
 
+/// Header counting how many times a sequenced event was deferred (sent back
+/// through the retry queue because of a sequence gap, or held back behind a
+/// failed earlier event of its aggregate), set by an ordered consumer on
+/// the copy it republishes. Separate from `x-retry-count`
+/// ([`outbox::wire::HEADER_RETRY_COUNT`]), which counts the handler's
+/// retries only; see [`ConsumerConfig::max_deferrals`](crate::ConsumerConfig::max_deferrals).
+pub const HEADER_DEFERRAL_COUNT: &str = "x-deferral-count";
+
 /// One received event, decoded from its AMQP message (`docs/AMQP_MESSAGE.md`).
 #[derive(Debug, Clone)]
 pub struct Event {
@@ -82,9 +90,22 @@ impl Event {
     }
 
     /// How many times a handler asked to retry this event so far
-    /// (header `x-retry-count`; 0 on first delivery).
+    /// (header `x-retry-count`; 0 on first delivery). Deferrals of an
+    /// ordered consumer are not counted here (see
+    /// [`deferral_count`](Self::deferral_count)).
     pub fn retry_count(&self) -> u32 {
-        self.header(wire::HEADER_RETRY_COUNT)
+        self.count(wire::HEADER_RETRY_COUNT)
+    }
+
+    /// How many times an ordered consumer deferred this event so far
+    /// (header [`x-deferral-count`](HEADER_DEFERRAL_COUNT); 0 when never
+    /// deferred).
+    pub fn deferral_count(&self) -> u32 {
+        self.count(HEADER_DEFERRAL_COUNT)
+    }
+
+    fn count(&self, header: &str) -> u32 {
+        self.header(header)
             .and_then(amqp_int)
             .map_or(0, |n| u32::try_from(n).unwrap_or(0))
     }
@@ -202,6 +223,7 @@ mod tests {
         let mut h = FieldTable::default();
         h.insert("x-key".into(), AMQPValue::LongString("k-1".into()));
         h.insert(wire::HEADER_RETRY_COUNT.into(), AMQPValue::LongInt(2));
+        h.insert(HEADER_DEFERRAL_COUNT.into(), AMQPValue::LongLongInt(7));
         h.insert(
             wire::HEADER_AGGREGATE_ID.into(),
             AMQPValue::LongString("o-1".into()),
@@ -227,6 +249,7 @@ mod tests {
         let e = decode(DedupKey::MessageId).unwrap();
         assert_eq!(e.id(), "m-1");
         assert_eq!(e.retry_count(), 2);
+        assert_eq!(e.deferral_count(), 7);
         assert_eq!(e.aggregate_id().as_deref(), Some("o-1"));
         assert_eq!(e.event_type(), Some("OrderPlaced"));
         let e = decode(DedupKey::Header("x-key".into())).unwrap();

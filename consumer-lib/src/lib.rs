@@ -74,7 +74,7 @@ use sqlx::PgPool;
 pub use crate::config::{ConsumerConfig, DedupKey, Ordering};
 pub use crate::consumer::Consumer;
 pub use crate::error::{Error, Result};
-pub use crate::event::{Event, MAX_DEDUP_KEY_BYTES};
+pub use crate::event::{Event, HEADER_DEFERRAL_COUNT, MAX_DEDUP_KEY_BYTES};
 pub use crate::handler::{BatchHandler, BatchOutcome, Handler, Outcome};
 pub use crate::retention::{DEFAULT_RETENTION, RetentionTask, cleanup_inbox};
 pub use crate::telemetry::ConsumerStats;

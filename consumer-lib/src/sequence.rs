@@ -3,7 +3,7 @@
 //! sequenced events against the last applied sequence numbers.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use lapin::BasicProperties;
 use lapin::types::AMQPValue;
@@ -195,7 +195,7 @@ pub(crate) enum Decision {
     /// Beyond the next expected number: not applied, retried later.
     Gap { expected: i64 },
     /// An earlier event of its aggregate in this batch was not applied.
-    HeldBack,
+    HeldBack { expected: i64 },
 }
 
 /// The sequence state of a batch's aggregates while its events are
@@ -216,20 +216,22 @@ struct Track {
 }
 
 impl Sequencer {
-    /// `positions`: the batch's sequenced events in delivery order; with
-    /// `accept_first_seen`, the first one of an aggregate without a row
-    /// sets its start.
+    /// `positions`: the batch's fresh sequenced events; with
+    /// `accept_first_seen`, the lowest sequence number among those of an
+    /// aggregate without a row sets its start (not the first in delivery
+    /// order: a lower one may come back from the retry queue behind a
+    /// higher one, and must not become stale).
     pub(crate) fn new<'p>(
         rows: impl IntoIterator<Item = Locked>,
         accept_first_seen: bool,
         positions: impl Iterator<Item = &'p Position>,
     ) -> Self {
-        let mut first_seen = Vec::new();
+        let mut first_seen = HashSet::new();
         let mut tracks: HashMap<Aggregate, Track> = rows
             .into_iter()
             .map(|r| {
                 if r.created && accept_first_seen {
-                    first_seen.push(r.aggregate.clone());
+                    first_seen.insert(r.aggregate.clone());
                 }
                 let track = Track {
                     stored: r.last,
@@ -240,14 +242,19 @@ impl Sequencer {
             })
             .collect();
         if !first_seen.is_empty() {
-            let mut unset: std::collections::HashSet<Aggregate> = first_seen.into_iter().collect();
+            let mut lowest: HashMap<Aggregate, i64> = HashMap::new();
             for p in positions {
-                if unset.remove(&p.aggregate)
-                    && let Some(t) = tracks.get_mut(&p.aggregate)
-                {
-                    // Recorded even if the event then fails: its retry
+                if let Some(l) = lowest.get_mut(&p.aggregate) {
+                    *l = (*l).min(p.seq);
+                } else if first_seen.contains(&p.aggregate) {
+                    lowest.insert(p.aggregate.clone(), p.seq);
+                }
+            }
+            for (aggregate, seq) in lowest {
+                if let Some(t) = tracks.get_mut(&aggregate) {
+                    // Recorded even if that event then fails: its retry
                     // must still be the expected one.
-                    t.last = p.seq - 1;
+                    t.last = seq - 1;
                 }
             }
         }
@@ -258,12 +265,14 @@ impl Sequencer {
     pub(crate) fn decide(&self, p: &Position) -> Decision {
         let Some(t) = self.tracks.get(&p.aggregate) else {
             // Every aggregate of the batch was locked; never reached.
-            return Decision::HeldBack;
+            return Decision::HeldBack { expected: p.seq };
         };
         if p.seq <= t.last {
             Decision::Stale { last: t.last }
         } else if t.blocked {
-            Decision::HeldBack
+            Decision::HeldBack {
+                expected: t.last + 1,
+            }
         } else if p.seq > t.last + 1 {
             Decision::Gap {
                 expected: t.last + 1,
@@ -297,13 +306,45 @@ impl Sequencer {
     }
 }
 
-/// Reason of a gap's retry.
-pub(crate) fn gap_reason(expected: i64, got: i64) -> String {
-    format!("sequence gap: expected {expected}, got {got}")
+/// Why a sequenced event was deferred: sent back through the retry queue
+/// (header `x-deferral-count`), not counted against the handler's retries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Deferral {
+    /// The next sequence number its aggregate expects.
+    pub(crate) expected: i64,
+    /// The event's own sequence number.
+    pub(crate) got: i64,
+    /// Held back behind a failed earlier event of its aggregate in the
+    /// batch, rather than a gap.
+    pub(crate) held_back: bool,
 }
 
-/// Reason of a held-back event's retry.
-pub(crate) const HELD_BACK: &str = "held back: an earlier event of this aggregate was not applied";
+impl Deferral {
+    /// Why this event is deferred (logged).
+    pub(crate) fn reason(&self) -> String {
+        let Self { expected, got, .. } = self;
+        if self.held_back {
+            format!(
+                "held back: an earlier event of this aggregate was not applied (expected {expected}, got {got})"
+            )
+        } else {
+            format!("sequence gap: expected {expected}, got {got}")
+        }
+    }
+
+    /// The dead-letter reason once `max_deferrals` are spent.
+    pub(crate) fn give_up_reason(&self, max_deferrals: u32) -> String {
+        let Self { expected, got, .. } = self;
+        let why = if self.held_back {
+            " (held back behind a failed earlier event of this aggregate)"
+        } else {
+            ""
+        };
+        format!(
+            "sequence gap never closed after {max_deferrals} deferrals: expected {expected}, got {got}{why}"
+        )
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -390,7 +431,7 @@ mod tests {
             run(&mut s, &batch[1..], &[]),
             [
                 Decision::Apply,
-                Decision::HeldBack,
+                Decision::HeldBack { expected: 2 },
                 Decision::Apply,
                 Decision::Stale { last: 1 },
             ]
@@ -420,6 +461,66 @@ mod tests {
         let mut s = Sequencer::new([locked("new", 0, true)], true, batch[..1].iter());
         assert_eq!(run(&mut s, &batch[..1], &[7]), [Decision::Apply]);
         assert_eq!(s.moved(), [(&agg("new"), 6)]);
+    }
+
+    #[test]
+    fn first_seen_starts_at_the_lowest_fresh_seq_of_the_batch() {
+        // 7 came back from the retry queue behind 8: the start is 6, so 8
+        // waits for 7 instead of 7 being dropped as stale.
+        let batch = [pos("new", 8), pos("new", 7), pos("other", 3)];
+        let rows = [locked("new", 0, true), locked("other", 0, true)];
+        let mut s = Sequencer::new(rows, true, batch.iter());
+        assert_eq!(
+            run(&mut s, &batch, &[]),
+            [
+                Decision::Gap { expected: 7 },
+                Decision::Apply,
+                Decision::Apply,
+            ]
+        );
+        assert_eq!(s.moved(), [(&agg("new"), 7), (&agg("other"), 3)]);
+        // The start is recorded even when the lowest event's handler fails,
+        // and the rest of the aggregate is held back behind it.
+        let batch = [pos("new", 9), pos("new", 7), pos("new", 8)];
+        let mut s = Sequencer::new([locked("new", 0, true)], true, batch.iter());
+        assert_eq!(
+            run(&mut s, &batch, &[7]),
+            [
+                Decision::Gap { expected: 7 },
+                Decision::Apply,
+                Decision::HeldBack { expected: 7 },
+            ]
+        );
+        assert_eq!(s.moved(), [(&agg("new"), 6)]);
+        // An aggregate with a row keeps its stored start.
+        let batch = [pos("old", 8), pos("old", 7)];
+        let s = Sequencer::new([locked("old", 0, false)], true, batch.iter());
+        assert_eq!(s.decide(&batch[1]), Decision::Gap { expected: 1 });
+        assert!(s.moved().is_empty());
+    }
+
+    #[test]
+    fn deferral_reasons_name_the_expected_and_the_got() {
+        let gap = Deferral {
+            expected: 6,
+            got: 8,
+            held_back: false,
+        };
+        assert_eq!(gap.reason(), "sequence gap: expected 6, got 8");
+        assert_eq!(
+            gap.give_up_reason(100),
+            "sequence gap never closed after 100 deferrals: expected 6, got 8"
+        );
+        let held = Deferral {
+            held_back: true,
+            ..gap
+        };
+        assert!(held.reason().starts_with("held back: "));
+        assert_eq!(
+            held.give_up_reason(3),
+            "sequence gap never closed after 3 deferrals: expected 6, got 8 \
+             (held back behind a failed earlier event of this aggregate)"
+        );
     }
 
     fn props(headers: &[(&str, AMQPValue)]) -> BasicProperties {

@@ -9,14 +9,20 @@ use lapin::{Acker, BasicProperties, Channel, Confirmation};
 use outbox::wire;
 
 use crate::error::{Error, Result, bounded};
+use crate::event::HEADER_DEFERRAL_COUNT;
 
 /// What to do with one delivery of a committed batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Action {
     /// Effect committed, or a duplicate: just ack.
     Ack,
-    /// Republish to the retry queue, expiring after `delay`.
+    /// Republish to the retry queue with `x-retry-count = attempt`,
+    /// expiring after `delay`.
     Retry { attempt: u32, delay: Duration },
+    /// Republish a deferred sequenced event to the retry queue with
+    /// `x-deferral-count = deferral` (`x-retry-count` unchanged), expiring
+    /// after `delay`.
+    Defer { deferral: u32, delay: Duration },
     /// Republish to the dead-letter queue with `reason`.
     DeadLetter { reason: String },
 }
@@ -55,6 +61,15 @@ pub(crate) async fn settle(
                     item.properties,
                     wire::HEADER_RETRY_COUNT,
                     AMQPValue::LongLongInt((*attempt).into()),
+                )
+                .with_expiration(delay.as_millis().max(1).to_string().into()),
+            ),
+            Action::Defer { deferral, delay } => (
+                &retry_queue,
+                with_header(
+                    item.properties,
+                    HEADER_DEFERRAL_COUNT,
+                    AMQPValue::LongLongInt((*deferral).into()),
                 )
                 .with_expiration(delay.as_millis().max(1).to_string().into()),
             ),

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -23,11 +23,13 @@ use outbox_consumer::{
 use sqlx::{AssertSqlSafe, PgConnection};
 
 /// One message to publish: its id, aggregate id and `x-aggregate-seq`
-/// value (`None`: an unordered event).
+/// value (`None`: an unordered event), and an `x-retry-count` it already
+/// carries (as if a handler had retried it before).
 struct Msg {
     id: String,
     aggregate: String,
     seq: Option<AMQPValue>,
+    retry_count: Option<i64>,
 }
 
 fn seq(aggregate: &str, n: i64) -> Msg {
@@ -35,6 +37,7 @@ fn seq(aggregate: &str, n: i64) -> Msg {
         id: id(),
         aggregate: aggregate.to_owned(),
         seq: Some(AMQPValue::LongLongInt(n)),
+        retry_count: None,
     }
 }
 
@@ -43,6 +46,7 @@ fn unordered(aggregate: &str) -> Msg {
         id: id(),
         aggregate: aggregate.to_owned(),
         seq: None,
+        retry_count: None,
     }
 }
 
@@ -60,6 +64,9 @@ fn properties(m: &Msg) -> BasicProperties {
     }
     if let Some(s) = &m.seq {
         h.insert(wire::HEADER_AGGREGATE_SEQ.into(), s.clone());
+    }
+    if let Some(n) = m.retry_count {
+        h.insert(wire::HEADER_RETRY_COUNT.into(), AMQPValue::LongLongInt(n));
     }
     BasicProperties::default()
         .with_message_id(m.id.as_str().into())
@@ -99,13 +106,13 @@ async fn publish(env: &Env, msgs: &[Msg]) {
     publish_to(env, "", &env.queue, msgs).await;
 }
 
-/// Records each applied event (aggregate, seq, retry count) in
-/// `applied`, in apply order. Fails once with `Retry` for the
-/// (aggregate, seq) pairs in `fail_once`, always with `Reject` for those in
-/// `reject`.
+/// Records each applied event (aggregate, seq, retry and deferral
+/// counts) in `applied`, in apply order. Fails with `Retry` as many times
+/// as `fail` says for its (aggregate, seq) pairs, always with `Reject` for
+/// those in `reject`.
 struct Recorder {
     sql: String,
-    fail_once: Mutex<HashSet<(String, i64)>>,
+    fail: Mutex<HashMap<(String, i64), u32>>,
     reject: HashSet<(String, i64)>,
 }
 
@@ -114,7 +121,8 @@ impl Recorder {
     async fn new(env: &Env) -> Recorder {
         sqlx::raw_sql(AssertSqlSafe(format!(
             "CREATE TABLE {}.applied (n bigserial PRIMARY KEY, aggregate text NOT NULL, \
-             seq bigint, retry_count int NOT NULL, event_id text NOT NULL)",
+             seq bigint, retry_count int NOT NULL, deferral_count int NOT NULL, \
+             event_id text NOT NULL)",
             env.schema
         )))
         .execute(&env.pool)
@@ -127,19 +135,24 @@ impl Recorder {
     fn on(env: &Env) -> Recorder {
         Recorder {
             sql: format!(
-                "INSERT INTO {}.applied (aggregate, seq, retry_count, event_id) VALUES ($1, $2, $3, $4)",
+                "INSERT INTO {}.applied (aggregate, seq, retry_count, deferral_count, event_id) \
+                 VALUES ($1, $2, $3, $4, $5)",
                 env.schema
             ),
-            fail_once: Mutex::default(),
+            fail: Mutex::default(),
             reject: HashSet::new(),
         }
     }
 
     fn fail_once(self, aggregate: &str, seq: i64) -> Self {
-        self.fail_once
+        self.fail_times(aggregate, seq, 1)
+    }
+
+    fn fail_times(self, aggregate: &str, seq: i64, times: u32) -> Self {
+        self.fail
             .lock()
             .unwrap()
-            .insert((aggregate.to_owned(), seq));
+            .insert((aggregate.to_owned(), seq), times);
         self
     }
 }
@@ -153,6 +166,7 @@ impl Handler for Recorder {
             .bind(&aggregate)
             .bind(seq)
             .bind(event.retry_count() as i32)
+            .bind(event.deferral_count() as i32)
             .bind(event.id())
             .execute(conn)
             .await
@@ -163,7 +177,10 @@ impl Handler for Recorder {
         if self.reject.contains(&key) {
             return Outcome::reject("refused by the test");
         }
-        if self.fail_once.lock().unwrap().remove(&key) {
+        if let Some(left) = self.fail.lock().unwrap().get_mut(&key)
+            && *left > 0
+        {
+            *left -= 1;
             return Outcome::retry("transient failure injected by the test");
         }
         Outcome::Ack
@@ -187,6 +204,18 @@ async fn applied(env: &Env, aggregate: &str) -> Vec<i64> {
 async fn retry_counts(env: &Env, aggregate: &str) -> Vec<i32> {
     sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT retry_count FROM {}.applied WHERE aggregate = $1 ORDER BY n",
+        env.schema
+    )))
+    .bind(aggregate)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap()
+}
+
+/// Deferral counts of the events applied for `aggregate`, in apply order.
+async fn deferral_counts(env: &Env, aggregate: &str) -> Vec<i32> {
+    sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT deferral_count FROM {}.applied WHERE aggregate = $1 ORDER BY n",
         env.schema
     )))
     .bind(aggregate)
@@ -254,8 +283,10 @@ async fn a_gap_waits_for_the_missing_event() {
     let c = Running::start(Consumer::new(ordered(&env, false), env.pool.clone(), h).unwrap());
     wait_applied(&env, "a", 3).await;
     assert_eq!(applied(&env, "a").await, [1, 2, 3]);
-    // 3 came before 2: it went once through the retry queue.
-    assert_eq!(retry_counts(&env, "a").await, [0, 0, 1]);
+    // 3 came before 2: it went once through the retry queue, as a
+    // deferral, not a handler retry.
+    assert_eq!(retry_counts(&env, "a").await, [0, 0, 0]);
+    assert_eq!(deferral_counts(&env, "a").await, [0, 0, 1]);
     assert_eq!(c.consumer.stats().retried, 1);
     assert_eq!(last_seq(&env, "a").await, Some(3));
     assert_eq!(env.count("{s}.inbox").await, 3);
@@ -336,8 +367,10 @@ async fn a_failed_event_holds_back_the_rest_of_its_aggregate() {
     let c = Running::start(Consumer::new(cfg, env.pool.clone(), h).unwrap());
     wait_applied(&env, "a", 4).await;
     assert_eq!(applied(&env, "a").await, [1, 2, 3, 4]);
-    // 2 failed; 3 and 4 were held back rather than applied out of order.
-    assert_eq!(retry_counts(&env, "a").await, [0, 1, 1, 1]);
+    // 2 failed; 3 and 4 were held back (deferred) rather than applied out
+    // of order.
+    assert_eq!(retry_counts(&env, "a").await, [0, 1, 0, 0]);
+    assert_eq!(deferral_counts(&env, "a").await, [0, 0, 1, 1]);
     assert_eq!(c.consumer.stats().retried, 3);
     // The other aggregate was not held back.
     assert_eq!(applied(&env, "b").await, [1, 2]);
@@ -356,7 +389,7 @@ async fn held_back_and_gapped_events_end_in_the_dlq_with_their_reason() {
     let mut h = Recorder::new(&env).await;
     h.reject.insert(("a".to_owned(), 2));
     let mut cfg = ordered(&env, false);
-    cfg.max_retries = 0;
+    cfg.max_deferrals = 0;
     (cfg.batch_size, cfg.prefetch) = (4, 4);
     cfg.batch_max_wait = Duration::from_millis(500);
     let c = Running::start(Consumer::new(cfg, env.pool.clone(), h).unwrap());
@@ -364,11 +397,12 @@ async fn held_back_and_gapped_events_end_in_the_dlq_with_their_reason() {
     assert_eq!(dlq[&ids[1]], "refused by the test");
     assert_eq!(
         dlq[&ids[2]],
-        "gave up after 0 retries: held back: an earlier event of this aggregate was not applied"
+        "sequence gap never closed after 0 deferrals: expected 2, got 3 \
+         (held back behind a failed earlier event of this aggregate)"
     );
     assert_eq!(
         dlq[&ids[3]],
-        "gave up after 0 retries: sequence gap: expected 1, got 2"
+        "sequence gap never closed after 0 deferrals: expected 1, got 2"
     );
     assert_eq!(applied(&env, "a").await, [1]);
     assert!(applied(&env, "c").await.is_empty());
@@ -386,12 +420,12 @@ async fn without_accept_first_seen_every_aggregate_starts_at_1() {
     publish(&env, &[late, seq("b", 1)]).await;
     let h = Recorder::new(&env).await;
     let mut cfg = ordered(&env, false);
-    cfg.max_retries = 1;
+    cfg.max_deferrals = 1;
     let c = Running::start(Consumer::new(cfg, env.pool.clone(), h).unwrap());
     let dlq = dead_letters(&env, 1).await;
     assert_eq!(
         dlq[&late_id],
-        "gave up after 1 retries: sequence gap: expected 1, got 5"
+        "sequence gap never closed after 1 deferrals: expected 1, got 5"
     );
     assert!(applied(&env, "a").await.is_empty());
     assert_eq!(applied(&env, "b").await, [1]);
@@ -428,7 +462,7 @@ async fn accept_first_seen_starts_where_the_consumer_joins() {
     .await;
     let h = Recorder::new(&env).await.fail_once("late", 9);
     let mut cfg = ordered(&env, true);
-    cfg.max_retries = 1;
+    (cfg.max_retries, cfg.max_deferrals) = (1, 1);
     let c = Running::start(Consumer::new(cfg, env.pool.clone(), h).unwrap());
     wait_applied(&env, "late", 2).await;
     assert_eq!(applied(&env, "new").await, [5, 6]);
@@ -436,7 +470,7 @@ async fn accept_first_seen_starts_where_the_consumer_joins() {
     let dlq = dead_letters(&env, 1).await;
     assert_eq!(
         dlq[&old_id],
-        "gave up after 1 retries: sequence gap: expected 3, got 5"
+        "sequence gap never closed after 1 deferrals: expected 3, got 5"
     );
     // Once seen, an aggregate is ordered like any other.
     publish(&env, &[seq("new", 4)]).await;
@@ -447,6 +481,136 @@ async fn accept_first_seen_starts_where_the_consumer_joins() {
     assert_eq!(applied(&env, "new").await, [5, 6]);
     assert_eq!(last_seq(&env, "new").await, Some(6));
     assert_eq!(last_seq(&env, "old").await, Some(2));
+    c.stop().await;
+    env.teardown().await;
+}
+
+/// The review's scenario: an event fails transiently as often as
+/// `max_retries` allows while its successors wait in the retry queue for
+/// longer than that. Deferrals have their own budget: every event applies
+/// in order, nothing is dead-lettered, and the aggregate is not wedged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deferrals_do_not_spend_the_handler_retry_budget() {
+    let env = Env::new().await;
+    // 2 and 3 arrive first and gap until 1 comes.
+    publish(&env, &[seq("a", 2), seq("a", 3)]).await;
+    let h = Recorder::new(&env).await.fail_times("a", 1, 2);
+    let mut cfg = ordered(&env, false);
+    cfg.max_retries = 2;
+    let c = Running::start(Consumer::new(cfg, env.pool.clone(), h).unwrap());
+    // Both deferred three times, more than max_retries.
+    wait_until("2 and 3 deferred three times each", || async {
+        let s = c.consumer.stats();
+        s.retried >= 6 || s.rejected > 0
+    })
+    .await;
+    assert_eq!(
+        c.consumer.stats().rejected,
+        0,
+        "deferred events dead-lettered"
+    );
+    // 1 now fails twice (all its retries) and applies on the third try;
+    // 2 and 3 keep being deferred meanwhile.
+    publish(&env, &[seq("a", 1)]).await;
+    wait_applied(&env, "a", 3).await;
+    assert_eq!(applied(&env, "a").await, [1, 2, 3]);
+    assert_eq!(retry_counts(&env, "a").await, [2, 0, 0]);
+    let deferrals = deferral_counts(&env, "a").await;
+    assert_eq!(deferrals[0], 0);
+    assert!(
+        deferrals[1..].iter().all(|&n| n > 2),
+        "deferred more than max_retries: {deferrals:?}"
+    );
+    assert_eq!(last_seq(&env, "a").await, Some(3));
+    // Counted once the batch is settled, just after its commit.
+    wait_until("all three counted", || async {
+        c.consumer.stats().processed == 3
+    })
+    .await;
+    assert_eq!(c.consumer.stats().rejected, 0);
+    let dlq = format!("{}.dlq", env.queue);
+    let none = env
+        .channel
+        .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap();
+    assert!(none.is_none(), "nothing in the DLQ");
+    c.stop().await;
+    env.teardown().await;
+}
+
+/// A gap that never closes is dead-lettered after `max_deferrals`, however
+/// low `max_retries` is, with the deferral count on the copy and the
+/// handler retry count it came with unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permanent_gap_is_dead_lettered_after_max_deferrals() {
+    let env = Env::new().await;
+    let orphan = Msg {
+        retry_count: Some(1),
+        ..seq("g", 2)
+    };
+    let orphan_id = orphan.id.clone();
+    publish(&env, &[orphan]).await;
+    let h = Recorder::new(&env).await;
+    let mut cfg = ordered(&env, false);
+    (cfg.max_retries, cfg.max_deferrals) = (0, 3);
+    let c = Running::start(Consumer::new(cfg, env.pool.clone(), h).unwrap());
+    let copy = env.take(&format!("{}.dlq", env.queue), 1).await.remove(0);
+    assert_eq!(
+        copy.properties.message_id().as_ref().unwrap().as_str(),
+        orphan_id
+    );
+    assert_eq!(
+        reason(&copy),
+        "sequence gap never closed after 3 deferrals: expected 1, got 2"
+    );
+    let header = |name: &str| {
+        copy.properties
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get(name))
+            .cloned()
+    };
+    assert_eq!(
+        header(outbox_consumer::HEADER_DEFERRAL_COUNT),
+        Some(AMQPValue::LongLongInt(3))
+    );
+    assert_eq!(
+        header(wire::HEADER_RETRY_COUNT),
+        Some(AMQPValue::LongLongInt(1))
+    );
+    // Counted once the batch is settled, just after the copy is queued.
+    wait_until("the dead letter counted", || async {
+        c.consumer.stats().rejected == 1
+    })
+    .await;
+    assert_eq!(c.consumer.stats().retried, 3);
+    assert!(applied(&env, "g").await.is_empty());
+    assert_eq!(last_seq(&env, "g").await, Some(0));
+    c.stop().await;
+    env.teardown().await;
+}
+
+/// With `accept_first_seen`, a new aggregate starts below the lowest fresh
+/// event of its first batch, not its first in delivery order: 7 came back
+/// from the retry queue behind 8 and is applied, not dropped as stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accept_first_seen_starts_below_the_lowest_event_of_the_batch() {
+    let env = Env::new().await;
+    publish(&env, &[seq("n", 8), seq("n", 7)]).await;
+    let h = Recorder::new(&env).await;
+    let mut cfg = ordered(&env, true);
+    (cfg.batch_size, cfg.prefetch) = (2, 2);
+    cfg.batch_max_wait = Duration::from_millis(500);
+    let c = Running::start(Consumer::new(cfg, env.pool.clone(), h).unwrap());
+    wait_until("both settled for good", || async {
+        let s = c.consumer.stats();
+        s.processed + s.stale >= 2
+    })
+    .await;
+    assert_eq!(applied(&env, "n").await, [7, 8]);
+    assert_eq!(c.consumer.stats().stale, 0);
+    assert_eq!(last_seq(&env, "n").await, Some(8));
     c.stop().await;
     env.teardown().await;
 }
@@ -508,16 +672,17 @@ async fn unordered_events_are_not_affected() {
         env.count("{s}.applied").await == 4
     })
     .await;
-    let rows: Vec<(Option<i64>, i32)> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT seq, retry_count FROM {}.applied ORDER BY n",
+    let rows: Vec<(Option<i64>, i32, i32)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT seq, retry_count, deferral_count FROM {}.applied ORDER BY n",
         env.schema
     )))
     .fetch_all(&env.pool)
     .await
     .unwrap();
+    // Only 2 waited (one deferral) for the gap.
     assert_eq!(
         rows,
-        [(None, 0), (None, 0), (Some(1), 0), (Some(2), 1)],
+        [(None, 0, 0), (None, 0, 0), (Some(1), 0, 0), (Some(2), 0, 1)],
         "unordered events applied at once, in delivery order"
     );
     c.stop().await;
@@ -585,7 +750,7 @@ async fn two_instances_on_one_queue_keep_every_aggregate_in_order() {
         (cfg.batch_size, cfg.prefetch) = (4, 4);
         cfg.retry_delay = Duration::from_millis(10);
         cfg.max_retry_delay = Duration::from_millis(100);
-        cfg.max_retries = 1000;
+        cfg.max_deferrals = 1000;
         Running::start(Consumer::new(cfg, env.pool.clone(), Recorder::on(&env)).unwrap())
     };
     let (c1, c2) = (start(), start());

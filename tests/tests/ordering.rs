@@ -240,7 +240,7 @@ async fn three_relays_killed_and_restarted_keep_every_aggregate_in_commit_order(
             .ordering(outbox_consumer::Ordering::by_sequence());
         config.retry_delay = Duration::from_millis(100);
         config.max_retry_delay = Duration::from_millis(500);
-        config.max_retries = 1_000;
+        config.max_deferrals = 1_000;
         let insert = format!(
             "INSERT INTO \"{consumer_schema}\".effects (aggregate_id, version, event_id) VALUES ($1, $2, $3)"
         );
