@@ -108,6 +108,10 @@ pub struct BrokerSession {
     /// Per partition, the last aggregate served: the next claim resumes
     /// after it (round robin over aggregates, wrapping at the end).
     cursors: HashMap<i32, (String, String)>,
+    /// Expected events per aggregate in a claim (1 to 64): deep aggregates
+    /// fill a batch with fewer heads, which costs fewer index descents per
+    /// event; one-event aggregates need many heads. Learnt from each claim.
+    run_hint: usize,
 }
 
 impl std::fmt::Debug for BrokerSession {
@@ -173,6 +177,7 @@ impl Relay {
             worker: 0,
             workers: 1,
             cursors: HashMap::new(),
+            run_hint: 1,
         })
     }
 
@@ -257,7 +262,7 @@ impl Relay {
             n => n.max(1),
         };
         let share = held.div_ceil(session.workers).max(1);
-        let per_partition = cfg.batch_size.div_ceil(share).max(1);
+        let per_partition = cfg.batch_size.div_ceil(share * session.run_hint).max(1);
         // Aggregates looked at per partition, due or not: bounds the walk
         // when many heads are backing off.
         let scan_per_partition = (per_partition * 4).max(64);
@@ -284,6 +289,7 @@ impl Relay {
             per_partition,
             scan_per_partition,
         );
+        session.run_hint = next_run_hint(session.run_hint, &ordered, cfg.batch_size);
         let mut events = due_runs(ordered);
         // Unordered events always get a quarter of the batch at least: a
         // large ordered backlog cannot hold them up.
@@ -450,6 +456,7 @@ impl Relay {
             worker,
             workers: cfg.workers,
             cursors: HashMap::new(),
+            run_hint: 1,
         };
         inner.health.broker.store(true, Ordering::Relaxed);
         inner.broker_outage.ok();
@@ -534,6 +541,41 @@ fn advance_cursors(
         if due >= per_partition || seen >= scan {
             cursors.insert(partition, (t.to_owned(), a.to_owned()));
         }
+    }
+}
+
+/// The run length to plan the next claim with: doubled while most due heads
+/// filled their run (their aggregates have more queued), else the average
+/// run seen.
+fn next_run_hint(hint: usize, rows: &[OrderedRow], batch: usize) -> usize {
+    let mut heads = 0usize;
+    let mut events = 0usize;
+    let mut runs: Vec<usize> = Vec::new();
+    let mut previous: Option<(&str, &str)> = None;
+    for r in rows.iter().filter(|r| r.due) {
+        let key = (
+            r.event.aggregate_type.as_str(),
+            r.event.aggregate_id.as_str(),
+        );
+        if previous != Some(key) {
+            heads += 1;
+            runs.push(0);
+        }
+        if let Some(last) = runs.last_mut() {
+            *last += 1;
+        }
+        events += 1;
+        previous = Some(key);
+    }
+    if heads == 0 {
+        return hint;
+    }
+    let cap = (batch / heads).max(1);
+    let full = runs.iter().filter(|&&n| n >= cap).count();
+    if full * 4 >= heads * 3 {
+        (hint * 2).min(64)
+    } else {
+        events.div_ceil(heads).clamp(1, 64)
     }
 }
 
