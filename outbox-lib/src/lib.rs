@@ -25,6 +25,12 @@
 //!
 //! The outbox table is a public contract (`docs/OUTBOX_TABLE.md`): services
 //! in other languages may insert into it directly.
+//!
+//! Per-aggregate ordering is opt-in: with
+//! `OutboxConfig::default().ordering(Ordering::types(["order"]))` every event
+//! of an `order` aggregate gets the aggregate's next sequence number in
+//! commit order, and relays and ordered consumers keep that order
+//! (`docs/ORDERING.md`).
 
 mod error;
 mod event;

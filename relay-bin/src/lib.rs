@@ -9,6 +9,15 @@
 //! jitter, then dead-lettered. A crash anywhere re-runs work; nothing is
 //! lost, and the only duplicates are publishes whose settle did not commit.
 //!
+//! Ordered events (`aggregate_seq` set by the producer, `docs/ORDERING.md`)
+//! are published per aggregate in sequence: relays lease the 64 partitions
+//! of the aggregate key space (fair shares, handed over when a relay dies
+//! or stops), claim each aggregate from its head only, and never
+//! dead-letter an ordered event by themselves: a failing one blocks its own
+//! aggregate until delivered or skipped by an operator. When embedding,
+//! prefer [`Relay::run`]; a [`BrokerSession`] from [`Relay::connect`]
+//! publishes all of the relay's partitions, so use one at a time.
+//!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
 //! use outbox_relay::{Relay, RelayConfig};
