@@ -26,8 +26,19 @@ use outbox::__private::Outage;
 /// One round trip: a transaction whose commit does not wait for the flush,
 /// with bounds on every statement and on idling inside it, whatever pool
 /// an embedding service hands in (a frozen relay loses its row locks).
-const BEGIN_ASYNC_COMMIT: &str = "BEGIN; SET LOCAL synchronous_commit = off; \
-     SET LOCAL statement_timeout = '30s'; SET LOCAL idle_in_transaction_session_timeout = '60s'";
+///
+/// The idle bound is the longest a healthy batch waits inside its
+/// transaction (publishing, then the confirms) plus a margin: a relay
+/// frozen longer loses its session, its row locks and its partitions'
+/// lease locks, so other relays can go on.
+fn begin_async_commit(config: &RelayConfig) -> sqlx::SqlStr {
+    let idle = config.confirm_timeout + config.broker_timeout + std::time::Duration::from_secs(5);
+    sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(format!(
+        "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL statement_timeout = '30s'; \
+         SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
+        idle.as_millis()
+    )))
+}
 
 /// What one batch did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +91,8 @@ struct Inner {
     db_outage: Outage,
     /// This relay's identity in `outbox_relays` and `outbox_leases`.
     id: Uuid,
+    /// The batch transaction's BEGIN with its settings.
+    begin: sqlx::SqlStr,
     /// When the last lease round ran; one worker runs it at a time.
     last_lease_tick: tokio::sync::Mutex<Option<Instant>>,
     /// Partitions held after the last lease round (`usize::MAX`: none yet).
@@ -136,6 +149,7 @@ impl Relay {
         let (wake, _) = watch::channel(0);
         Ok(Self {
             inner: Arc::new(Inner {
+                begin: begin_async_commit(&config),
                 queries: Queries::new(&schema),
                 schema,
                 config,
@@ -254,7 +268,7 @@ impl Relay {
         // which at-least-once allows and consumers absorb. It keeps the
         // relay's fsyncs off the producers' commit path.
         self.lease_round().await;
-        let mut tx = inner.pool.begin_with(BEGIN_ASYNC_COMMIT).await?;
+        let mut tx = inner.pool.begin_with(inner.begin.clone()).await?;
         // Heads per partition: the batch spread over this worker's share of
         // the relay's partitions.
         let held = match inner.partitions.load(Ordering::Relaxed) {

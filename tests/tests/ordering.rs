@@ -68,8 +68,9 @@ impl Handler for Apply {
     }
 }
 
-fn relay_process(db: &TestDb, exchange: &str) -> KillOnDrop {
+fn relay_process(db: &TestDb, exchange: &str, name: &str) -> KillOnDrop {
     let child = Command::new(env!("CARGO_BIN_EXE_fault-relay"))
+        .env("NAME", name)
         .env("DATABASE_URL", database_url())
         .env("AMQP_URL", amqp_url())
         .env("SCHEMA", &db.schema)
@@ -91,8 +92,9 @@ fn kill_now(mut child: KillOnDrop) {
 
 /// Commits `n` events from `WRITERS` concurrent writers: each transaction
 /// bumps the version of `PER_TX` aggregates (locking their rows) and
-/// enqueues one event per aggregate carrying the new version.
-async fn produce(db: &TestDb, n: usize) {
+/// enqueues one event per aggregate carrying the new version; each writer
+/// pauses `pace` between transactions.
+async fn produce(db: &TestDb, n: usize, pace: Duration) {
     let outbox = Outbox::new(
         &db.pool,
         OutboxConfig::default()
@@ -129,6 +131,9 @@ async fn produce(db: &TestDb, n: usize) {
                 });
                 outbox.enqueue_many(&mut *tx, events).await.unwrap();
                 outbox.commit(tx).await.unwrap();
+                if !pace.is_zero() {
+                    tokio::time::sleep(pace).await;
+                }
             }
         }));
     }
@@ -197,186 +202,323 @@ async fn watch_wire(conn: &lapin::Connection, exchange: &str, queue: &str) -> Ar
     wire
 }
 
+/// One scenario's world: producer schema with the accounts, consumer
+/// schema with the effects, the ordered topology with one consumer per
+/// partition queue, and a wire-watching queue.
+struct World {
+    db: TestDb,
+    consumer_schema: String,
+    broker: TestBroker,
+    conn: lapin::Connection,
+    name: String,
+    queues: Vec<String>,
+    wire_queue: String,
+    wire: Arc<Mutex<Wire>>,
+    stop: CancellationToken,
+    consumers: Vec<tokio::task::JoinHandle<outbox_consumer::Result<()>>>,
+}
+
+impl World {
+    async fn new(prefix: &str) -> Self {
+        let db = TestDb::producer(prefix).await;
+        let consumer_schema = format!("{}_c", db.schema);
+        outbox_consumer::migrate(&db.pool, &consumer_schema)
+            .await
+            .unwrap();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "CREATE TABLE \"{s}\".accounts (id text PRIMARY KEY, version bigint NOT NULL DEFAULT 0);
+             INSERT INTO \"{s}\".accounts (id) SELECT 'acc-' || i FROM generate_series(0, {last}) i;
+             CREATE TABLE \"{c}\".effects (applied bigserial PRIMARY KEY, aggregate_id text NOT NULL,
+                                           version bigint NOT NULL, event_id text NOT NULL);",
+            s = db.schema,
+            c = consumer_schema,
+            last = AGGREGATES - 1
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        // Routing: the relay's exchange → consistent hash on x-aggregate-id
+        // → four single-active-consumer queues, one ordered consumer each.
+        let broker = TestBroker::new(prefix, FieldTable::default()).await;
+        let conn = e2e::connect().await;
+        let name = format!("test.{prefix}.{}.c", suffix());
+        let queues = declare_ordered_topology(
+            &conn,
+            &OrderedTopology::new(&name, &broker.exchange, "account.*", 4),
+        )
+        .await
+        .unwrap();
+        let wire_queue = format!("{name}.wire");
+        let wire = watch_wire(&conn, &broker.exchange, &wire_queue).await;
+        let stop = CancellationToken::new();
+        let mut consumers = Vec::new();
+        for q in &queues {
+            let pool = e2e::pool(&format!("c-{}", suffix()), 4).await;
+            let mut config = ConsumerConfig::new(amqp_url(), q, "ordered")
+                .schema(&consumer_schema)
+                .ordering(outbox_consumer::Ordering::by_sequence());
+            config.retry_delay = Duration::from_millis(100);
+            config.max_retry_delay = Duration::from_millis(500);
+            config.max_deferrals = 1_000;
+            let insert = format!(
+                "INSERT INTO \"{consumer_schema}\".effects (aggregate_id, version, event_id) VALUES ($1, $2, $3)"
+            );
+            let consumer = Consumer::new(config, pool, Apply { insert }).unwrap();
+            let s = stop.clone();
+            consumers.push(tokio::spawn(async move { consumer.run(s).await }));
+        }
+        Self {
+            db,
+            consumer_schema,
+            broker,
+            conn,
+            name,
+            queues,
+            wire_queue,
+            wire,
+            stop,
+            consumers,
+        }
+    }
+
+    fn relay(&self) -> KillOnDrop {
+        self.relay_named(&format!("r-{}", suffix()))
+    }
+
+    /// A relay process whose relay name and database application name are
+    /// `name`.
+    fn relay_named(&self, name: &str) -> KillOnDrop {
+        relay_process(&self.db, &self.broker.exchange, name)
+    }
+
+    fn produce(&self, n: usize, pace: Duration) -> tokio::task::JoinHandle<()> {
+        let db = self.db.clone();
+        tokio::spawn(async move { produce(&db, n, pace).await })
+    }
+
+    /// Unexpired partition leases held by the relay named `name`.
+    async fn leases_of(&self, name: &str) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM \"{}\".outbox_leases WHERE owner_name = $1 AND expires_at > now()",
+            self.db.schema
+        )))
+        .bind(name)
+        .fetch_one(&self.db.pool)
+        .await
+        .unwrap()
+    }
+
+    /// The oracle: waits for `n` effects, then checks exactly once, commit
+    /// order per aggregate at the consumer, first-arrival order on the
+    /// wire, and an empty outbox. Returns the duplicates seen on the wire.
+    async fn assert_in_order(&self, n: usize) -> usize {
+        let c = &self.consumer_schema;
+        let applied = || async {
+            sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!(
+                "SELECT count(DISTINCT event_id) FROM \"{c}\".effects"
+            )))
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+        };
+        wait_until(DEADLINE, &format!("{n} effects"), || async {
+            applied().await >= n as i64
+        })
+        .await;
+        // Exactly once.
+        let (total, distinct): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT count(*), count(DISTINCT event_id) FROM \"{c}\".effects"
+        )))
+        .fetch_one(&self.db.pool)
+        .await
+        .unwrap();
+        assert_eq!(distinct, n as i64, "every committed event applied");
+        assert_eq!(total, distinct, "no event applied twice");
+        // Commit order per aggregate: versions 1..=final, in application
+        // order.
+        let finals: HashMap<String, i64> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT id, version FROM \"{}\".accounts",
+            self.db.schema
+        )))
+        .fetch_all(&self.db.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+        let orders: Vec<(String, Vec<i64>)> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT aggregate_id, array_agg(version ORDER BY applied) FROM \"{c}\".effects GROUP BY 1"
+        )))
+        .fetch_all(&self.db.pool)
+        .await
+        .unwrap();
+        let touched = finals.values().filter(|v| **v > 0).count();
+        assert_eq!(orders.len(), touched);
+        for (aggregate, versions) in &orders {
+            let expected: Vec<i64> = (1..=finals[aggregate]).collect();
+            assert_eq!(
+                versions, &expected,
+                "{aggregate}: applied out of commit order"
+            );
+        }
+        // The relays' own guarantee, on the wire: each sequence number
+        // first arrives after every lower one of its aggregate (copies may
+        // repeat).
+        wait_until(DEADLINE, "the wire queue to see every event", || async {
+            self.wire.lock().unwrap().seen.len() >= n
+        })
+        .await;
+        let duplicates = {
+            let w = self.wire.lock().unwrap();
+            for (aggregate, seqs) in &w.first {
+                let expected: Vec<i64> = (1..=finals[aggregate]).collect();
+                assert_eq!(seqs, &expected, "{aggregate}: published out of order");
+            }
+            w.duplicates
+        };
+        assert_eq!(self.db.count("outbox").await, 0, "the outbox drained");
+        duplicates
+    }
+
+    async fn cleanup(self) {
+        self.stop.cancel();
+        for c in self.consumers {
+            c.await.unwrap().unwrap();
+        }
+        let ch = self.conn.create_channel().await.unwrap();
+        for q in &self.queues {
+            for suffix in ["", ".retry", ".dlq"] {
+                let _ = ch
+                    .queue_delete(format!("{q}{suffix}").as_str().into(), Default::default())
+                    .await;
+            }
+        }
+        let _ = ch
+            .queue_delete(self.wire_queue.as_str().into(), Default::default())
+            .await;
+        let _ = ch
+            .exchange_delete(self.name.as_str().into(), Default::default())
+            .await;
+        let _ = sqlx::raw_sql(AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+            self.consumer_schema
+        )))
+        .execute(&self.db.pool)
+        .await;
+        self.db.cleanup().await;
+        self.broker.cleanup().await;
+    }
+}
+
 #[tokio::test]
 async fn three_relays_killed_and_restarted_keep_every_aggregate_in_commit_order() {
     let n = events();
-    let db = TestDb::producer("ord_e2e").await;
-    let consumer_schema = format!("{}_c", db.schema);
-    outbox_consumer::migrate(&db.pool, &consumer_schema)
-        .await
-        .unwrap();
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE TABLE \"{s}\".accounts (id text PRIMARY KEY, version bigint NOT NULL DEFAULT 0);
-         INSERT INTO \"{s}\".accounts (id) SELECT 'acc-' || i FROM generate_series(0, {last}) i;
-         CREATE TABLE \"{c}\".effects (applied bigserial PRIMARY KEY, aggregate_id text NOT NULL,
-                                       version bigint NOT NULL, event_id text NOT NULL);",
-        s = db.schema,
-        c = consumer_schema,
-        last = AGGREGATES - 1
-    )))
-    .execute(&db.pool)
-    .await
-    .unwrap();
-
-    // Routing: the relay's exchange → consistent hash on x-aggregate-id →
-    // four single-active-consumer queues, one ordered consumer each.
-    let broker = TestBroker::new("ord_e2e", FieldTable::default()).await;
-    let conn = e2e::connect().await;
-    let name = format!("test.ord_e2e.{}.c", suffix());
-    let queues = declare_ordered_topology(
-        &conn,
-        &OrderedTopology::new(&name, &broker.exchange, "account.*", 4),
-    )
-    .await
-    .unwrap();
-    let wire_queue = format!("{name}.wire");
-    let wire = watch_wire(&conn, &broker.exchange, &wire_queue).await;
-    let stop = CancellationToken::new();
-    let mut consumers = Vec::new();
-    for q in &queues {
-        let pool = e2e::pool(&format!("c-{}", suffix()), 4).await;
-        let mut config = ConsumerConfig::new(amqp_url(), q, "ordered")
-            .schema(&consumer_schema)
-            .ordering(outbox_consumer::Ordering::by_sequence());
-        config.retry_delay = Duration::from_millis(100);
-        config.max_retry_delay = Duration::from_millis(500);
-        config.max_deferrals = 1_000;
-        let insert = format!(
-            "INSERT INTO \"{consumer_schema}\".effects (aggregate_id, version, event_id) VALUES ($1, $2, $3)"
-        );
-        let consumer = Consumer::new(config, pool, Apply { insert }).unwrap();
-        let s = stop.clone();
-        consumers.push(tokio::spawn(async move { consumer.run(s).await }));
-    }
-
+    let w = World::new("ord_e2e").await;
     let started = Instant::now();
-    let mut relays: Vec<KillOnDrop> = (0..3)
-        .map(|_| relay_process(&db, &broker.exchange))
-        .collect();
-    let producer = {
-        let db = db.clone();
-        tokio::spawn(async move { produce(&db, n).await })
-    };
+    let mut relays: Vec<KillOnDrop> = (0..3).map(|_| w.relay()).collect();
+    let producer = w.produce(n, Duration::ZERO);
     // Kill one relay at a time, at staggered moments, and start a fresh
     // one in its place, until the producers are done and the outbox is
-    // half drained at least once more.
+    // drained (or enough kills landed after the producers finished).
     let mut kills = 0;
     let mut round = 0u64;
     loop {
         tokio::time::sleep(Duration::from_millis(400 + (round * 173) % 600)).await;
-        let left = db.count("outbox").await;
+        let left = w.db.count("outbox").await;
         if producer.is_finished() && (left == 0 || kills >= 12) {
             break;
         }
         let victim = (round as usize) % relays.len();
-        let child = std::mem::replace(&mut relays[victim], relay_process(&db, &broker.exchange));
+        let child = std::mem::replace(&mut relays[victim], w.relay());
         kill_now(child);
         kills += 1;
         round += 1;
     }
     producer.await.unwrap();
-
-    let applied = |pool: sqlx::PgPool, c: String| async move {
-        sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!(
-            "SELECT count(DISTINCT event_id) FROM \"{c}\".effects"
-        )))
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    };
-    wait_until(DEADLINE, &format!("{n} effects"), || async {
-        applied(db.pool.clone(), consumer_schema.clone()).await >= n as i64
-    })
-    .await;
-    let elapsed = started.elapsed();
-
-    // Exactly once.
-    let (total, distinct): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT count(*), count(DISTINCT event_id) FROM \"{consumer_schema}\".effects"
-    )))
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
-    assert_eq!(distinct, n as i64, "every committed event applied");
-    assert_eq!(total, distinct, "no event applied twice");
-    // Commit order per aggregate: versions 1..=final, in application order.
-    let finals: HashMap<String, i64> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT id, version FROM \"{}\".accounts",
-        db.schema
-    )))
-    .fetch_all(&db.pool)
-    .await
-    .unwrap()
-    .into_iter()
-    .collect();
-    let orders: Vec<(String, Vec<i64>)> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT aggregate_id, array_agg(version ORDER BY applied) FROM \"{consumer_schema}\".effects GROUP BY 1"
-    )))
-    .fetch_all(&db.pool)
-    .await
-    .unwrap();
-    assert_eq!(orders.len(), AGGREGATES);
-    for (aggregate, versions) in &orders {
-        let expected: Vec<i64> = (1..=finals[aggregate]).collect();
-        assert_eq!(
-            versions, &expected,
-            "{aggregate}: applied out of commit order"
-        );
-    }
-    // The relays' own guarantee, on the wire: each sequence number first
-    // arrives after every lower one of its aggregate (copies may repeat).
-    wait_until(DEADLINE, "the wire queue to see every event", || async {
-        wire.lock().unwrap().seen.len() >= n
-    })
-    .await;
-    let duplicates = {
-        let w = wire.lock().unwrap();
-        for (aggregate, seqs) in &w.first {
-            let expected: Vec<i64> = (1..=finals[aggregate]).collect();
-            assert_eq!(seqs, &expected, "{aggregate}: published out of order");
-        }
-        w.duplicates
-    };
-    let left: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM \"{}\".outbox",
-        db.schema
-    )))
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
-    assert_eq!(left, 0, "the outbox drained");
+    let duplicates = w.assert_in_order(n).await;
     println!(
         "ordered e2e: {n} events over {AGGREGATES} aggregates, 3 relays, {kills} SIGKILLs; \
          {duplicates} duplicates on the wire; every aggregate published and applied in \
-         commit order; {elapsed:?}"
+         commit order; {:?}",
+        started.elapsed()
     );
-
     for r in relays {
         kill_now(r);
     }
-    stop.cancel();
-    for c in consumers {
-        c.await.unwrap().unwrap();
-    }
-    let ch = conn.create_channel().await.unwrap();
-    for q in &queues {
-        for suffix in ["", ".retry", ".dlq"] {
-            let _ = ch
-                .queue_delete(format!("{q}{suffix}").as_str().into(), Default::default())
-                .await;
+    w.cleanup().await;
+}
+
+/// A relay frozen (SIGSTOP) inside a batch keeps its partitions only until
+/// PostgreSQL ends its transaction (confirm + broker timeouts + 5 s: 11 s
+/// for the test relay) and its leases expire (1 s); the other relay takes them over and goes on; when the
+/// frozen one resumes, whatever it still had queued can only arrive as a
+/// stale copy. Order holds on the wire and at the consumer.
+#[tokio::test]
+async fn a_frozen_relay_cannot_publish_out_of_order_when_it_resumes() {
+    let n = events() / 5;
+    let w = World::new("ord_stop").await;
+    let (frozen_name, other_name) = (
+        format!("frozen-{}", suffix()),
+        format!("other-{}", suffix()),
+    );
+    let frozen = w.relay_named(&frozen_name);
+    let other = w.relay_named(&other_name);
+    let producer = w.produce(n, Duration::from_millis(40));
+    let frozen_pid = Pid::from_raw(frozen.id() as i32);
+    // The frozen relay's database session inside a transaction: caught
+    // mid-batch, holding its partitions' lease rows.
+    let in_batch = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1
+             AND state IN ('idle in transaction', 'active') AND backend_xid IS NOT NULL",
+        )
+        .bind(&frozen_name)
+        .fetch_one(&w.db.pool)
+        .await
+        .unwrap()
+            > 0
+    };
+    let mut caught = 0;
+    let mut takeovers = Vec::new();
+    for round in 0..2u64 {
+        wait_until(DEADLINE, "the frozen relay to hold partitions", || async {
+            w.leases_of(&frozen_name).await > 0
+        })
+        .await;
+        // Freeze it, until a freeze lands inside one of its batches.
+        let mut inside = false;
+        for attempt in 0..200u64 {
+            kill(frozen_pid, Signal::SIGSTOP).unwrap();
+            if in_batch().await {
+                inside = true;
+                break;
+            }
+            kill(frozen_pid, Signal::SIGCONT).unwrap();
+            tokio::time::sleep(Duration::from_millis((attempt * 7 + round) % 13)).await;
+        }
+        if inside {
+            caught += 1;
+            let frozen_at = Instant::now();
+            // The other relay takes every partition over while this one
+            // is frozen, and keeps publishing.
+            wait_until(
+                DEADLINE,
+                "the other relay to hold all 64 partitions",
+                || async { w.leases_of(&other_name).await == 64 },
+            )
+            .await;
+            takeovers.push(frozen_at.elapsed());
+            kill(frozen_pid, Signal::SIGCONT).unwrap();
         }
     }
-    let _ = ch
-        .queue_delete(wire_queue.as_str().into(), Default::default())
-        .await;
-    let _ = ch
-        .exchange_delete(name.as_str().into(), Default::default())
-        .await;
-    let _ = sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP SCHEMA IF EXISTS \"{consumer_schema}\" CASCADE"
-    )))
-    .execute(&db.pool)
-    .await;
-    db.cleanup().await;
-    broker.cleanup().await;
+    assert!(caught > 0, "no freeze landed inside a batch");
+    producer.await.unwrap();
+    let duplicates = w.assert_in_order(n).await;
+    println!(
+        "ordered e2e: {n} events; a relay frozen inside a batch {caught}x beside a second relay, \
+         which took its partitions over after {takeovers:?}; {duplicates} duplicates on the \
+         wire; order held"
+    );
+    kill_now(frozen);
+    kill_now(other);
+    w.cleanup().await;
 }

@@ -1,7 +1,8 @@
 //! The relay engine as a process the fault tests can SIGKILL and SIGSTOP.
 //! Settings from the environment: DATABASE_URL, AMQP_URL, SCHEMA, EXCHANGE,
 //! BATCH_SIZE (default 100), LISTEN (default 1), LEASE_TTL_MS (default
-//! 2000).
+//! 2000), NAME (relay name and database application name; default
+//! `fault-relay-<schema>`).
 
 use std::time::Duration;
 
@@ -17,13 +18,12 @@ fn env(name: &str) -> Result<String> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let schema = env("SCHEMA")?;
+    let name = std::env::var("NAME").unwrap_or_else(|_| format!("fault-relay-{schema}"));
     let options: PgConnectOptions = env("DATABASE_URL")?.parse()?;
-    let options = options
-        .application_name(&format!("fault-relay-{schema}"))
-        .options([
-            ("statement_timeout", "10s"),
-            ("idle_in_transaction_session_timeout", "3s"),
-        ]);
+    let options = options.application_name(&name).options([
+        ("statement_timeout", "10s"),
+        ("idle_in_transaction_session_timeout", "3s"),
+    ]);
     let pool = PgPoolOptions::new()
         .max_connections(4)
         .connect_with(options)
@@ -49,6 +49,7 @@ async fn main() -> Result<()> {
                 .and_then(|b| b.parse().ok())
                 .unwrap_or(2000),
         ),
+        name,
         ..RelayConfig::default()
     };
     let relay = Relay::new(pool, config).await?;
