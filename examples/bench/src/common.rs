@@ -85,13 +85,15 @@ pub(crate) async fn drop_schema(pool: &PgPool, schema: &str) -> Result<()> {
     Ok(())
 }
 
-/// Fills the outbox of `schema` with `n` events over 1,000 aggregates,
-/// 1,000 per statement; `ordering` says which are ordered.
+/// Fills the outbox of `schema` with `n` events over `aggregates`
+/// aggregates (round robin), 1,000 per statement; `ordering` says which are
+/// ordered.
 pub(crate) async fn fill_outbox(
     pool: &PgPool,
     schema: &str,
     n: usize,
     ordering: Ordering,
+    aggregates: usize,
 ) -> Result<()> {
     let ob = Outbox::new(
         pool,
@@ -104,7 +106,7 @@ pub(crate) async fn fill_outbox(
     let body = payload();
     for start in (0..n).step_by(1000) {
         let events = (start..(start + 1000).min(n))
-            .map(|i| NewEvent::new("order", format!("o-{}", i % 1000), "OrderPlaced", &body))
+            .map(|i| NewEvent::new("order", format!("o-{}", i % aggregates.max(1)), "OrderPlaced", &body))
             .collect::<Result<Vec<_>, _>>()?;
         let mut tx = pool.begin().await?;
         ob.enqueue_many(&mut *tx, events).await?;

@@ -218,6 +218,9 @@ async fn main() -> Result<()> {
         let unordered = relay::drain_rate(&pool, url, n, n, 1, Ordering::None).await?;
         let ordered = relay::drain_rate(&pool, url, n, n, 1, Ordering::All).await?;
         let ordered3 = relay::drain_rate(&pool, url, n, n, 3, Ordering::All).await?;
+        // One event per aggregate: every event is a head (the claim's most
+        // expensive shape).
+        let ordered_wide = relay::drain_rate_over(&pool, url, n, n, 1, Ordering::All, n).await?;
         r.add(
             "unordered_drain_per_s",
             unordered,
@@ -235,6 +238,18 @@ async fn main() -> Result<()> {
             ordered / unordered,
             "ordered_vs_unordered_ratio",
             ">= 0.8",
+        );
+        r.add(
+            "ordered_drain_per_s_one_event_per_aggregate",
+            ordered_wide,
+            "drain events/s, ordered, one event per aggregate",
+            "",
+        );
+        r.add(
+            "ordered_one_event_per_aggregate_ratio",
+            ordered_wide / unordered,
+            "  ratio to unordered",
+            "",
         );
         r.add(
             "ordered_drain_per_s_three_relays",

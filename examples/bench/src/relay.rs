@@ -83,8 +83,9 @@ fn relay_config(url: &str, schema: &str, exchange: &str) -> RelayConfig {
     }
 }
 
-/// Drains `measure` events out of a backlog of `backlog` with `relays`
-/// in-process relays (default settings); events per second.
+/// Drains `measure` events out of a backlog of `backlog` (over 1,000
+/// aggregates) with `relays` in-process relays (default settings); events
+/// per second.
 pub(crate) async fn drain_rate(
     pool: &PgPool,
     url: &str,
@@ -93,11 +94,24 @@ pub(crate) async fn drain_rate(
     relays: usize,
     ordering: Ordering,
 ) -> Result<f64> {
+    drain_rate_over(pool, url, backlog, measure, relays, ordering, 1_000).await
+}
+
+/// [`drain_rate`] with the backlog spread over `aggregates` aggregates.
+pub(crate) async fn drain_rate_over(
+    pool: &PgPool,
+    url: &str,
+    backlog: usize,
+    measure: usize,
+    relays: usize,
+    ordering: Ordering,
+    aggregates: usize,
+) -> Result<f64> {
     let schema = fresh_schema(pool, "drain").await?;
     let conn = connect(url).await?;
     let name = format!("bench.drain.{}", suffix());
     topology(&conn, &name).await?;
-    fill_outbox(pool, &schema, backlog, ordering).await?;
+    fill_outbox(pool, &schema, backlog, ordering, aggregates).await?;
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
     let started = Instant::now();
@@ -139,7 +153,7 @@ pub(crate) async fn drain_process(
     let conn = connect(url).await?;
     let name = format!("bench.proc.{}", suffix());
     topology(&conn, &name).await?;
-    fill_outbox(pool, &schema, n, Ordering::None).await?;
+    fill_outbox(pool, &schema, n, Ordering::None, 1_000).await?;
     let started = Instant::now();
     let mut child = Command::new(&bin)
         .env("DATABASE_URL", database_url)
