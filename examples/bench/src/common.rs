@@ -106,7 +106,14 @@ pub(crate) async fn fill_outbox(
     let body = payload();
     for start in (0..n).step_by(1000) {
         let events = (start..(start + 1000).min(n))
-            .map(|i| NewEvent::new("order", format!("o-{}", i % aggregates.max(1)), "OrderPlaced", &body))
+            .map(|i| {
+                NewEvent::new(
+                    "order",
+                    format!("o-{}", i % aggregates.max(1)),
+                    "OrderPlaced",
+                    &body,
+                )
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let mut tx = pool.begin().await?;
         ob.enqueue_many(&mut *tx, events).await?;
