@@ -415,7 +415,7 @@ fn print_status(s: &status::Status) -> Result<()> {
     say!("{:<24}{}", "oldest pending age", age);
     say!("{:<24}{}", "retrying", s.retrying);
     say!("{:<24}{}", "dead letters", s.dead_letters);
-    say!("{:<24}{}", "blocked aggregates", s.blocked.len());
+    say!("{:<24}{}", "blocked aggregates", s.blocked_aggregates);
     say!("{:<24}{}", "unleased partitions", s.unleased_partitions);
     for r in &s.relays {
         say!(

@@ -59,7 +59,7 @@ pub(crate) async fn serve(
                 metrics::gauge!("outbox_relay_oldest_pending_seconds")
                     .set(s.oldest_pending_age_s.unwrap_or(0.0));
                 metrics::gauge!("outbox_relay_dead_letters").set(s.dead_letters as f64);
-                metrics::gauge!("outbox_relay_blocked_aggregates").set(s.blocked.len() as f64);
+                metrics::gauge!("outbox_relay_blocked_aggregates").set(s.blocked_aggregates as f64);
             }
             tokio::time::sleep(Duration::from_secs(10)).await;
         }

@@ -25,8 +25,10 @@ pub struct Status {
     pub dead_letters: i64,
     /// The retrying events with the most attempts, and why they failed.
     pub failing: Vec<FailingEvent>,
-    /// Ordered aggregates whose next event failed: their later events wait
-    /// for it (oldest first, at most 20; see [`blocked_aggregates`]).
+    /// How many ordered aggregates are blocked by a failing event.
+    pub blocked_aggregates: i64,
+    /// The oldest of them, at most 20 (see [`blocked_aggregates`]): their
+    /// later events wait for the failing one.
     pub blocked: Vec<BlockedAggregate>,
     /// Relays holding partition leases of ordered events, and how many.
     pub relays: Vec<RelayLeases>,
@@ -159,6 +161,15 @@ pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
     .fetch_all(pool)
     .await?;
     let blocked = blocked_aggregates(pool, schema, 20).await?;
+    let blocked_count = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {s}.outbox o
+         WHERE o.aggregate_seq IS NOT NULL AND o.attempts > 0
+           AND NOT EXISTS (SELECT 1 FROM {s}.outbox e
+                           WHERE e.aggregate_type = o.aggregate_type AND e.aggregate_id = o.aggregate_id
+                             AND e.aggregate_seq < o.aggregate_seq)"
+    )))
+    .fetch_one(pool)
+    .await?;
     let relays = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT r.name, count(l.partition) AS partitions,
                 extract(epoch FROM now() - r.heartbeat_at)::float8 AS heartbeat_age_s
@@ -180,6 +191,7 @@ pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
         retrying,
         dead_letters,
         failing,
+        blocked_aggregates: blocked_count,
         blocked,
         relays,
         unleased_partitions,
