@@ -155,6 +155,9 @@ async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
         .await
         .unwrap();
     assert_eq!(blocked.len(), 1, "{blocked:?}");
+    let st = status::status(&db.pool, &schema).await.unwrap();
+    assert_eq!(st.blocked_aggregates, 1);
+    assert_eq!(st.blocked[0].event_id, poison);
     assert_eq!(blocked[0].aggregate_id, "a");
     assert_eq!(blocked[0].event_id, poison);
     assert_eq!(blocked[0].aggregate_seq, 1);
