@@ -297,13 +297,14 @@ impl Relay {
             .bind(scan_per_partition as i32)
             .fetch_all(&mut *tx)
             .await?;
+        let claimed = runs(&ordered);
         advance_cursors(
             &mut session.cursors,
-            &ordered,
+            &claimed,
             per_partition,
             scan_per_partition,
         );
-        session.run_hint = next_run_hint(session.run_hint, &ordered, cfg.batch_size);
+        session.run_hint = next_run_hint(session.run_hint, &claimed, cfg.batch_size);
         let mut events = due_runs(ordered);
         // Unordered events always get a quarter of the batch at least: a
         // large ordered backlog cannot hold them up.
@@ -525,30 +526,53 @@ impl Relay {
     }
 }
 
-/// Moves each partition's cursor past the last aggregate looked at, or back
-/// to the start when the walk reached the partition's end (fewer than
-/// `per_partition` due heads and fewer than `scan` heads in all).
-fn advance_cursors(
-    cursors: &mut HashMap<i32, (String, String)>,
-    rows: &[OrderedRow],
-    per_partition: usize,
-    scan: usize,
-) {
-    // Per partition: heads seen, due heads, last head.
-    let mut heads: HashMap<i32, (usize, usize, (&str, &str))> = HashMap::new();
-    let mut previous: Option<(&str, &str)> = None;
+/// One aggregate's share of an ordered claim: its head and run.
+struct Run<'a> {
+    partition: i32,
+    key: (&'a str, &'a str),
+    /// The head is due (a head backing off comes alone, not due).
+    due: bool,
+    /// Due events of the run.
+    len: usize,
+}
+
+/// The claim's rows grouped by aggregate, in claim order.
+fn runs(rows: &[OrderedRow]) -> Vec<Run<'_>> {
+    let mut runs: Vec<Run<'_>> = Vec::new();
     for r in rows {
         let key = (
             r.event.aggregate_type.as_str(),
             r.event.aggregate_id.as_str(),
         );
-        if previous != Some(key) {
-            let entry = heads.entry(r.partition).or_insert((0, 0, key));
-            entry.0 += 1;
-            entry.1 += usize::from(r.due);
-            entry.2 = key;
+        match runs.last_mut() {
+            Some(run) if run.key == key => run.len += usize::from(r.due),
+            _ => runs.push(Run {
+                partition: r.partition,
+                key,
+                due: r.due,
+                len: usize::from(r.due),
+            }),
         }
-        previous = Some(key);
+    }
+    runs
+}
+
+/// Moves each partition's cursor past the last aggregate looked at, or back
+/// to the start when the walk reached the partition's end (fewer than
+/// `per_partition` due heads and fewer than `scan` heads in all).
+fn advance_cursors(
+    cursors: &mut HashMap<i32, (String, String)>,
+    runs: &[Run<'_>],
+    per_partition: usize,
+    scan: usize,
+) {
+    // Per partition: heads seen, due heads, last head.
+    let mut heads: HashMap<i32, (usize, usize, (&str, &str))> = HashMap::new();
+    for run in runs {
+        let entry = heads.entry(run.partition).or_insert((0, 0, run.key));
+        entry.0 += 1;
+        entry.1 += usize::from(run.due);
+        entry.2 = run.key;
     }
     cursors.clear();
     for (partition, (seen, due, (t, a))) in heads {
@@ -561,35 +585,18 @@ fn advance_cursors(
 /// The run length to plan the next claim with: doubled while most due heads
 /// filled their run (their aggregates have more queued), else the average
 /// run seen.
-fn next_run_hint(hint: usize, rows: &[OrderedRow], batch: usize) -> usize {
-    let mut heads = 0usize;
-    let mut events = 0usize;
-    let mut runs: Vec<usize> = Vec::new();
-    let mut previous: Option<(&str, &str)> = None;
-    for r in rows.iter().filter(|r| r.due) {
-        let key = (
-            r.event.aggregate_type.as_str(),
-            r.event.aggregate_id.as_str(),
-        );
-        if previous != Some(key) {
-            heads += 1;
-            runs.push(0);
-        }
-        if let Some(last) = runs.last_mut() {
-            *last += 1;
-        }
-        events += 1;
-        previous = Some(key);
-    }
-    if heads == 0 {
+fn next_run_hint(hint: usize, runs: &[Run<'_>], batch: usize) -> usize {
+    let due: Vec<usize> = runs.iter().filter(|r| r.due).map(|r| r.len).collect();
+    if due.is_empty() {
         return hint;
     }
+    let heads = due.len();
     let cap = (batch / heads).max(1);
-    let full = runs.iter().filter(|&&n| n >= cap).count();
+    let full = due.iter().filter(|&&n| n >= cap).count();
     if full * 4 >= heads * 3 {
         (hint * 2).min(64)
     } else {
-        events.div_ceil(heads).clamp(1, 64)
+        due.iter().sum::<usize>().div_ceil(heads).clamp(1, 64)
     }
 }
 

@@ -162,11 +162,8 @@ pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
     .await?;
     let blocked = blocked_aggregates(pool, schema, 20).await?;
     let blocked_count = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM {s}.outbox o
-         WHERE o.aggregate_seq IS NOT NULL AND o.attempts > 0
-           AND NOT EXISTS (SELECT 1 FROM {s}.outbox e
-                           WHERE e.aggregate_type = o.aggregate_type AND e.aggregate_id = o.aggregate_id
-                             AND e.aggregate_seq < o.aggregate_seq)"
+        "SELECT count(*) FROM {s}.outbox o {}",
+        blocked_heads(&s)
     )))
     .fetch_one(pool)
     .await?;
@@ -198,6 +195,17 @@ pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
     })
 }
 
+/// The condition on `outbox o` that makes `o` a blocked aggregate's head:
+/// ordered, failed at least once, nothing earlier of its aggregate left.
+fn blocked_heads(s: &str) -> String {
+    format!(
+        "WHERE o.aggregate_seq IS NOT NULL AND o.attempts > 0
+           AND NOT EXISTS (SELECT 1 FROM {s}.outbox e
+                           WHERE e.aggregate_type = o.aggregate_type AND e.aggregate_id = o.aggregate_id
+                             AND e.aggregate_seq < o.aggregate_seq)"
+    )
+}
+
 /// Ordered aggregates whose head event has failed at least once, oldest
 /// first: their later events wait until it is delivered, dead-lettered or
 /// skipped.
@@ -213,12 +221,9 @@ pub async fn blocked_aggregates(
                 (SELECT count(*) FROM {s}.outbox w
                  WHERE w.aggregate_type = o.aggregate_type AND w.aggregate_id = o.aggregate_id
                    AND w.aggregate_seq > o.aggregate_seq) AS waiting
-         FROM {s}.outbox o
-         WHERE o.aggregate_seq IS NOT NULL AND o.attempts > 0
-           AND NOT EXISTS (SELECT 1 FROM {s}.outbox e
-                           WHERE e.aggregate_type = o.aggregate_type AND e.aggregate_id = o.aggregate_id
-                             AND e.aggregate_seq < o.aggregate_seq)
-         ORDER BY o.created_at LIMIT $1"
+         FROM {s}.outbox o {}
+         ORDER BY o.created_at LIMIT $1",
+        blocked_heads(&s)
     )))
     .bind(limit)
     .fetch_all(pool)

@@ -2,13 +2,10 @@
 //! sequence on the wire, failures that block only their own aggregate, the
 //! operator's skip, and partition leases that move between relays.
 
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use e2e::{TestBroker, TestDb, amqp_url, wait_until};
-use futures_util::StreamExt as _;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions};
-use lapin::types::{AMQPValue, FieldTable};
+use e2e::{SeqLog, TestBroker, TestDb, amqp_url, wait_until};
+use lapin::types::FieldTable;
 use outbox::{NewEvent, Ordering, Outbox, OutboxConfig};
 use outbox_relay::{Relay, RelayConfig, status};
 use serde_json::json;
@@ -42,53 +39,6 @@ fn spawn(relay: &Relay) -> (CancellationToken, tokio::task::JoinHandle<()>) {
     )
 }
 
-/// (aggregate id, seq) of every delivery, in arrival order.
-type Log = Arc<Mutex<Vec<(String, i64)>>>;
-
-fn log_queue(queue: &str) -> Log {
-    let log: Log = Arc::default();
-    let (queue, l) = (queue.to_owned(), log.clone());
-    tokio::spawn(async move {
-        let conn = e2e::connect().await;
-        let ch = conn.create_channel().await.unwrap();
-        let mut deliveries = ch
-            .basic_consume(
-                queue.as_str().into(),
-                "log".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        while let Some(Ok(d)) = deliveries.next().await {
-            let h = d.properties.headers().clone().unwrap_or_default();
-            let h = h.inner();
-            let id = match h.get("x-aggregate-id") {
-                Some(AMQPValue::LongString(s)) => s.to_string(),
-                other => panic!("x-aggregate-id missing: {other:?}"),
-            };
-            // 0: an unordered event (no sequence header).
-            let seq = match h.get("x-aggregate-seq") {
-                Some(AMQPValue::LongLongInt(n)) => *n,
-                None => 0,
-                other => panic!("x-aggregate-seq of the wrong type: {other:?}"),
-            };
-            d.acker.ack(BasicAckOptions::default()).await.unwrap();
-            l.lock().unwrap().push((id, seq));
-        }
-    });
-    log
-}
-
-fn seqs_of(log: &Log, aggregate: &str) -> Vec<i64> {
-    log.lock()
-        .unwrap()
-        .iter()
-        .filter(|(a, _)| a == aggregate)
-        .map(|(_, s)| *s)
-        .collect()
-}
-
 async fn ordered_outbox(db: &TestDb) -> Outbox {
     Outbox::new(
         &db.pool,
@@ -108,7 +58,7 @@ fn event(aggregate: &str, n: i64) -> NewEvent {
 async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
     let db = TestDb::producer("ord_block").await;
     let broker = TestBroker::new("ord_block", FieldTable::default()).await;
-    let log = log_queue(&broker.queue);
+    let log = SeqLog::start(&broker.queue);
     let ob = ordered_outbox(&db).await;
     // a#1 goes to an exchange that does not exist: it fails on every attempt.
     let mut tx = db.pool.begin().await.unwrap();
@@ -137,10 +87,10 @@ async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
     .unwrap();
     let (stop, task) = spawn(&relay);
     wait_until(DEADLINE, "b's five events", || async {
-        seqs_of(&log, "b").len() >= 5
+        log.seqs_of("b").len() >= 5
     })
     .await;
-    assert_eq!(seqs_of(&log, "b"), vec![1, 2, 3, 4, 5]);
+    assert_eq!(log.seqs_of("b"), vec![1, 2, 3, 4, 5]);
     // a is blocked at its first event; status says so and why.
     let schema = outbox::Ident::new("schema", &db.schema).unwrap();
     wait_until(DEADLINE, "a listed as blocked after 3 attempts", || async {
@@ -170,7 +120,7 @@ async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
             .contains("no.such.exchange")
     );
     assert!(
-        seqs_of(&log, "a").is_empty(),
+        log.seqs_of("a").is_empty(),
         "nothing of a overtakes its failing first event"
     );
     assert_eq!(
@@ -185,10 +135,10 @@ async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
         .unwrap();
     assert_eq!(moved, 1);
     wait_until(DEADLINE, "a's remaining events", || async {
-        seqs_of(&log, "a").len() >= 4
+        log.seqs_of("a").len() >= 4
     })
     .await;
-    assert_eq!(seqs_of(&log, "a"), vec![2, 3, 4, 5]);
+    assert_eq!(log.seqs_of("a"), vec![2, 3, 4, 5]);
     let (error, seq): (String, Option<i64>) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT last_error, aggregate_seq FROM \"{}\".outbox_dead_letters WHERE id = $1",
         db.schema
@@ -215,7 +165,7 @@ async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
 async fn many_aggregates_arrive_in_sequence_with_unordered_events_alongside() {
     let db = TestDb::producer("ord_many").await;
     let broker = TestBroker::new("ord_many", FieldTable::default()).await;
-    let log = log_queue(&broker.queue);
+    let log = SeqLog::start(&broker.queue);
     let ob = Outbox::new(
         &db.pool,
         OutboxConfig::default()
@@ -256,17 +206,10 @@ async fn many_aggregates_arrive_in_sequence_with_unordered_events_alongside() {
     .await
     .unwrap();
     ob.commit(tx).await.unwrap();
-    wait_until(DEADLINE, "2,001 events", || async {
-        log.lock().unwrap().len() >= 2001
-    })
-    .await;
-    assert_eq!(
-        seqs_of(&log, "c-1"),
-        vec![0],
-        "unordered: no sequence header"
-    );
+    wait_until(DEADLINE, "2,001 events", || async { log.len() >= 2001 }).await;
+    assert_eq!(log.seqs_of("c-1"), vec![0], "unordered: no sequence header");
     for a in 0..40 {
-        let got = seqs_of(&log, &format!("acc-{a}"));
+        let got = log.seqs_of(&format!("acc-{a}"));
         assert_eq!(got, (1..=50).collect::<Vec<_>>(), "acc-{a}");
     }
     wait_until(DEADLINE, "the outbox drained", || async {
@@ -355,7 +298,7 @@ async fn leases_split_between_relays_and_move_to_the_survivor() {
 async fn a_claim_walks_past_many_blocked_aggregates_in_bounded_steps() {
     let db = TestDb::producer("ord_walk").await;
     let broker = TestBroker::new("ord_walk", FieldTable::default()).await;
-    let log = log_queue(&broker.queue);
+    let log = SeqLog::start(&broker.queue);
     let s = &db.schema;
     // 100 blocked aggregates of partition 7 (heads retried, next attempt in
     // an hour), and one due aggregate of the same partition after them.
@@ -393,10 +336,46 @@ async fn a_claim_walks_past_many_blocked_aggregates_in_bounded_steps() {
     let second = relay.run_once(&mut session).await.unwrap();
     assert_eq!(second.claimed, 1);
     wait_until(DEADLINE, "the due aggregate's event", || async {
-        log.lock()
-            .unwrap()
-            .iter()
-            .any(|(a, _)| a.starts_with("zz-"))
+        log.entries().iter().any(|(a, _)| a.starts_with("zz-"))
+    })
+    .await;
+    session.close(Duration::from_secs(5)).await;
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+/// A large ordered backlog does not hold unordered events up: every batch
+/// keeps a quarter of its room for them.
+#[tokio::test]
+async fn unordered_events_are_not_held_up_by_an_ordered_backlog() {
+    let db = TestDb::producer("ord_room").await;
+    let broker = TestBroker::new("ord_room", FieldTable::default()).await;
+    let log = SeqLog::start(&broker.queue);
+    let s = &db.schema;
+    // 200 ordered events (of 200 aggregates) committed before 1 unordered.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq)
+         SELECT 'account', 'a-' || i, 'Changed', '{{}}', 1 FROM generate_series(1, 200) i;
+         INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('cart', 'c-1', 'Changed', '{{}}');"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let relay = Relay::new(
+        db.pool.clone(),
+        RelayConfig {
+            batch_size: 8,
+            ..config(&db, &broker)
+        },
+    )
+    .await
+    .unwrap();
+    let mut session = relay.connect().await.unwrap();
+    let first = relay.run_once(&mut session).await.unwrap();
+    assert!(first.claimed > 8, "ordered events filled the batch and more");
+    wait_until(DEADLINE, "the unordered event, from the first batch", || async {
+        log.seqs_of("c-1") == vec![0]
     })
     .await;
     session.close(Duration::from_secs(5)).await;

@@ -7,15 +7,13 @@
 //! once, and for every aggregate the applied versions are 1, 2, 3, ... in
 //! the order they were applied.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use e2e::{KillOnDrop, TestBroker, TestDb, amqp_url, database_url, suffix, wait_until};
-use futures_util::StreamExt as _;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable};
+use e2e::{KillOnDrop, SeqLog, TestBroker, TestDb, amqp_url, database_url, suffix, wait_until};
+use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use outbox::{NewEvent, Ordering, Outbox, OutboxConfig};
@@ -142,17 +140,9 @@ async fn produce(db: &TestDb, n: usize, pace: Duration) {
     }
 }
 
-/// What the relays put on the wire, per aggregate: sequence numbers in the
-/// order of their first arrival, and how many copies arrived again.
-#[derive(Default)]
-struct Wire {
-    first: HashMap<String, Vec<i64>>,
-    seen: HashSet<(String, i64)>,
-    duplicates: usize,
-}
-
-/// Consumes `queue` (bound to the relays' exchange) and records the wire.
-async fn watch_wire(conn: &lapin::Connection, exchange: &str, queue: &str) -> Arc<Mutex<Wire>> {
+/// Declares `queue` bound to the relays' exchange for every account event,
+/// and records what arrives there: the wire as the relays wrote it.
+async fn watch_wire(conn: &lapin::Connection, exchange: &str, queue: &str) -> SeqLog {
     let ch = conn.create_channel().await.unwrap();
     let durable = QueueDeclareOptions {
         durable: true,
@@ -170,36 +160,7 @@ async fn watch_wire(conn: &lapin::Connection, exchange: &str, queue: &str) -> Ar
     )
     .await
     .unwrap();
-    let mut deliveries = ch
-        .basic_consume(
-            queue.into(),
-            "wire".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let wire = Arc::new(Mutex::new(Wire::default()));
-    let w = wire.clone();
-    tokio::spawn(async move {
-        while let Some(Ok(d)) = deliveries.next().await {
-            let headers = d.properties.headers().clone().unwrap_or_default();
-            let h = headers.inner();
-            let (Some(AMQPValue::LongString(id)), Some(AMQPValue::LongLongInt(seq))) =
-                (h.get("x-aggregate-id"), h.get("x-aggregate-seq"))
-            else {
-                panic!("ordered event without its aggregate id and sequence: {h:?}");
-            };
-            let _ = d.acker.ack(BasicAckOptions::default()).await;
-            let mut w = w.lock().unwrap();
-            if w.seen.insert((id.to_string(), *seq)) {
-                w.first.entry(id.to_string()).or_default().push(*seq);
-            } else {
-                w.duplicates += 1;
-            }
-        }
-    });
-    wire
+    SeqLog::start(queue)
 }
 
 /// One scenario's world: producer schema with the accounts, consumer
@@ -213,7 +174,7 @@ struct World {
     name: String,
     queues: Vec<String>,
     wire_queue: String,
-    wire: Arc<Mutex<Wire>>,
+    wire: SeqLog,
     stop: CancellationToken,
     consumers: Vec<tokio::task::JoinHandle<outbox_consumer::Result<()>>>,
 }
@@ -364,17 +325,20 @@ impl World {
         // first arrives after every lower one of its aggregate (copies may
         // repeat).
         wait_until(DEADLINE, "the wire queue to see every event", || async {
-            self.wire.lock().unwrap().seen.len() >= n
+            self.wire
+                .first_arrivals()
+                .0
+                .values()
+                .map(Vec::len)
+                .sum::<usize>()
+                >= n
         })
         .await;
-        let duplicates = {
-            let w = self.wire.lock().unwrap();
-            for (aggregate, seqs) in &w.first {
-                let expected: Vec<i64> = (1..=finals[aggregate]).collect();
-                assert_eq!(seqs, &expected, "{aggregate}: published out of order");
-            }
-            w.duplicates
-        };
+        let (first, duplicates) = self.wire.first_arrivals();
+        for (aggregate, seqs) in &first {
+            let expected: Vec<i64> = (1..=finals[aggregate]).collect();
+            assert_eq!(seqs, &expected, "{aggregate}: published out of order");
+        }
         assert_eq!(self.db.count("outbox").await, 0, "the outbox drained");
         duplicates
     }

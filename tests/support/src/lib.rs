@@ -16,7 +16,7 @@ use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
     QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
@@ -325,5 +325,92 @@ impl Drop for KillOnDrop {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+/// Every delivery of a queue as (`x-aggregate-id`, `x-aggregate-seq`), in
+/// arrival order, copies included; seq 0 for an event without a sequence.
+/// Consumes and acks in the background.
+#[derive(Debug, Clone, Default)]
+pub struct SeqLog {
+    entries: Arc<Mutex<Vec<(String, i64)>>>,
+}
+
+impl SeqLog {
+    /// Starts consuming `queue` (which must exist).
+    pub fn start(queue: &str) -> Self {
+        let log = Self::default();
+        let (queue, entries) = (queue.to_owned(), log.entries.clone());
+        tokio::spawn(async move {
+            let conn = connect().await;
+            let ch = conn.create_channel().await.expect("channel");
+            let mut deliveries = ch
+                .basic_consume(
+                    queue.as_str().into(),
+                    "seq-log".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .expect("consume");
+            while let Some(Ok(d)) = deliveries.next().await {
+                let headers = d.properties.headers().clone().unwrap_or_default();
+                let h = headers.inner();
+                let id = match h.get("x-aggregate-id") {
+                    Some(AMQPValue::LongString(s)) => s.to_string(),
+                    other => panic!("x-aggregate-id missing: {other:?}"),
+                };
+                let seq = match h.get("x-aggregate-seq") {
+                    Some(AMQPValue::LongLongInt(n)) => *n,
+                    None => 0,
+                    other => panic!("x-aggregate-seq of the wrong type: {other:?}"),
+                };
+                d.acker.ack(BasicAckOptions::default()).await.expect("ack");
+                entries.lock().unwrap().push((id, seq));
+            }
+        });
+        log
+    }
+
+    /// Deliveries so far, copies included.
+    pub fn len(&self) -> usize {
+        self.entries.lock().unwrap().len()
+    }
+
+    /// Whether nothing arrived yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every delivery so far, in arrival order.
+    pub fn entries(&self) -> Vec<(String, i64)> {
+        self.entries.lock().unwrap().clone()
+    }
+
+    /// The sequence numbers of `aggregate`'s deliveries, in arrival order.
+    pub fn seqs_of(&self, aggregate: &str) -> Vec<i64> {
+        self.entries
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(a, _)| a == aggregate)
+            .map(|(_, s)| *s)
+            .collect()
+    }
+
+    /// Per aggregate, its sequence numbers in the order of their first
+    /// arrival, and how many deliveries were copies of one seen before.
+    pub fn first_arrivals(&self) -> (HashMap<String, Vec<i64>>, usize) {
+        let mut seen = std::collections::HashSet::new();
+        let mut first: HashMap<String, Vec<i64>> = HashMap::new();
+        let mut copies = 0;
+        for (a, s) in self.entries.lock().unwrap().iter() {
+            if seen.insert((a.clone(), *s)) {
+                first.entry(a.clone()).or_default().push(*s);
+            } else {
+                copies += 1;
+            }
+        }
+        (first, copies)
     }
 }
