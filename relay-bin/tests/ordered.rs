@@ -373,10 +373,15 @@ async fn unordered_events_are_not_held_up_by_an_ordered_backlog() {
     .unwrap();
     let mut session = relay.connect().await.unwrap();
     let first = relay.run_once(&mut session).await.unwrap();
-    assert!(first.claimed > 8, "ordered events filled the batch and more");
-    wait_until(DEADLINE, "the unordered event, from the first batch", || async {
-        log.seqs_of("c-1") == vec![0]
-    })
+    assert!(
+        first.claimed > 8,
+        "ordered events filled the batch and more"
+    );
+    wait_until(
+        DEADLINE,
+        "the unordered event, from the first batch",
+        || async { log.seqs_of("c-1") == vec![0] },
+    )
     .await;
     session.close(Duration::from_secs(5)).await;
     db.cleanup().await;
