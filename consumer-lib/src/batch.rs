@@ -79,10 +79,22 @@ pub(crate) async fn process(
         let runs: Vec<usize> = (0..events.len())
             .filter(|&i| fresh.contains(events[i].id()) && first.insert(events[i].id()))
             .collect();
+        // With ordering, every sequenced copy holds a number of its
+        // aggregate, whether it runs or not (the id was applied before, or
+        // comes twice in this batch): the sequencer must see each one, or
+        // the aggregate would wait for a number for ever. An id enqueued
+        // again after its first copy left the outbox comes back with a new
+        // number. The handler runs for the copy whose number is next.
+        let passes: Vec<usize> = match sequences {
+            Some(_) => (0..events.len())
+                .filter(|&i| runs.binary_search(&i).is_ok() || batch.position(i).is_some())
+                .collect(),
+            None => runs.clone(),
+        };
         // After the inbox claim, in every instance: one lock order.
         let mut order = match sequences {
             Some(s) => {
-                s.lock(&mut tx, runs.iter().filter_map(|&i| batch.position(i)))
+                s.lock(&mut tx, passes.iter().filter_map(|&i| batch.position(i)))
                     .await?
             }
             None => None,
@@ -95,7 +107,16 @@ pub(crate) async fn process(
                     known: known.take(),
                     order: order.as_mut(),
                 };
-                match run_each(&mut tx, h.as_ref(), batch, &runs, pass, &mut verdicts).await? {
+                let r = run_each(
+                    &mut tx,
+                    h.as_ref(),
+                    batch,
+                    &fresh,
+                    &passes,
+                    pass,
+                    &mut verdicts,
+                );
+                match r.await? {
                     Pass1::Done => true,
                     Pass1::Failed(failure) => {
                         known = failure;
@@ -120,10 +141,15 @@ pub(crate) async fn process(
         }
         // Everything fresh but not applied (failed, deferred, stale) loses
         // its inbox row: a later copy or a replay must run again.
+        // (Per id: with ordering, another copy of it may be the one applied.)
+        let acked: HashSet<&str> = (0..events.len())
+            .filter(|&i| matches!(verdicts[i], Verdict::Handled(Outcome::Ack)))
+            .map(|i| events[i].id())
+            .collect();
         let failed: Vec<&str> = runs
             .iter()
-            .filter(|&&i| !matches!(verdicts[i], Verdict::Handled(Outcome::Ack)))
             .map(|&i| events[i].id())
+            .filter(|id| !acked.contains(id))
             .collect();
         // Also the guard against a handler that returned Ack after one of
         // its statements failed: in an aborted transaction these statements
@@ -186,22 +212,38 @@ enum Pass1 {
     Failed(Option<(usize, Outcome)>),
 }
 
-/// Runs the per-event handler for each fresh event, in delivery order;
-/// with ordering, only for the events next in their aggregate's sequence.
+/// Runs the per-event handler over `passes` in delivery order, once per
+/// `fresh` id (the first copy of it that runs). With ordering, only for
+/// the events next in their aggregate's sequence; a copy of an id already
+/// applied moves its aggregate past its number without running.
 /// A non-isolated pass stops at the first failure and returns it: the
 /// batch must be rerun isolated.
 async fn run_each(
     tx: &mut PgConnection,
     h: &dyn crate::handler::DynHandler,
     batch: &Batch<'_>,
-    runs: &[usize],
+    fresh: &HashSet<&str>,
+    passes: &[usize],
     mut pass: Pass<'_>,
     verdicts: &mut [Verdict],
 ) -> sqlx::Result<Pass1> {
-    for &i in runs {
+    // Ids whose handler ran in this pass.
+    let mut ran: HashSet<&str> = HashSet::new();
+    for &i in passes {
+        let id = batch.events[i].id();
         let position = batch.position(i);
+        let runs = fresh.contains(id) && !ran.contains(id);
         if let (Some(order), Some(p)) = (pass.order.as_deref(), position) {
             let not_applied = match order.decide(p) {
+                // A copy of an event applied before: its number is passed
+                // over, without running the handler.
+                Decision::Apply if !runs => {
+                    if let Some(order) = pass.order.as_deref_mut() {
+                        order.record(p, true);
+                    }
+                    Some(Verdict::Duplicate)
+                }
+                Decision::Stale { .. } if !runs => Some(Verdict::Duplicate),
                 Decision::Apply => None,
                 Decision::Stale { last } => Some(Verdict::Stale { seq: p.seq, last }),
                 Decision::Gap { expected } => Some(Verdict::Deferred(Deferral {
@@ -220,6 +262,10 @@ async fn run_each(
                 continue;
             }
         }
+        if !runs {
+            continue;
+        }
+        ran.insert(id);
         let outcome = match &pass.known {
             Some((k, o)) if *k == i => o.clone(),
             _ => match run_one(tx, h, batch, i, pass.isolated).await? {

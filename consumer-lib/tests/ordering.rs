@@ -347,6 +347,46 @@ async fn stale_and_duplicate_copies_are_acked_without_effect() {
     env.teardown().await;
 }
 
+/// A deterministic id enqueued again after the relay deleted its first
+/// copy comes back with the next number of its aggregate. The consumer
+/// recognises the id, runs nothing, and moves the aggregate past that
+/// number: the next event is applied at once, not after the deferral
+/// budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_that_comes_back_with_a_new_number_is_passed_over() {
+    let env = Env::new().await;
+    let h = Recorder::new(&env).await;
+    let mut config = ordered(&env, false);
+    config.max_deferrals = 1_000;
+    let c = Running::start(Consumer::new(config, env.pool.clone(), h).unwrap());
+    let first = seq("a", 1);
+    let again = Msg {
+        id: first.id.clone(),
+        ..seq("a", 2)
+    };
+    publish(&env, &[first]).await;
+    wait_applied(&env, "a", 1).await;
+    publish(&env, &[again, seq("a", 3)]).await;
+    wait_applied(&env, "a", 2).await;
+    assert_eq!(applied(&env, "a").await, [1, 3]);
+    assert_eq!(last_seq(&env, "a").await, Some(3));
+    let s = c.consumer.stats();
+    assert_eq!((s.processed, s.duplicates), (2, 1));
+    // The copy arriving ahead of its number waits for it, then is passed
+    // over too.
+    let late = seq("a", 4);
+    let copy = Msg {
+        id: late.id.clone(),
+        ..seq("a", 6)
+    };
+    publish(&env, &[copy, late, seq("a", 5), seq("a", 7)]).await;
+    wait_applied(&env, "a", 5).await;
+    assert_eq!(applied(&env, "a").await, [1, 3, 4, 5, 7]);
+    assert_eq!(last_seq(&env, "a").await, Some(7));
+    c.stop().await;
+    env.teardown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_event_holds_back_the_rest_of_its_aggregate() {
     let env = Env::new().await;

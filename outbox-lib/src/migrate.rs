@@ -63,6 +63,11 @@ pub const PRODUCER: MigrationSet = MigrationSet {
             name: "ordering",
             sql: include_str!("../../migrations/producer/0003_ordering.sql"),
         },
+        Migration {
+            version: 4,
+            name: "publishable",
+            sql: include_str!("../../migrations/producer/0004_publishable.sql"),
+        },
     ],
 };
 

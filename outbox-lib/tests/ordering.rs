@@ -254,3 +254,47 @@ async fn sql_producers_get_numbers_from_the_documented_function() {
     .await;
     assert!(dup.is_err(), "unique (aggregate, seq)");
 }
+
+/// The producer's side of an id that comes back: while its first copy is
+/// in the outbox, enqueueing it again is a no-op that takes no number;
+/// once the relay has deleted it, the id is a new row with the next number
+/// (the outbox cannot know it was published). Consumers pass over that
+/// number without running the handler
+/// (`consumer-lib/tests/ordering.rs`,
+/// `an_id_that_comes_back_with_a_new_number_is_passed_over`).
+#[tokio::test]
+async fn an_id_enqueued_again_after_delivery_takes_the_next_number() {
+    let (pool, schema) = migrated("ord_again").await;
+    let outbox = outbox(&pool, &schema, Ordering::All).await;
+    let again = || event("order", "a", 1).id_from_key("checkout-1");
+    for _ in 0..2 {
+        let mut tx = pool.begin().await.unwrap();
+        outbox.enqueue(&mut *tx, again()).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    assert_eq!(
+        rows(&pool, &schema).await,
+        [("order".into(), "a".into(), 1, Some(1))]
+    );
+    // The relay delivers and deletes it.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DELETE FROM \"{schema}\".outbox"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    outbox.enqueue(&mut *tx, again()).await.unwrap();
+    outbox
+        .enqueue(&mut *tx, event("order", "a", 2))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        rows(&pool, &schema).await,
+        [
+            ("order".into(), "a".into(), 1, Some(2)),
+            ("order".into(), "a".into(), 2, Some(3))
+        ]
+    );
+}

@@ -1,11 +1,13 @@
 //! The relay: claim, publish, settle, under a supervisor that owns the
 //! broker connection.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
+use futures_util::FutureExt;
 use lapin::Connection;
 use outbox::Ident;
 use sqlx::PgPool;
@@ -32,12 +34,19 @@ use outbox::__private::Outage;
 /// frozen longer loses its session, its row locks and its partitions'
 /// lease locks, so other relays can go on.
 fn begin_async_commit(config: &RelayConfig) -> sqlx::SqlStr {
-    let idle = config.confirm_timeout + config.broker_timeout + std::time::Duration::from_secs(5);
+    let idle = publish_phase(config) + std::time::Duration::from_secs(5);
     sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(format!(
         "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL statement_timeout = '30s'; \
          SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
         idle.as_millis()
     )))
+}
+
+/// The longest a batch's publish phase may take (exchange checks,
+/// publishes and confirms together): within the transaction's idle bound,
+/// so the session, its row locks and its lease fence outlive it.
+fn publish_phase(config: &RelayConfig) -> std::time::Duration {
+    config.confirm_timeout + config.broker_timeout
 }
 
 /// What one batch did.
@@ -97,6 +106,11 @@ struct Inner {
     last_lease_tick: tokio::sync::Mutex<Option<Instant>>,
     /// Partitions held after the last lease round (`usize::MAX`: none yet).
     partitions: AtomicUsize,
+    /// Events of batches during which a worker panicked: each is published
+    /// alone until it goes through or is set aside as the culprit.
+    suspects: std::sync::Mutex<HashSet<Uuid>>,
+    /// Worker panics so far (each one a relay bug).
+    panics: std::sync::atomic::AtomicU64,
 }
 
 /// An ordered event as claimed, with whether it is due (the run of an
@@ -125,6 +139,8 @@ pub struct BrokerSession {
     /// fill a batch with fewer heads, which costs fewer index descents per
     /// event; one-event aggregates need many heads. Learnt from each claim.
     run_hint: usize,
+    /// The ids of the batch being published (for a panic report).
+    in_flight: Vec<Uuid>,
 }
 
 impl std::fmt::Debug for BrokerSession {
@@ -161,6 +177,8 @@ impl Relay {
                 id: Uuid::new_v4(),
                 last_lease_tick: tokio::sync::Mutex::new(None),
                 partitions: AtomicUsize::new(usize::MAX),
+                suspects: std::sync::Mutex::new(HashSet::new()),
+                panics: std::sync::atomic::AtomicU64::new(0),
             }),
         })
     }
@@ -192,6 +210,7 @@ impl Relay {
             workers: 1,
             cursors: HashMap::new(),
             run_hint: 1,
+            in_flight: Vec::new(),
         })
     }
 
@@ -321,6 +340,9 @@ impl Relay {
             tx.commit().await?;
             return Ok(BatchReport::default());
         }
+        let events = self.isolate_suspect(events);
+        session.in_flight = events.iter().map(|e| e.id).collect();
+        let deadline = tokio::time::Instant::now() + publish_phase(cfg);
         let outcomes = session
             .publisher
             .publish_batch(
@@ -328,10 +350,13 @@ impl Relay {
                 &cfg.default_exchange,
                 cfg.max_payload_bytes,
                 cfg.confirm_timeout,
+                deadline,
             )
             .await?;
         let settled = settle(&mut tx, &inner.queries, cfg, &events, &outcomes).await?;
         tx.commit().await?;
+        self.clear_suspects(&session.in_flight);
+        session.in_flight.clear();
         metrics::histogram!("outbox_relay_batch_size").record(events.len() as f64);
         metrics::counter!("outbox_relay_published_total").increment(settled.delivered as u64);
         metrics::counter!("outbox_relay_failed_total").increment(settled.retried as u64);
@@ -341,6 +366,13 @@ impl Relay {
             if let Some(error) = o.error() {
                 tracing::warn!(event_id = %e.id, event_type = %e.event_type, attempt = e.attempts + 1, error = %error, "event not delivered");
             }
+        }
+        if outcomes.contains(&Outcome::NotSent) {
+            // The broker is too slow to finish a batch in time; start afresh.
+            return Err(Error::BrokerTimeout {
+                what: "the publish phase (exchange checks, publishes and confirms)",
+                timeout: publish_phase(cfg),
+            });
         }
         if outcomes.contains(&Outcome::TimedOut) {
             // Confirms may still arrive on this channel; start afresh.
@@ -409,6 +441,7 @@ impl Relay {
                 workers.spawn(async move { relay.work(conn, worker, stop).await });
             }
             let mut broker_error = None;
+            let mut worker_bug = false;
             while let Some(r) = workers.join_next().await {
                 match r {
                     Ok(Ok(())) => {}
@@ -418,8 +451,15 @@ impl Relay {
                         session_stop.cancel();
                     }
                     Err(join) => {
-                        broker_error
-                            .get_or_insert(Error::Config(format!("relay worker failed: {join}")));
+                        // Panics inside a batch are caught by the worker;
+                        // this is one outside it.
+                        let why = match join.try_into_panic() {
+                            Ok(panic) => publish::panic_message(&*panic),
+                            Err(join) => join.to_string(),
+                        };
+                        tracing::error!(panic = %why, "relay bug: a worker failed outside a batch; restarting the session (please report this)");
+                        metrics::counter!("outbox_relay_worker_panics_total").increment(1);
+                        worker_bug = true;
                         session_stop.cancel();
                     }
                 }
@@ -432,6 +472,14 @@ impl Relay {
             inner.health.broker.store(false, Ordering::Relaxed);
             match broker_error {
                 Some(e) => self.broker_down(&e, &mut failures, &shutdown).await,
+                None if worker_bug && !shutdown.is_cancelled() => {
+                    failures = failures.saturating_add(1);
+                    sleep_or_cancel(
+                        backoff(cfg.reconnect_min, cfg.reconnect_max, failures),
+                        &shutdown,
+                    )
+                    .await;
+                }
                 None => break,
             }
         }
@@ -472,6 +520,7 @@ impl Relay {
             workers: cfg.workers,
             cursors: HashMap::new(),
             run_hint: 1,
+            in_flight: Vec::new(),
         };
         inner.health.broker.store(true, Ordering::Relaxed);
         inner.broker_outage.ok();
@@ -481,7 +530,19 @@ impl Relay {
             // Mark wake-ups seen *before* claiming: one that arrives during
             // the claim then makes the wait below return at once.
             wake.borrow_and_update();
-            match self.run_once(&mut session).await {
+            let batch = AssertUnwindSafe(self.run_once(&mut session))
+                .catch_unwind()
+                .await;
+            let batch = match batch {
+                Ok(batch) => batch,
+                Err(panic) => {
+                    let why = publish::panic_message(&*panic);
+                    drop(panic);
+                    self.worker_panicked(&mut session, why).await?;
+                    continue;
+                }
+            };
+            match batch {
                 Ok(report) => {
                     if db_failures > 0 {
                         inner.db_outage.ok();
@@ -520,10 +581,125 @@ impl Relay {
         Ok(())
     }
 
+    /// A batch panicked (a relay bug): report it with its event ids, and
+    /// make sure that batch is never claimed whole again. Several events:
+    /// each becomes a suspect, published alone from now on. One event
+    /// alone: it is the culprit; it is dead-lettered (an ordered one is
+    /// rescheduled with the error, blocking its aggregate for an operator,
+    /// and stays isolated). The channel may hold half a batch: it is
+    /// replaced.
+    async fn worker_panicked(&self, session: &mut BrokerSession, why: String) -> Result<()> {
+        let inner = &self.inner;
+        let ids = std::mem::take(&mut session.in_flight);
+        metrics::counter!("outbox_relay_worker_panics_total").increment(1);
+        inner.panics.fetch_add(1, Ordering::Relaxed);
+        match ids.as_slice() {
+            [] => {
+                tracing::error!(panic = %why, "relay bug: a worker panicked outside a batch (please report this)")
+            }
+            [id] => {
+                tracing::error!(event_id = %id, panic = %why, "relay bug: a worker panicked publishing this event alone; setting it aside (please report this)");
+                let error = format!(
+                    "the relay panicked publishing this event (a relay bug; please report it): {why}"
+                );
+                if let Err(e) = self.set_aside(*id, &error).await {
+                    tracing::warn!(event_id = %id, error = %e, "could not set the event aside; it stays isolated");
+                }
+            }
+            ids => {
+                tracing::error!(event_ids = ?ids, panic = %why, "relay bug: a worker panicked on a batch; its events will be published one at a time (please report this)");
+                lock(&inner.suspects).extend(ids.iter().copied());
+            }
+        }
+        session.publisher.close().await;
+        session.publisher = Publisher::open(&session.conn, inner.config.broker_timeout).await?;
+        Ok(())
+    }
+
+    /// Dead-letters an unordered event with `error`; reschedules an ordered
+    /// one with it (the relay never dead-letters ordered events) and keeps
+    /// it isolated.
+    async fn set_aside(&self, id: Uuid, error: &str) -> Result<()> {
+        let inner = &self.inner;
+        let ordered: Option<Option<i64>> = sqlx::query_scalar(inner.queries.event_seq.clone())
+            .bind(id)
+            .fetch_optional(&inner.pool)
+            .await?;
+        match ordered {
+            None => {}
+            Some(None) => {
+                sqlx::query(inner.queries.dead_letter.clone())
+                    .bind([id])
+                    .bind([error])
+                    .execute(&inner.pool)
+                    .await?;
+                lock(&inner.suspects).remove(&id);
+            }
+            Some(Some(_)) => {
+                let cfg = &inner.config;
+                let delay = backoff(cfg.retry_base, cfg.retry_max, 1).as_millis() as i64;
+                sqlx::query(inner.queries.reschedule.clone())
+                    .bind([id])
+                    .bind([delay])
+                    .bind([error])
+                    .execute(&inner.pool)
+                    .await?;
+                lock(&inner.suspects).insert(id);
+            }
+        }
+        Ok(())
+    }
+
+    /// The batch to publish: `events` as claimed, or, when it holds a
+    /// suspect, that suspect alone (for an ordered one, the first event of
+    /// its aggregate in the batch, so nothing overtakes it). The rest stay
+    /// in the outbox, unlocked at commit.
+    fn isolate_suspect(&self, mut events: Vec<ClaimedEvent>) -> Vec<ClaimedEvent> {
+        let suspects = lock(&self.inner.suspects);
+        if suspects.is_empty() {
+            return events;
+        }
+        let Some(i) = events.iter().position(|e| suspects.contains(&e.id)) else {
+            return events;
+        };
+        let first = if events[i].aggregate_seq.is_some() {
+            let key = (&events[i].aggregate_type, &events[i].aggregate_id);
+            events
+                .iter()
+                .position(|e| (&e.aggregate_type, &e.aggregate_id) == key)
+                .unwrap_or(i)
+        } else {
+            i
+        };
+        vec![events.swap_remove(first)]
+    }
+
+    /// Events of a batch that went through: no longer suspects.
+    fn clear_suspects(&self, ids: &[Uuid]) {
+        let mut suspects = lock(&self.inner.suspects);
+        if !suspects.is_empty() {
+            for id in ids {
+                suspects.remove(id);
+            }
+        }
+    }
+
+    /// How many times a worker panicked inside a batch (each one a relay
+    /// bug, also counted in `outbox_relay_worker_panics_total`).
+    pub fn worker_panics(&self) -> u64 {
+        self.inner.panics.load(Ordering::Relaxed)
+    }
+
     /// Whether the broker is currently considered down.
     pub fn broker_down_now(&self) -> bool {
         self.inner.broker_outage.is_down()
     }
+}
+
+/// A mutex's guard, whether or not a panic poisoned it (the sets it guards
+/// stay consistent at every await point).
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// One aggregate's share of an ordered claim: its head and run.

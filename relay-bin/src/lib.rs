@@ -53,6 +53,13 @@ mod settle;
 pub mod status;
 mod wake;
 
+/// Testing only (feature `fault-injection`, never in a release build): an
+/// event of this type makes the worker publishing it panic, so the tests
+/// can prove a panicking batch is isolated and never stops the relay.
+#[cfg(feature = "fault-injection")]
+#[doc(hidden)]
+pub const FAULT_PANIC_EVENT_TYPE: &str = "outbox-relay.fault-injection.panic";
+
 pub use crate::config::RelayConfig;
 pub use crate::engine::{BatchReport, BrokerSession, Health, Relay};
 pub use crate::error::{Error, Result};

@@ -1,20 +1,23 @@
 //! Publishing a batch with pipelined publisher confirms.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
-use lapin::types::FieldTable;
+use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
 
 use crate::error::{Error, Result};
-use crate::message::ClaimedEvent;
+use crate::message::{ClaimedEvent, Message};
 use outbox::redact::redact_url;
 
 /// What the broker said about one event.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Outcome {
     /// Acked and not returned: the broker has it. Only this counts as
     /// delivered.
@@ -34,13 +37,26 @@ pub enum Outcome {
     TimedOut,
     /// The exchange does not exist.
     ExchangeNotFound(String),
+    /// The broker refused the passive check of the exchange for another
+    /// reason than its absence (403 `ACCESS_REFUSED`, say). Counted as an
+    /// attempt, like a missing exchange.
+    ExchangeRefused {
+        /// The exchange.
+        exchange: String,
+        /// What the broker said.
+        reason: String,
+    },
+    /// Not sent: the batch's publish deadline passed first. Left in the
+    /// outbox untouched (no attempt counted); the publisher is replaced.
+    NotSent,
     /// The channel failed while the connection stayed up: a channel-level
     /// refusal (403 on an exchange, a message over the broker's size
     /// limit, ...). Counted as an attempt so a poison event cannot stall
     /// its batch for ever; the publisher is replaced.
     ChannelFailed(String),
     /// The event can never be published as it is (a name over AMQP's
-    /// 255-byte limit); it is dead-lettered at once.
+    /// 255-byte limit, headers that are not a JSON object or do not fit
+    /// one frame, ...); it is dead-lettered at once with the reason.
     Unpublishable(String),
     /// Not published: an earlier event of its (ordered) aggregate in the
     /// same batch could not be published. Left in the outbox untouched.
@@ -70,6 +86,12 @@ impl Outcome {
                 Some("held back behind an earlier event of its aggregate".to_owned())
             }
             Outcome::ExchangeNotFound(x) => Some(format!("exchange {x:?} does not exist")),
+            Outcome::ExchangeRefused { exchange, reason } => Some(format!(
+                "the broker refused the check of exchange {exchange:?}: {reason}"
+            )),
+            Outcome::NotSent => {
+                Some("not sent: the batch's publish deadline passed before its turn".to_owned())
+            }
             Outcome::TooLarge { size, limit } => Some(format!(
                 "payload is {size} bytes, over the relay's limit of {limit} bytes"
             )),
@@ -182,19 +204,25 @@ impl Publisher {
     }
 
     /// Passive-declares exchanges not seen before, each on a throwaway
-    /// channel (a missing exchange closes the channel that asked).
-    async fn missing_exchanges<'a>(
+    /// channel (a missing exchange closes the channel that asked). Returns
+    /// the refused ones with the reason: missing, or refused otherwise
+    /// while the connection stayed up (a channel-level answer about that
+    /// exchange). `Err` only when the connection failed or the deadline
+    /// passed.
+    async fn refused_exchanges<'a>(
         &mut self,
-        names: impl Iterator<Item = &'a str>,
-    ) -> Result<HashSet<String>> {
-        let mut missing = HashSet::new();
-        let unknown: HashSet<&str> = names
-            .filter(|n| !self.known_exchanges.contains(*n))
+        names: impl Iterator<Item = &'a ShortString>,
+        deadline: Instant,
+    ) -> Result<HashMap<String, Outcome>> {
+        let mut refused = HashMap::new();
+        let unknown: HashSet<&ShortString> = names
+            .filter(|n| !self.known_exchanges.contains(n.as_str()))
             .collect();
         for name in unknown {
-            let ch = bounded(
+            let ch = within(
                 "channel open",
                 self.broker_timeout,
+                deadline,
                 self.conn.create_channel(),
             )
             .await?;
@@ -202,10 +230,12 @@ impl Publisher {
                 passive: true,
                 ..Default::default()
             };
-            let r = tokio::time::timeout(
+            let r = within(
+                "exchange.declare (passive)",
                 self.broker_timeout,
+                deadline,
                 ch.exchange_declare(
-                    name.into(),
+                    name.clone(),
                     ExchangeKind::Topic,
                     passive,
                     FieldTable::default(),
@@ -213,92 +243,130 @@ impl Publisher {
             )
             .await;
             match r {
-                Ok(Ok(())) => {
-                    self.known_exchanges.insert(name.to_owned());
+                Ok(()) => {
+                    self.known_exchanges.insert(name.to_string());
                     let _ =
                         tokio::time::timeout(self.broker_timeout, ch.close(200, "OK".into())).await;
                 }
-                Ok(Err(e)) if is_not_found(&e) => {
-                    missing.insert(name.to_owned());
+                Err(Error::Broker(e)) if is_not_found(&e) => {
+                    refused.insert(
+                        name.to_string(),
+                        Outcome::ExchangeNotFound(name.to_string()),
+                    );
                 }
-                Ok(Err(e)) => return Err(e.into()),
-                Err(_) => {
-                    return Err(Error::BrokerTimeout {
-                        what: "exchange.declare (passive)",
-                        timeout: self.broker_timeout,
-                    });
+                Err(Error::Broker(e)) if self.conn.status().connected() => {
+                    refused.insert(
+                        name.to_string(),
+                        Outcome::ExchangeRefused {
+                            exchange: name.to_string(),
+                            reason: e.to_string(),
+                        },
+                    );
                 }
+                Err(e) => return Err(e),
             }
         }
-        Ok(missing)
+        Ok(refused)
     }
 
-    /// Publishes every event of the batch, then awaits all confirms at once.
-    /// Returns one outcome per event, in order. `Err` means the channel or
-    /// connection failed: outcomes are unknown, the batch must be rolled
-    /// back (retried without counting an attempt) and the publisher
-    /// replaced. [`Outcome::TimedOut`] also means the publisher should be
-    /// replaced, after the batch is settled.
+    /// Publishes every event of the batch, then awaits all confirms at once,
+    /// all before `deadline` (the publish phase's share of the batch
+    /// transaction's idle bound). Returns one outcome per event, in order.
+    /// `Err` means the connection failed: outcomes are unknown, the batch
+    /// must be rolled back (retried without counting an attempt) and the
+    /// publisher replaced. [`Outcome::TimedOut`] and [`Outcome::NotSent`]
+    /// also mean the publisher should be replaced, after the batch is
+    /// settled.
     pub(crate) async fn publish_batch(
         &mut self,
         events: &[ClaimedEvent],
         default_exchange: &str,
         max_payload_bytes: usize,
         confirm_timeout: Duration,
+        deadline: Instant,
     ) -> Result<Vec<Outcome>> {
-        let missing = self
-            .missing_exchanges(events.iter().map(|e| e.exchange_or(default_exchange)))
-            .await?;
+        let frame_max = self.conn.configuration().frame_max() as usize;
+        // Every value is converted (and so checked) before anything reaches
+        // lapin, whose conversions panic on what AMQP cannot carry.
+        let messages: Vec<Result<Message, Outcome>> = events
+            .iter()
+            .map(|e| {
+                if e.payload.len() > max_payload_bytes {
+                    return Err(Outcome::TooLarge {
+                        size: e.payload.len(),
+                        limit: max_payload_bytes,
+                    });
+                }
+                convert(e, default_exchange, frame_max)
+            })
+            .collect();
+        let refused = match self
+            .refused_exchanges(messages.iter().flatten().map(|m| &m.exchange), deadline)
+            .await
+        {
+            Ok(refused) => refused,
+            // Out of time before anything was sent: nothing to settle.
+            Err(Error::BrokerTimeout { .. }) if Instant::now() >= deadline => {
+                return Ok(vec![Outcome::NotSent; events.len()]);
+            }
+            Err(e) => return Err(e),
+        };
         let mut outcomes: Vec<Option<Outcome>> = vec![None; events.len()];
         let mut pending = Vec::with_capacity(events.len());
         let opts = BasicPublishOptions {
             mandatory: true,
             ..Default::default()
         };
-        let started = Instant::now();
+        let started = std::time::Instant::now();
         // Ordered aggregates whose earlier event in this batch could not be
         // published: their later events must not overtake it.
         let mut halted: HashSet<(&str, &str)> = HashSet::new();
-        for (i, e) in events.iter().enumerate() {
-            let exchange = e.exchange_or(default_exchange);
+        for (i, (e, message)) in events.iter().zip(messages).enumerate() {
             let aggregate = (e.aggregate_type.as_str(), e.aggregate_id.as_str());
             let ordered = e.aggregate_seq.is_some();
-            let refused = if ordered && halted.contains(&aggregate) {
-                Some(Outcome::HeldBack)
-            } else if e.payload.len() > max_payload_bytes {
-                Some(Outcome::TooLarge {
-                    size: e.payload.len(),
-                    limit: max_payload_bytes,
-                })
-            } else if let Some(why) = e.short_string_problem(exchange) {
-                Some(Outcome::Unpublishable(why))
-            } else if missing.contains(exchange) {
-                Some(Outcome::ExchangeNotFound(exchange.to_owned()))
+            let refusal = if ordered && halted.contains(&aggregate) {
+                Err(Outcome::HeldBack)
+            } else if Instant::now() >= deadline {
+                Err(Outcome::NotSent)
             } else {
-                None
+                message.and_then(|m| match refused.get(m.exchange.as_str()) {
+                    Some(outcome) => Err(outcome.clone()),
+                    None => Ok(m),
+                })
             };
-            if let Some(outcome) = refused {
-                if ordered {
-                    halted.insert(aggregate);
+            let message = match refusal {
+                Ok(m) => m,
+                Err(outcome) => {
+                    if ordered {
+                        halted.insert(aggregate);
+                    }
+                    outcomes[i] = Some(outcome);
+                    continue;
                 }
-                outcomes[i] = Some(outcome);
-                continue;
+            };
+            #[cfg(feature = "fault-injection")]
+            if e.event_type == crate::FAULT_PANIC_EVENT_TYPE {
+                panic!("fault injection: event {} asked the relay to panic", e.id);
             }
             // Hands the frames to lapin's IO loop; the confirm comes later.
-            let published = bounded(
+            let published = within(
                 "basic.publish",
                 self.broker_timeout,
+                deadline,
                 self.channel.basic_publish(
-                    exchange.into(),
-                    e.routing_key().into(),
+                    message.exchange,
+                    message.routing_key,
                     opts,
                     e.payload.as_bytes(),
-                    e.properties(),
+                    message.properties,
                 ),
             )
             .await;
             match published {
                 Ok(confirm) => pending.push((i, confirm)),
+                Err(Error::BrokerTimeout { .. }) if Instant::now() >= deadline => {
+                    outcomes[i] = Some(Outcome::NotSent);
+                }
                 Err(err) => match self.channel_failure(&err) {
                     Some(outcome) => {
                         outcomes[i] = Some(outcome);
@@ -311,9 +379,9 @@ impl Publisher {
         // Every publish is on the wire; now collect the confirms against one
         // deadline. Awaiting them in order costs no round trips: they are
         // all in flight already.
-        let deadline = tokio::time::Instant::now() + confirm_timeout;
+        let confirms_by = deadline.min(Instant::now() + confirm_timeout);
         for (i, confirm) in pending {
-            outcomes[i] = Some(match tokio::time::timeout_at(deadline, confirm).await {
+            outcomes[i] = Some(match tokio::time::timeout_at(confirms_by, confirm).await {
                 // A blocked connection (memory or disk alarm) is the
                 // broker's state, not the event's: no attempt is counted.
                 Err(_) if self.conn.status().blocked() => {
@@ -358,6 +426,43 @@ impl Publisher {
                 o.unwrap_or_else(|| Outcome::ChannelFailed(failed.clone().unwrap_or_default()))
             })
             .collect())
+    }
+}
+
+/// The event's message, or why it can never be published. The conversion
+/// is total by construction and fuzzed; should it ever panic, that event
+/// alone is refused (as a relay bug) instead of the whole batch failing.
+fn convert(e: &ClaimedEvent, default_exchange: &str, frame_max: usize) -> Result<Message, Outcome> {
+    match std::panic::catch_unwind(|| e.to_message(default_exchange, frame_max)) {
+        Ok(Ok(m)) => Ok(m),
+        Ok(Err(why)) => Err(Outcome::Unpublishable(why)),
+        Err(panic) => Err(Outcome::Unpublishable(format!(
+            "the relay panicked converting this event (a relay bug; please report it): {}",
+            panic_message(&*panic)
+        ))),
+    }
+}
+
+/// The text of a panic payload.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".to_owned())
+}
+
+/// `f` bounded by `timeout` and by `deadline`, whichever comes first.
+async fn within<T>(
+    what: &'static str,
+    timeout: Duration,
+    deadline: Instant,
+    f: impl Future<Output = lapin::Result<T>>,
+) -> Result<T> {
+    let by = deadline.min(Instant::now() + timeout);
+    match tokio::time::timeout_at(by, f).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(Error::BrokerTimeout { what, timeout }),
     }
 }
 

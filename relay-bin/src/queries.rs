@@ -40,6 +40,8 @@ pub(crate) struct Queries {
     /// Move events to the dead-letter table with their history. `$1` ids,
     /// `$2` final errors.
     pub(crate) dead_letter: SqlStr,
+    /// The `aggregate_seq` of event `$1` (no row: it left the outbox).
+    pub(crate) event_seq: SqlStr,
 }
 
 fn sql(text: String) -> SqlStr {
@@ -95,6 +97,7 @@ impl Queries {
                  WHERE owner = $1"
             )),
             delete: sql(format!("DELETE FROM {s}.outbox WHERE id = ANY($1)")),
+            event_seq: sql(format!("SELECT aggregate_seq FROM {s}.outbox WHERE id = $1")),
             archive: sql(format!(
                 "WITH d AS (DELETE FROM {s}.outbox WHERE id = ANY($1) RETURNING *)
                  INSERT INTO {s}.outbox_published

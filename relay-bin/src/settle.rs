@@ -21,6 +21,9 @@ pub struct Settled {
     /// Ordered events left untouched because an earlier event of their
     /// aggregate failed in the same batch: they go again after it.
     pub held_back: usize,
+    /// Left untouched because the batch's publish deadline passed before
+    /// they were sent (no attempt counted).
+    pub not_sent: usize,
 }
 
 /// Deletes (or archives) delivered events, reschedules failed ones with
@@ -44,7 +47,7 @@ pub(crate) async fn settle(
     let (mut retry_ids, mut retry_delays, mut retry_errors) = (Vec::new(), Vec::new(), Vec::new());
     let (mut dead_ids, mut dead_errors) = (Vec::new(), Vec::new());
     let mut failed_aggregates = HashSet::new();
-    let mut held_back = 0;
+    let (mut held_back, mut not_sent) = (0, 0);
     for (e, o) in events.iter().zip(outcomes) {
         let aggregate = e
             .aggregate_seq
@@ -53,6 +56,13 @@ pub(crate) async fn settle(
             && failed_aggregates.contains(&(t, a))
         {
             held_back += 1;
+            continue;
+        }
+        if *o == Outcome::NotSent {
+            not_sent += 1;
+            if let Some((t, a)) = aggregate {
+                failed_aggregates.insert((t, a));
+            }
             continue;
         }
         let Some(error) = o.error() else {
@@ -108,5 +118,6 @@ pub(crate) async fn settle(
         retried: retry_ids.len(),
         dead_lettered: dead_ids.len(),
         held_back,
+        not_sent,
     })
 }

@@ -1,0 +1,373 @@
+//! Rows written through the table contract that cannot go on the wire as
+//! they are: the table refuses what a CHECK can state, and the relay
+//! dead-letters (with a reason) or publishes intact whatever else it finds,
+//! without ever stopping, beside a backlog of good events.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use e2e::{Collector, TestBroker, TestDb, amqp_url, wait_until};
+use lapin::types::{AMQPValue, FieldTable};
+use outbox_relay::{Relay, RelayConfig};
+use serde_json::{Value, json};
+use sqlx::AssertSqlSafe;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+const DEADLINE: Duration = Duration::from_secs(120);
+const MAX_PAYLOAD: usize = 16 * 1024;
+
+/// One row as another language would insert it.
+struct Row {
+    name: &'static str,
+    aggregate_type: String,
+    event_type: String,
+    payload: String,
+    headers: String,
+    exchange: Option<String>,
+    routing_key: Option<String>,
+}
+
+impl Row {
+    fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            aggregate_type: "order".into(),
+            event_type: "OrderPlaced".into(),
+            payload: "{}".into(),
+            headers: "{}".into(),
+            exchange: None,
+            routing_key: None,
+        }
+    }
+}
+
+async fn insert(db: &TestDb, row: &Row) -> Result<Uuid, sqlx::Error> {
+    sqlx::query_scalar(AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".outbox (aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key)
+         VALUES ($1, 'bad-1', $2, $3::jsonb, $4::jsonb, $5, $6) RETURNING id",
+        db.schema
+    )))
+    .bind(&row.aggregate_type)
+    .bind(&row.event_type)
+    .bind(&row.payload)
+    .bind(&row.headers)
+    .bind(&row.exchange)
+    .bind(&row.routing_key)
+    .fetch_one(&db.pool)
+    .await
+}
+
+fn nested(depth: usize) -> String {
+    format!("{}1{}", "[".repeat(depth), "]".repeat(depth))
+}
+
+/// Rows the table refuses at insert (a CHECK says why), and rows it takes.
+fn unpublishable_by_name() -> Vec<Row> {
+    let long = "x".repeat(256);
+    vec![
+        Row {
+            exchange: Some(long.clone()),
+            ..Row::new("exchange over 255 bytes")
+        },
+        Row {
+            routing_key: Some(long.clone()),
+            ..Row::new("routing key over 255 bytes")
+        },
+        Row {
+            event_type: long.clone(),
+            ..Row::new("event type over 255 bytes")
+        },
+        Row {
+            aggregate_type: "y".repeat(200),
+            event_type: "z".repeat(60),
+            ..Row::new("default routing key over 255 bytes")
+        },
+        Row {
+            headers: json!({ long.clone(): 1 }).to_string(),
+            ..Row::new("header name over 255 bytes")
+        },
+    ]
+}
+
+fn relay_config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
+    RelayConfig {
+        amqp_url: amqp_url(),
+        schema: db.schema.clone(),
+        default_exchange: broker.exchange.clone(),
+        declare_exchange: None,
+        max_payload_bytes: MAX_PAYLOAD,
+        max_attempts: 2,
+        poll_interval: Duration::from_millis(100),
+        retry_base: Duration::from_millis(20),
+        retry_max: Duration::from_millis(100),
+        reconnect_min: Duration::from_millis(50),
+        reconnect_max: Duration::from_millis(200),
+        ..RelayConfig::default()
+    }
+}
+
+fn spawn(
+    relay: &Relay,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<outbox_relay::Result<()>>,
+) {
+    let stop = CancellationToken::new();
+    let task = tokio::spawn({
+        let (relay, stop) = (relay.clone(), stop.clone());
+        async move { relay.run(stop).await }
+    });
+    (stop, task)
+}
+
+async fn dead_letters(db: &TestDb) -> HashMap<Uuid, String> {
+    let letters: Vec<(Uuid, String)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT id, last_error FROM \"{}\".outbox_dead_letters",
+        db.schema
+    )))
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    letters.into_iter().collect()
+}
+
+#[tokio::test]
+async fn bad_rows_are_refused_or_dead_lettered_and_never_stop_the_relay() {
+    let db = TestDb::producer("bad_rows").await;
+    let broker = TestBroker::new("bad_rows", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+
+    // The table contract refuses what can never be published.
+    for row in unpublishable_by_name() {
+        let err = insert(&db, &row)
+            .await
+            .expect_err(&format!("the table accepted a row with {}", row.name));
+        let code = err
+            .as_database_error()
+            .and_then(|e| e.code())
+            .map(|c| c.into_owned());
+        assert_eq!(code.as_deref(), Some("23514"), "{}: {err}", row.name);
+    }
+
+    // Tables from before those CHECKs may hold such rows: the relay must
+    // cope with them too.
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "ALTER TABLE \"{s}\".outbox DROP CONSTRAINT IF EXISTS outbox_names_publishable;
+         ALTER TABLE \"{s}\".outbox DROP CONSTRAINT IF EXISTS outbox_headers_publishable",
+        s = db.schema
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    let good = db.produce(2_000, 100, Duration::ZERO).await;
+    let long = "x".repeat(256);
+    // (row, expected reason in the dead letter) for rows that must be
+    // dead-lettered.
+    let mut dead: Vec<(Row, &str)> = unpublishable_by_name()
+        .into_iter()
+        .map(|r| {
+            let why = match r.name {
+                "exchange over 255 bytes" => "exchange",
+                "routing key over 255 bytes" | "default routing key over 255 bytes" => {
+                    "routing key"
+                }
+                "event type over 255 bytes" => "event type",
+                _ => "header name",
+            };
+            (r, why)
+        })
+        .collect();
+    dead.push((
+        Row {
+            payload: json!({ "blob": "p".repeat(MAX_PAYLOAD) }).to_string(),
+            ..Row::new("payload over the limit")
+        },
+        "over the relay's limit",
+    ));
+    dead.push((
+        Row {
+            exchange: Some(format!("{}.missing", broker.exchange)),
+            ..Row::new("missing exchange")
+        },
+        "does not exist",
+    ));
+    dead.push((
+        Row {
+            headers: json!({ "big": "h".repeat(200 * 1024) }).to_string(),
+            ..Row::new("headers over the frame size")
+        },
+        "headers",
+    ));
+    let every_type = json!({
+        "s": "text", "i": -7, "u": u64::MAX, "f": 1.5, "t": true, "n": null,
+        "a": [1, "two", null], "o": { "k": { "deep": [1] } },
+        "nested": { long.clone(): "a nested key over 255 bytes" },
+        "deeply": serde_json::from_str::<Value>(&nested(100)).unwrap(),
+    });
+    // Rows the relay must publish intact.
+    let intact = vec![
+        Row {
+            headers: every_type.to_string(),
+            ..Row::new("headers of every JSON type")
+        },
+        Row {
+            payload: nested(1_000),
+            ..Row::new("deeply nested payload")
+        },
+        Row {
+            headers: format!("{{\"h\": {}}}", nested(500)),
+            ..Row::new("deeply nested header value")
+        },
+    ];
+    let mut dead_ids = HashMap::new();
+    for (row, why) in &dead {
+        let id = insert(&db, row)
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", row.name));
+        dead_ids.insert(id, (row.name, *why));
+    }
+    let mut intact_ids = HashMap::new();
+    for row in &intact {
+        let id = insert(&db, row)
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", row.name));
+        intact_ids.insert(id, row);
+    }
+
+    let relay = Relay::new(db.pool.clone(), relay_config(&db, &broker))
+        .await
+        .unwrap();
+    let (stop, task) = spawn(&relay);
+    wait_until(DEADLINE, "the outbox to empty", || async {
+        db.count("outbox").await == 0
+    })
+    .await;
+    wait_until(
+        DEADLINE,
+        "every good and intact event on the wire",
+        || async { collector.distinct() == good.len() + intact.len() },
+    )
+    .await;
+    assert!(!task.is_finished(), "the relay stopped");
+    assert!(
+        !relay.broker_down_now(),
+        "the relay reported a broker outage"
+    );
+    stop.cancel();
+    task.await.unwrap().unwrap();
+
+    for id in &good {
+        assert!(collector.has(id), "good event {id} missing");
+    }
+    let letters = dead_letters(&db).await;
+    for (id, (name, why)) in &dead_ids {
+        let error = letters
+            .get(id)
+            .unwrap_or_else(|| panic!("{name}: not dead-lettered"));
+        assert!(
+            error.contains(why),
+            "{name}: reason {error:?} lacks {why:?}"
+        );
+    }
+    assert_eq!(
+        letters.len(),
+        dead_ids.len(),
+        "unexpected dead letters: {letters:?}"
+    );
+
+    {
+        let received = collector.received.lock().unwrap();
+        for (id, row) in &intact_ids {
+            let d = &received.first[&id.to_string()];
+            // These payloads print the same as jsonb text.
+            assert_eq!(
+                std::str::from_utf8(&d.data).unwrap(),
+                row.payload,
+                "{}: payload changed",
+                row.name
+            );
+            let h = d.properties.headers().as_ref().unwrap().inner();
+            if row.name == "deeply nested header value" {
+                assert_eq!(h["h"], AMQPValue::LongString(nested(500).into()));
+                continue;
+            }
+            let sent: serde_json::Map<String, Value> = serde_json::from_str(&row.headers).unwrap();
+            for (k, v) in sent {
+                let got = &h[k.as_str()];
+                let want = match v {
+                    Value::Null => AMQPValue::Void,
+                    Value::Bool(b) => AMQPValue::Boolean(b),
+                    Value::Number(n) => match n.as_i64() {
+                        Some(i) => AMQPValue::LongLongInt(i),
+                        None if n.is_u64() => AMQPValue::LongString(n.to_string().into()),
+                        None => AMQPValue::Double(n.as_f64().unwrap()),
+                    },
+                    Value::String(s) => AMQPValue::LongString(s.into()),
+                    other => AMQPValue::LongString(other.to_string().into()),
+                };
+                assert_eq!(got, &want, "{}: header {k}", row.name);
+            }
+        }
+    }
+    collector.stop();
+    broker.cleanup().await;
+    db.cleanup().await;
+}
+
+/// A worker that panics mid-batch (a relay bug, injected here) reports the
+/// batch's events, never claims that batch whole again, sets the culprit
+/// aside with the reason, and publishes everything else; the relay never
+/// stops.
+#[cfg(feature = "fault-injection")]
+#[tokio::test]
+async fn a_batch_that_panics_is_isolated_and_its_culprit_set_aside() {
+    let db = TestDb::producer("panic_batch").await;
+    let broker = TestBroker::new("panic_batch", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let mut good = db.produce(150, 50, Duration::ZERO).await;
+    let culprit = insert(
+        &db,
+        &Row {
+            event_type: outbox_relay::FAULT_PANIC_EVENT_TYPE.into(),
+            ..Row::new("panics the worker")
+        },
+    )
+    .await
+    .unwrap();
+    good.extend(db.produce(150, 50, Duration::ZERO).await);
+
+    let relay = Relay::new(db.pool.clone(), relay_config(&db, &broker))
+        .await
+        .unwrap();
+    let (stop, task) = spawn(&relay);
+    wait_until(DEADLINE, "the outbox to empty", || async {
+        db.count("outbox").await == 0
+    })
+    .await;
+    wait_until(DEADLINE, "every good event on the wire", || async {
+        collector.distinct() == good.len()
+    })
+    .await;
+    assert!(!task.is_finished(), "the relay stopped");
+    // Once with its batch, once alone: the batch is never claimed whole
+    // again.
+    assert_eq!(relay.worker_panics(), 2);
+    stop.cancel();
+    task.await.unwrap().unwrap();
+
+    for id in &good {
+        assert!(collector.has(id), "good event {id} missing");
+    }
+    assert!(
+        !collector.has(&culprit.to_string()),
+        "the culprit was published"
+    );
+    let letters = dead_letters(&db).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert!(letters[&culprit].contains("panicked"), "{letters:?}");
+    collector.stop();
+    broker.cleanup().await;
+    db.cleanup().await;
+}
