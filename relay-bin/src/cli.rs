@@ -539,6 +539,20 @@ async fn dead_letters(pool: &PgPool, schema: &Ident, cmd: &DeadLetterCommand) ->
             let r =
                 status::replay_dead_letters(pool, schema, &target.selection(), *retention).await?;
             say!("replayed {} event(s) into the outbox", r.replayed);
+            if !r.conflicts.is_empty() {
+                eprintln!(
+                    "kept {} dead letter(s) whose id is already in the outbox (enqueued again or replayed before); purge them if the outbox copy is the one to keep: {:?}",
+                    r.conflicts.len(),
+                    r.conflicts
+                );
+            }
+            if !r.unpublishable.is_empty() {
+                eprintln!(
+                    "kept {} dead letter(s) the outbox refuses (a name over 255 bytes); they can never be published as they are: {:?}",
+                    r.unpublishable.len(),
+                    r.unpublishable
+                );
+            }
             if !r.older_than_retention.is_empty() {
                 eprintln!(
                     "warning: {} replayed event(s) are older than the retention window ({}); consumers may apply them again: {:?}",

@@ -242,6 +242,7 @@ async fn unroutable_event_is_retried_with_backoff_dead_lettered_and_replayable()
     .unwrap();
     assert_eq!(replayed.replayed, 1);
     assert!(replayed.older_than_retention.is_empty());
+    assert!(replayed.conflicts.is_empty());
     let (stop, task) = spawn(&relay);
     wait_until(DEADLINE, "the replayed event", || async {
         collector.has(&id.to_string())
@@ -468,4 +469,45 @@ async fn an_unpublishable_event_is_dead_lettered_and_does_not_stall_its_batch() 
     collector.stop();
     db.cleanup().await;
     broker.cleanup().await;
+}
+
+/// A dead letter whose id is back in the outbox (enqueued again) is kept
+/// and reported by a replay, not deleted: both copies survive.
+#[tokio::test]
+async fn replaying_a_dead_letter_whose_id_is_in_the_outbox_keeps_it() {
+    let db = TestDb::producer("relay_replay_conflict").await;
+    let schema = outbox::Ident::new("schema", &db.schema).unwrap();
+    let ob = outbox(&db).await;
+    let event = || {
+        NewEvent::new("order", "o-1", "OrderPlaced", &json!({"n": 1}))
+            .unwrap()
+            .id_from_key("k-1")
+    };
+    let mut tx = db.pool.begin().await.unwrap();
+    let id = ob.enqueue(&mut *tx, event()).await.unwrap();
+    tx.commit().await.unwrap();
+    // Dead-lettered (as the relay would), then enqueued again.
+    outbox_relay::status::skip_events(&db.pool, &schema, &[id], "test")
+        .await
+        .unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    ob.enqueue(&mut *tx, event()).await.unwrap();
+    tx.commit().await.unwrap();
+    let replayed = outbox_relay::status::replay_dead_letters(
+        &db.pool,
+        &schema,
+        &outbox_relay::status::Selection::All,
+        Duration::from_secs(3600),
+    )
+    .await
+    .unwrap();
+    assert_eq!(replayed.replayed, 0);
+    assert_eq!(replayed.conflicts, [id]);
+    assert_eq!(
+        db.count("outbox_dead_letters").await,
+        1,
+        "the dead letter was lost"
+    );
+    assert_eq!(db.count("outbox").await, 1);
+    db.cleanup().await;
 }
