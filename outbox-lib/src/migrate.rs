@@ -68,6 +68,11 @@ pub const PRODUCER: MigrationSet = MigrationSet {
             name: "publishable",
             sql: include_str!("../../migrations/producer/0004_publishable.sql"),
         },
+        Migration {
+            version: 5,
+            name: "lease_renewal",
+            sql: include_str!("../../migrations/producer/0005_lease_renewal.sql"),
+        },
     ],
 };
 

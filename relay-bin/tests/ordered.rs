@@ -291,6 +291,104 @@ async fn leases_split_between_relays_and_move_to_the_survivor() {
     broker.cleanup().await;
 }
 
+/// A relay's lease round renews its leases and heartbeat even when the
+/// rebalance that comes with it cannot hand partitions over yet (its own
+/// batches in flight hold the lease rows, here for longer than many
+/// rounds, while a second relay joins); the partitions go once free.
+#[tokio::test]
+async fn leases_are_renewed_while_a_rebalance_waits_for_batches_in_flight() {
+    let db = TestDb::producer("ord_renew").await;
+    let broker = TestBroker::new("ord_renew", FieldTable::default()).await;
+    let ttl = Duration::from_secs(2);
+    let a = Relay::new(
+        db.pool.clone(),
+        RelayConfig {
+            lease_ttl: ttl,
+            ..config(&db, &broker)
+        },
+    )
+    .await
+    .unwrap();
+    let (stop_a, task_a) = spawn(&a);
+    wait_until(DEADLINE, "a holds 64", || async {
+        leases(&db).await == vec![(Some(a.id()), 64)]
+    })
+    .await;
+    let s = &db.schema;
+    // Batches in flight: every lease row held FOR KEY SHARE.
+    let mut held = db.pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT partition FROM \"{s}\".outbox_leases FOR KEY SHARE"
+    )))
+    .execute(&mut *held)
+    .await
+    .unwrap();
+    // A second relay joins (kept alive by the checks below): a's fair
+    // share drops to 32.
+    let other = uuid::Uuid::new_v4();
+    let heartbeat = sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{s}\".outbox_relays (id, name) VALUES ($1, 'other')
+         ON CONFLICT (id) DO UPDATE SET heartbeat_at = now()"
+    )));
+    sqlx::query(heartbeat.clone())
+        .bind(other)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let since: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let a_id = a.id();
+    let expiry = sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(format!(
+        "SELECT min(expires_at) FROM \"{s}\".outbox_leases WHERE owner = $1"
+    )));
+    // Several TTLs later, a's leases still run: renewed each round.
+    for round in 1..=3 {
+        wait_until(
+            DEADLINE,
+            &format!("a's leases renewed, {round} TTL(s) on"),
+            || async {
+                sqlx::query(heartbeat.clone())
+                    .bind(other)
+                    .execute(&db.pool)
+                    .await
+                    .unwrap();
+                let min: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(expiry.clone())
+                    .bind(a_id)
+                    .fetch_one(&db.pool)
+                    .await
+                    .unwrap();
+                min.is_some_and(|m| m > since + ttl * (round + 1))
+            },
+        )
+        .await;
+    }
+    assert_eq!(
+        leases(&db).await,
+        vec![(Some(a.id()), 64)],
+        "nothing handed over while held"
+    );
+    held.rollback().await.unwrap();
+    wait_until(
+        DEADLINE,
+        "a gives up half once the rows are free",
+        || async {
+            sqlx::query(heartbeat.clone())
+                .bind(other)
+                .execute(&db.pool)
+                .await
+                .unwrap();
+            leases(&db).await.contains(&(Some(a.id()), 32))
+        },
+    )
+    .await;
+    stop_a.cancel();
+    task_a.await.unwrap();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
 /// Heads that are backing off do not make a claim walk every aggregate: a
 /// claim looks at a bounded number per partition and its cursor moves past
 /// them, so a due aggregate behind many blocked ones is still reached.
