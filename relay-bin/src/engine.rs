@@ -368,11 +368,11 @@ impl Relay {
             }
         }
         if outcomes.contains(&Outcome::NotSent) {
-            // The broker is too slow to finish a batch in time; start afresh.
-            return Err(Error::BrokerTimeout {
-                what: "the publish phase (exchange checks, publishes and confirms)",
-                timeout: publish_phase(cfg),
-            });
+            tracing::warn!(
+                not_sent = settled.not_sent,
+                deadline = ?publish_phase(cfg),
+                "the broker was too slow to finish the batch within its publish deadline; the rest goes in the next batch"
+            );
         }
         if outcomes.contains(&Outcome::TimedOut) {
             // Confirms may still arrive on this channel; start afresh.

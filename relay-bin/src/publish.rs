@@ -47,7 +47,7 @@ pub enum Outcome {
         reason: String,
     },
     /// Not sent: the batch's publish deadline passed first. Left in the
-    /// outbox untouched (no attempt counted); the publisher is replaced.
+    /// outbox untouched (no attempt counted).
     NotSent,
     /// The channel failed while the connection stayed up: a channel-level
     /// refusal (403 on an exchange, a message over the broker's size
@@ -274,9 +274,10 @@ impl Publisher {
     /// transaction's idle bound). Returns one outcome per event, in order.
     /// `Err` means the connection failed: outcomes are unknown, the batch
     /// must be rolled back (retried without counting an attempt) and the
-    /// publisher replaced. [`Outcome::TimedOut`] and [`Outcome::NotSent`]
-    /// also mean the publisher should be replaced, after the batch is
-    /// settled.
+    /// publisher replaced. [`Outcome::TimedOut`] also means the publisher
+    /// should be replaced, after the batch is settled; events
+    /// [`Outcome::NotSent`] were never handed to the channel (exchanges
+    /// already checked stay known, so the next batch gets further).
     pub(crate) async fn publish_batch(
         &mut self,
         events: &[ClaimedEvent],
@@ -364,8 +365,10 @@ impl Publisher {
             .await;
             match published {
                 Ok(confirm) => pending.push((i, confirm)),
+                // Its frames may still go out: not delivered as far as we
+                // know, and the publisher is replaced.
                 Err(Error::BrokerTimeout { .. }) if Instant::now() >= deadline => {
-                    outcomes[i] = Some(Outcome::NotSent);
+                    outcomes[i] = Some(Outcome::TimedOut);
                 }
                 Err(err) => match self.channel_failure(&err) {
                     Some(outcome) => {

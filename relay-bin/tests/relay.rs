@@ -511,3 +511,106 @@ async fn replaying_a_dead_letter_whose_id_is_in_the_outbox_keeps_it() {
     assert_eq!(db.count("outbox").await, 1);
     db.cleanup().await;
 }
+
+/// A slow broker cannot stretch a batch past its transaction's idle bound:
+/// the publish phase has one deadline (here 2 s, inside the 7 s bound)
+/// for exchange checks, publishes and confirms together. Forty events to
+/// forty exchanges the relay has not seen, every round trip slowed to
+/// 100 ms, would take about 12 s of checks in one batch; PostgreSQL would
+/// end the session after the events went out, and they would go out again.
+/// With the deadline, what is not sent waits for the next batch (checked
+/// exchanges stay known): every event arrives once.
+#[tokio::test]
+async fn a_slow_broker_cannot_stretch_a_batch_past_its_idle_bound() {
+    let db = TestDb::producer("relay_slow").await;
+    let broker = TestBroker::new("slow", FieldTable::default()).await;
+    let conn = e2e::connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let exchanges: Vec<String> = (0..40)
+        .map(|i| format!("{}.x{i}", broker.exchange))
+        .collect();
+    for x in &exchanges {
+        ch.exchange_declare(
+            x.as_str().into(),
+            lapin::ExchangeKind::Topic,
+            lapin::options::ExchangeDeclareOptions {
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        ch.queue_bind(
+            broker.queue.as_str().into(),
+            x.as_str().into(),
+            "#".into(),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    }
+    let collector = Collector::start(&broker.queue);
+    let ob = outbox(&db).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    let events = exchanges.iter().enumerate().map(|(i, x)| {
+        NewEvent::new("order", format!("o-{i}"), "OrderPlaced", &json!({ "i": i }))
+            .unwrap()
+            .exchange(x.as_str())
+    });
+    let ids = ob.enqueue_many(&mut *tx, events).await.unwrap();
+    ob.commit(tx).await.unwrap();
+
+    let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let relay = Relay::new(
+        db.pool.clone(),
+        RelayConfig {
+            amqp_url: proxy.url(&amqp_url()),
+            confirm_timeout: Duration::from_secs(1),
+            broker_timeout: Duration::from_secs(1),
+            workers: 1,
+            ..config(&db, &broker)
+        },
+    )
+    .await
+    .unwrap();
+    let (stop, task) = spawn(&relay);
+    // Connected at full speed, then slowed.
+    wait_until(DEADLINE, "the relay connected", || async {
+        relay.health().is_ready()
+    })
+    .await;
+    proxy.set(e2e::Mode::Delay(Duration::from_millis(100)));
+    wait_until(DEADLINE, "every event in the queue", || async {
+        db.count("outbox").await == 0 && collector.distinct() == ids.len()
+    })
+    .await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    // Quiet: the relay has stopped; anything still in flight has landed.
+    let queued = async || {
+        ch.queue_declare(
+            broker.queue.as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap()
+        .message_count()
+    };
+    wait_until(DEADLINE, "the queue drained", || async {
+        queued().await == 0
+    })
+    .await;
+    let dups = collector.received.lock().unwrap().duplicates();
+    assert_eq!(dups, 0, "events published twice");
+    collector.stop();
+    proxy.stop();
+    let _ = conn.close(200, "ok".into()).await;
+    db.cleanup().await;
+    broker.cleanup().await;
+}

@@ -22,6 +22,9 @@ pub enum Mode {
     /// Forward this many more bytes from client to server on each
     /// connection, then close it.
     CutAfter(usize),
+    /// Forward everything, holding each chunk from the server back this
+    /// long (a slow broker: every round trip takes at least that much).
+    Delay(Duration),
 }
 
 /// A running proxy on 127.0.0.1.
@@ -143,6 +146,9 @@ async fn pipe(client: TcpStream, server: TcpStream, mut mode: watch::Receiver<Mo
             r = sr.read(&mut down) => {
                 let Ok(n) = r else { return };
                 if n == 0 { return; }
+                if let Mode::Delay(d) = current {
+                    tokio::time::sleep(d).await;
+                }
                 if forward && cw.write_all(&down[..n]).await.is_err() { return; }
             }
         }
