@@ -22,6 +22,8 @@ pub(crate) struct Batch<'a> {
     /// Per event, its position in its aggregate when it is sequenced and
     /// ordering is on; otherwise empty or `None`.
     pub(crate) positions: &'a [Option<Position>],
+    /// Bound on one handler call.
+    pub(crate) handler_timeout: std::time::Duration,
 }
 
 impl Batch<'_> {
@@ -53,6 +55,7 @@ pub(crate) enum Verdict {
 /// handlers only).
 pub(crate) async fn process(
     pool: &PgPool,
+    begin: &sqlx::SqlStr,
     inbox: &Inbox,
     sequences: Option<&Sequences>,
     handlers: &Handlers,
@@ -70,7 +73,10 @@ pub(crate) async fn process(
     let isolated_only = matches!(handlers, Handlers::Batch(_));
     let mut known: Option<(usize, Outcome)> = None;
     for isolated in [isolated_only, true] {
-        let mut tx = pool.begin().await?;
+        // Never raced against a timeout (a cancelled begin can leak an
+        // open transaction into the pool): the SET LOCALs sent with it bound
+        // the database side.
+        let mut tx = pool.begin_with(begin.clone()).await?;
         let fresh = inbox.claim(&mut tx, &keys).await?;
         let fresh: HashSet<&str> = fresh.iter().map(String::as_str).collect();
         // Only the first delivery of a fresh key runs; later copies in the
@@ -125,7 +131,9 @@ pub(crate) async fn process(
                 }
             }
             Handlers::Batch(h) => {
-                let all_failed = run_batch(&mut tx, h.as_ref(), events, &runs, &mut verdicts).await;
+                let timeout = batch.handler_timeout;
+                let all_failed =
+                    run_batch(&mut tx, h.as_ref(), events, &runs, timeout, &mut verdicts).await;
                 if all_failed {
                     // Nothing to keep: the duplicates' inbox rows were
                     // committed before, the fresh ones must not be.
@@ -300,9 +308,12 @@ async fn run_one(
             .execute(&mut *tx)
             .await?;
     }
-    let outcome = guarded(h.handle_dyn(&mut *tx, &batch.events[i]))
-        .instrument(batch.spans[i].clone())
-        .await;
+    let outcome = guarded(
+        batch.handler_timeout,
+        h.handle_dyn(&mut *tx, &batch.events[i]),
+    )
+    .instrument(batch.spans[i].clone())
+    .await;
     if !isolated {
         if !outcome.is_ack() {
             match sqlx::raw_sql("SELECT 1").execute(&mut *tx).await {
@@ -341,16 +352,21 @@ async fn run_batch(
     h: &dyn crate::handler::DynBatchHandler,
     events: &[Event],
     runs: &[usize],
+    timeout: std::time::Duration,
     verdicts: &mut [Verdict],
 ) -> bool {
     if runs.is_empty() {
         return false;
     }
     let fresh: Vec<Event> = runs.iter().map(|&i| events[i].clone()).collect();
-    let outcome = std::panic::AssertUnwindSafe(h.handle_batch_dyn(&mut *tx, &fresh))
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|_| BatchOutcome::All(Outcome::retry("batch handler panicked")));
+    let call = std::panic::AssertUnwindSafe(h.handle_batch_dyn(&mut *tx, &fresh)).catch_unwind();
+    let outcome = match tokio::time::timeout(timeout, call).await {
+        Ok(Ok(outcome)) => outcome,
+        Ok(Err(_)) => BatchOutcome::All(Outcome::retry("batch handler panicked")),
+        Err(_) => BatchOutcome::All(Outcome::retry(format!(
+            "batch handler did not return within its timeout ({timeout:?})"
+        ))),
+    };
     let outcomes = match outcome {
         BatchOutcome::All(o) => vec![o; runs.len()],
         BatchOutcome::Each(v) if v.len() == runs.len() => v,
@@ -371,12 +387,17 @@ async fn run_batch(
     all_failed
 }
 
-/// A panicking handler is a retry, not a dead consumer.
-async fn guarded(f: impl Future<Output = Outcome>) -> Outcome {
-    std::panic::AssertUnwindSafe(f)
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|_| Outcome::retry("handler panicked"))
+/// A panicking handler is a retry, not a dead consumer; so is one that
+/// does not return within `timeout` (a statement it left running ends by
+/// the transaction's `statement_timeout` before the next one starts).
+async fn guarded(timeout: std::time::Duration, f: impl Future<Output = Outcome>) -> Outcome {
+    match tokio::time::timeout(timeout, std::panic::AssertUnwindSafe(f).catch_unwind()).await {
+        Ok(Ok(outcome)) => outcome,
+        Ok(Err(_)) => Outcome::retry("handler panicked"),
+        Err(_) => Outcome::retry(format!(
+            "handler did not return within its timeout ({timeout:?})"
+        )),
+    }
 }
 
 const UNDO_EVENT: &str = "ROLLBACK TO SAVEPOINT outbox_event; RELEASE SAVEPOINT outbox_event";

@@ -130,6 +130,25 @@ pub struct ConsumerConfig {
     /// Per-aggregate ordering of sequenced events. Default
     /// [`Ordering::Off`].
     pub ordering: Ordering,
+    /// Longest one handler call may take (a per-event handler's call for
+    /// one event, a batch handler's call for the batch). A handler that
+    /// has not returned by then is abandoned and its event retried
+    /// ([`Outcome::Retry`](crate::Outcome::Retry), counted against
+    /// `max_retries`), its effects rolled back. Also the batch
+    /// transaction's `statement_timeout`. Default 30 s.
+    pub handler_timeout: Duration,
+    /// Longest any statement of the batch transaction (the inbox claim,
+    /// the sequence locks, a handler's statements) waits for a row lock
+    /// (`lock_timeout`): an instance never waits behind another's stuck
+    /// batch for longer. Default 10 s.
+    pub lock_timeout: Duration,
+    /// How many times in a row a batch's transaction may fail for another
+    /// reason than an unreachable database (a lock timeout, a deadlock, a
+    /// constraint its inbox rows break) before its events go through the
+    /// retry queue one by one, counted against `max_retries` like a
+    /// handler's retry. An unreachable database is waited out instead:
+    /// nothing is acked before its commit. Default 5.
+    pub max_batch_attempts: u32,
     /// Fault injection for tests: after the first commit, close the broker
     /// connection without acking and return from `run`.
     #[doc(hidden)]
@@ -155,6 +174,9 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("max_reconnect_delay", &self.max_reconnect_delay)
             .field("declare_retry_queues", &self.declare_retry_queues)
             .field("ordering", &self.ordering)
+            .field("handler_timeout", &self.handler_timeout)
+            .field("lock_timeout", &self.lock_timeout)
+            .field("max_batch_attempts", &self.max_batch_attempts)
             .finish_non_exhaustive()
     }
 }
@@ -183,6 +205,9 @@ impl ConsumerConfig {
             max_reconnect_delay: Duration::from_secs(5),
             declare_retry_queues: true,
             ordering: Ordering::Off,
+            handler_timeout: Duration::from_secs(30),
+            lock_timeout: Duration::from_secs(10),
+            max_batch_attempts: 5,
             crash_after_commit: false,
         }
     }
@@ -226,6 +251,12 @@ impl ConsumerConfig {
         if self.broker_timeout.is_zero() {
             return fail("broker_timeout must be positive");
         }
+        if self.handler_timeout.is_zero() || self.lock_timeout.is_zero() {
+            return fail("handler_timeout and lock_timeout must be positive");
+        }
+        if self.max_batch_attempts == 0 {
+            return fail("max_batch_attempts must be at least 1");
+        }
         if let DedupKey::PayloadField(p) = &self.dedup_key
             && !p.starts_with('/')
         {
@@ -237,6 +268,23 @@ impl ConsumerConfig {
             return fail("a header dedup key needs a header name");
         }
         Ok(schema)
+    }
+
+    /// The batch transaction's BEGIN: every statement bounded by
+    /// `handler_timeout`, every lock wait by `lock_timeout`, and idling
+    /// inside it (a handler computing, the broker answering) by
+    /// `handler_timeout` plus `broker_timeout` plus 5 s, so a stuck
+    /// consumer never holds its inbox rows for long.
+    pub(crate) fn begin_batch(&self) -> sqlx::SqlStr {
+        let ms = |d: Duration| d.as_millis().max(1);
+        let idle = self.handler_timeout + self.broker_timeout + Duration::from_secs(5);
+        sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(format!(
+            "BEGIN; SET LOCAL statement_timeout = '{}ms'; SET LOCAL lock_timeout = '{}ms'; \
+             SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
+            ms(self.handler_timeout),
+            ms(self.lock_timeout),
+            ms(idle)
+        )))
     }
 
     /// Name of the retry queue.

@@ -48,6 +48,8 @@ struct Inner {
     pool: PgPool,
     handlers: Handlers,
     inbox: Inbox,
+    /// The batch transaction's BEGIN with its bounds.
+    begin: sqlx::SqlStr,
     /// Ordering on: the `inbox_sequences` statements.
     sequences: Option<Sequences>,
     counters: Counters,
@@ -121,6 +123,7 @@ impl Consumer {
         );
         Ok(Self {
             inner: Arc::new(Inner {
+                begin: config.begin_batch(),
                 config,
                 schema,
                 pool,
@@ -376,22 +379,48 @@ impl Consumer {
             Vec::new()
         } else {
             let mut backoff = FIRST_BACKOFF;
+            let mut failures = 0u32;
             loop {
                 let batch = Batch {
                     events: &events,
                     spans: &spans,
                     positions: &positions,
+                    handler_timeout: cfg.handler_timeout,
                 };
                 let sequences = me.sequences.as_ref();
-                match batch::process(&me.pool, &me.inbox, sequences, &me.handlers, &batch).await {
+                let r = batch::process(
+                    &me.pool,
+                    &me.begin,
+                    &me.inbox,
+                    sequences,
+                    &me.handlers,
+                    &batch,
+                );
+                match r.await {
                     Ok(v) => {
                         me.database.ok();
                         break v;
                     }
-                    Err(e) => {
-                        // Nothing committed, nothing acked: retry the same
-                        // deliveries once the database is back.
+                    // Nothing committed, nothing acked: retry the same
+                    // deliveries once the database is back.
+                    Err(e) if database_unreachable(&e) => {
                         me.database.failed(&Error::Database(e));
+                        if !pause(shutdown, &mut backoff, cfg.max_reconnect_delay).await {
+                            return Ok(Some(End::Shutdown));
+                        }
+                    }
+                    // The database answers but this batch fails (a lock
+                    // held elsewhere, a deadlock, a constraint): a few
+                    // tries, then each event alone; one that still fails
+                    // goes through the retry queue, so nothing waits on
+                    // this batch for ever.
+                    Err(e) => {
+                        failures += 1;
+                        if failures >= cfg.max_batch_attempts {
+                            tracing::warn!(consumer = name, error = %e, attempts = failures, events = events.len(), "batch transaction keeps failing; processing its events one by one");
+                            break self.one_by_one(&batch).await;
+                        }
+                        tracing::warn!(consumer = name, error = %e, attempt = failures, "batch transaction failed; retrying it");
                         if !pause(shutdown, &mut backoff, cfg.max_reconnect_delay).await {
                             return Ok(Some(End::Shutdown));
                         }
@@ -576,6 +605,58 @@ fn next_delivery(d: Option<lapin::Result<Delivery>>, queue: &str) -> Result<Deli
 }
 
 /// Sleeps `backoff` (doubling it up to `max`); false when shut down first.
+impl Consumer {
+    /// Each event of `batch` in a transaction of its own, in delivery
+    /// order (so sequenced events keep their order); one whose transaction
+    /// fails is retried through the retry queue.
+    async fn one_by_one(&self, batch: &Batch<'_>) -> Vec<Verdict> {
+        let me = &self.inner;
+        let mut verdicts = Vec::with_capacity(batch.events.len());
+        for i in 0..batch.events.len() {
+            let one = Batch {
+                events: &batch.events[i..=i],
+                spans: &batch.spans[i..=i],
+                positions: batch.positions.get(i..=i).unwrap_or(&[]),
+                handler_timeout: batch.handler_timeout,
+            };
+            let sequences = me.sequences.as_ref();
+            let r = batch::process(
+                &me.pool,
+                &me.begin,
+                &me.inbox,
+                sequences,
+                &me.handlers,
+                &one,
+            );
+            verdicts.push(match r.await {
+                Ok(mut v) => v.pop().unwrap_or(Verdict::Duplicate),
+                Err(e) => Verdict::Handled(Outcome::retry(format!(
+                    "its transaction failed, alone and in its batch: {e}"
+                ))),
+            });
+        }
+        verdicts
+    }
+}
+
+/// The database cannot be reached (or is shutting down): wait it out, the
+/// batch is not at fault.
+fn database_unreachable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Protocol(_) => true,
+        // Class 08 (connection exception); admin_shutdown,
+        // crash_shutdown, cannot_connect_now.
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|c| c.starts_with("08") || matches!(&*c, "57P01" | "57P02" | "57P03")),
+        _ => false,
+    }
+}
+
 async fn pause(shutdown: &CancellationToken, backoff: &mut Duration, max: Duration) -> bool {
     let wait = *backoff;
     *backoff = (*backoff * 2).min(max);
