@@ -116,8 +116,19 @@ pub enum Error {
         /// The configured limit ([`crate::IdempotencyConfig::max_response_bytes`]).
         limit: usize,
     },
+    /// The handle's [`crate::Ordering`] names an aggregate type the
+    /// database does not order yet, and this role may not register it.
+    #[error(
+        "aggregate type {aggregate_type:?} is not ordered in schema {schema:?} and this role may not make it so; run `outbox-relay ordering add {aggregate_type}` as the schema's owner"
+    )]
+    OrderingNotRegistered {
+        /// The aggregate type (`*`: every type).
+        aggregate_type: String,
+        /// The schema.
+        schema: String,
+    },
     /// The database returned an error.
-    #[error("database error")]
+    #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
 }
 

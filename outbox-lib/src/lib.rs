@@ -26,17 +26,20 @@
 //! The outbox table is a public contract (`docs/OUTBOX_TABLE.md`): services
 //! in other languages may insert into it directly.
 //!
-//! Per-aggregate ordering is opt-in: with
-//! `OutboxConfig::default().ordering(Ordering::types(["order"]))` every event
-//! of an `order` aggregate gets the aggregate's next sequence number in
-//! commit order, and relays and ordered consumers keep that order
-//! (`docs/ORDERING.md`).
+//! Per-aggregate ordering is opt-in and a property of the data: once an
+//! aggregate type is ordered in the database ([`set_ordered`], `outbox-relay
+//! ordering add order`, or a handle built with
+//! `OutboxConfig::default().ordering(Ordering::types(["order"]))`, which
+//! registers it), every event of an `order` aggregate, whoever writes it,
+//! gets the aggregate's next sequence number in commit order, and relays
+//! and ordered consumers keep that order (`docs/ORDERING.md`).
 
 mod error;
 mod event;
 mod idempotency;
 mod ident;
 mod migrate;
+mod ordered_types;
 mod outage;
 mod outbox;
 pub mod redact;
@@ -49,6 +52,7 @@ pub use crate::error::{Error, Result};
 pub use crate::event::{EVENT_ID_NAMESPACE, NewEvent};
 pub use crate::idempotency::*;
 pub use crate::ident::{Ident, wakeup_channel};
+pub use crate::ordered_types::{ALL_TYPES, ordered_types, set_ordered};
 pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, Ordering, Outbox, OutboxConfig};
 pub use crate::wakeup::Wakeup;
 

@@ -73,6 +73,11 @@ pub const PRODUCER: MigrationSet = MigrationSet {
             name: "lease_renewal",
             sql: include_str!("../../migrations/producer/0005_lease_renewal.sql"),
         },
+        Migration {
+            version: 6,
+            name: "ordered_types",
+            sql: include_str!("../../migrations/producer/0006_ordered_types.sql"),
+        },
     ],
 };
 

@@ -298,3 +298,80 @@ async fn an_id_enqueued_again_after_delivery_takes_the_next_number() {
         ]
     );
 }
+
+/// Ordering is the database's, not a handle's: two handles that differ
+/// only in their ordering setting (a rolling deploy), and a plain SQL
+/// insert (another language), interleaved on one aggregate, all get the
+/// aggregate's next number; other types stay unordered.
+#[tokio::test]
+async fn every_writer_numbers_an_ordered_type_whatever_its_handle_says() {
+    let (pool, schema) = migrated("ord_every").await;
+    let ordered = outbox(&pool, &schema, Ordering::types(["order"])).await;
+    let plain = outbox(&pool, &schema, Ordering::None).await;
+    assert_eq!(
+        outbox::ordered_types(&pool, &schema).await.unwrap(),
+        ["order"]
+    );
+    let mut tx = pool.begin().await.unwrap();
+    plain
+        .enqueue(&mut *tx, event("order", "a", 1))
+        .await
+        .unwrap();
+    ordered
+        .enqueue(&mut *tx, event("order", "a", 2))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('order', 'a', 'Changed', '{{\"n\": 3}}')"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    plain
+        .enqueue_many(&mut *tx, [event("order", "a", 4), event("cart", "a", 1)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        rows(&pool, &schema).await,
+        [
+            ("cart".into(), "a".into(), 1, None),
+            ("order".into(), "a".into(), 1, Some(1)),
+            ("order".into(), "a".into(), 2, Some(2)),
+            ("order".into(), "a".into(), 3, Some(3)),
+            ("order".into(), "a".into(), 4, Some(4)),
+        ]
+    );
+    // Stopping ordering stops numbering (and drops the trigger).
+    outbox::set_ordered(&pool, &schema, "order", false)
+        .await
+        .unwrap();
+    assert!(
+        outbox::ordered_types(&pool, &schema)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let mut tx = pool.begin().await.unwrap();
+    plain
+        .enqueue(&mut *tx, event("order", "b", 1))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let triggers: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM pg_trigger WHERE tgrelid = '\"{schema}\".outbox'::regclass
+         AND tgname = 'outbox_number_ordered'"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(triggers, 0);
+    assert!(
+        rows(&pool, &schema)
+            .await
+            .contains(&("order".into(), "b".into(), 1, None))
+    );
+}

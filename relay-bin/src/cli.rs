@@ -72,6 +72,31 @@ enum Command {
     /// event (to the dead letters) or retry it now.
     #[command(subcommand)]
     Blocked(BlockedCommand),
+    /// Which aggregate types are ordered, for every writer of the outbox
+    /// (docs/ORDERING.md). Needs the rights of the schema's owner.
+    #[command(subcommand)]
+    Ordering(OrderingCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum OrderingCommand {
+    /// List the ordered aggregate types (`*`: every type).
+    List,
+    /// Order these aggregate types: from the next insert on, every event of
+    /// them, whoever writes it, takes the next number of its aggregate.
+    /// `*` orders every type.
+    Add {
+        /// Aggregate types.
+        #[arg(required = true)]
+        types: Vec<String>,
+    },
+    /// Stop ordering these aggregate types (events already numbered keep
+    /// their numbers and are still published in order).
+    Remove {
+        /// Aggregate types.
+        #[arg(required = true)]
+        types: Vec<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -277,6 +302,7 @@ async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
         }
         Command::DeadLetters(cmd) => dead_letters(&pool, schema, cmd).await?,
         Command::Blocked(cmd) => blocked(&pool, schema, cmd).await?,
+        Command::Ordering(cmd) => ordering(&pool, schema, cmd).await?,
         Command::Run(r) => return run_relay(url, schema, r).await,
     }
     Ok(ExitCode::SUCCESS)
@@ -472,6 +498,33 @@ fn print_blocked(rows: &[status::BlockedAggregate]) -> Result<()> {
             b.waiting,
             b.next_attempt_at.format("%Y-%m-%d %H:%M:%S%.3f"),
             b.last_error.as_deref().unwrap_or("")
+        );
+    }
+    Ok(())
+}
+
+async fn ordering(pool: &PgPool, schema: &Ident, cmd: &OrderingCommand) -> Result<()> {
+    let (types, ordered) = match cmd {
+        OrderingCommand::List => {
+            let types = outbox::ordered_types(pool, schema.as_str()).await?;
+            if types.is_empty() {
+                say!("no ordered aggregate types");
+            }
+            for t in types {
+                say!("{t}");
+            }
+            return Ok(());
+        }
+        OrderingCommand::Add { types } => (types, true),
+        OrderingCommand::Remove { types } => (types, false),
+    };
+    for t in types {
+        outbox::set_ordered(pool, schema.as_str(), t, ordered)
+            .await
+            .with_context(|| format!("changing the ordering of aggregate type {t:?}"))?;
+        say!(
+            "aggregate type {t:?} is {}ordered",
+            if ordered { "" } else { "no longer " }
         );
     }
     Ok(())

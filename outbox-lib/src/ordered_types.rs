@@ -1,0 +1,90 @@
+//! Which aggregate types are ordered: a property of the data, kept in
+//! `<schema>.outbox_ordered_types` and enforced by the database for every
+//! writer (`docs/ORDERING.md`).
+
+use sqlx::{AssertSqlSafe, PgPool};
+
+use crate::error::{Error, Result};
+use crate::ident::Ident;
+use crate::outbox::Ordering;
+
+/// The name that orders every aggregate type.
+pub const ALL_TYPES: &str = "*";
+
+/// Makes events of `aggregate_type` (or of every type, with
+/// [`ALL_TYPES`]) ordered, or no longer ordered, for every writer of the
+/// outbox in `schema`: from the next insert on, whoever inserts (this
+/// library, SQL, another language), each event of an ordered type takes
+/// the next number of its aggregate. Needs the rights of the schema's
+/// owner (the database may create or drop a trigger); `outbox-relay
+/// ordering add|remove` does the same from the command line.
+///
+/// Stopping ordering does not renumber anything: events already numbered
+/// stay ordered until published.
+pub async fn set_ordered(
+    pool: &PgPool,
+    schema: &str,
+    aggregate_type: &str,
+    ordered: bool,
+) -> Result<()> {
+    let schema = Ident::new("schema", schema)?;
+    if aggregate_type.trim().is_empty() {
+        return Err(Error::EmptyField {
+            field: "aggregate_type",
+        });
+    }
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT {}.outbox_set_ordered($1, $2)",
+        schema.quoted()
+    )))
+    .bind(aggregate_type)
+    .bind(ordered)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The ordered aggregate types of the outbox in `schema`, sorted
+/// ([`ALL_TYPES`] when every type is).
+pub async fn ordered_types(pool: &PgPool, schema: &str) -> Result<Vec<String>> {
+    let schema = Ident::new("schema", schema)?;
+    Ok(sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT aggregate_type FROM {}.outbox_ordered_types ORDER BY 1",
+        schema.quoted()
+    )))
+    .fetch_all(pool)
+    .await?)
+}
+
+/// Makes sure the database orders what `ordering` names, registering what
+/// is missing. Without the rights to do so, the error names the command.
+pub(crate) async fn ensure(pool: &PgPool, schema: &Ident, ordering: &Ordering) -> Result<()> {
+    let wanted: Vec<String> = match ordering {
+        Ordering::None => return Ok(()),
+        Ordering::All => vec![ALL_TYPES.to_owned()],
+        Ordering::Types(t) => t.iter().cloned().collect(),
+    };
+    let have = ordered_types(pool, schema.as_str()).await?;
+    if have.iter().any(|t| t == ALL_TYPES) {
+        return Ok(());
+    }
+    for t in wanted.iter().filter(|t| !have.contains(t)) {
+        match set_ordered(pool, schema.as_str(), t, true).await {
+            Ok(()) => {
+                tracing::info!(schema = %schema, aggregate_type = %t, "aggregate type is now ordered for every writer");
+            }
+            Err(Error::Database(e))
+                if e.as_database_error()
+                    .and_then(|d| d.code())
+                    .is_some_and(|c| c == "42501") =>
+            {
+                return Err(Error::OrderingNotRegistered {
+                    aggregate_type: t.clone(),
+                    schema: schema.to_string(),
+                });
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
