@@ -234,6 +234,14 @@ impl ConsumerConfig {
     pub(crate) fn validate(&self) -> Result<Ident> {
         let schema = Ident::new("schema", &self.schema)?;
         let fail = |m: &str| Err(Error::Config(m.to_owned()));
+        outbox::redact::check_url(&self.amqp_url, "AMQP URL", &["amqp", "amqps"])
+            .map_err(Error::Config)?;
+        if self.amqp_url.parse::<lapin::uri::AMQPUri>().is_err() {
+            // lapin's own reading (its error would quote the URL).
+            return fail(
+                "AMQP URL is malformed (its user, host, vhost or query parameters); the value is not shown: it may hold a password",
+            );
+        }
         if self.queue.is_empty() || self.queue.len() > 240 {
             return fail(
                 "queue must be 1 to 240 bytes (the retry and dead-letter queues add a suffix)",

@@ -205,6 +205,30 @@ impl Consumer {
         }
     }
 
+    /// [`Consumer::run`] until the process receives SIGTERM (what
+    /// Kubernetes, systemd and `docker stop` send) or SIGINT (Ctrl-C): then
+    /// it stops taking deliveries, commits and acks the batch in hand, and
+    /// returns `Ok`, so the service can exit 0.
+    ///
+    /// ```no_run
+    /// # async fn demo(consumer: outbox_consumer::Consumer) -> outbox_consumer::Result<()> {
+    /// consumer.run_until_signal().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn run_until_signal(&self) -> Result<()> {
+        let shutdown = CancellationToken::new();
+        let signal = tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move {
+                outbox::shutdown_signal().await;
+                shutdown.cancel();
+            }
+        });
+        let result = self.run(shutdown).await;
+        signal.abort();
+        result
+    }
+
     /// One broker connection, from connect to close.
     async fn session(&self, shutdown: &CancellationToken, backoff: &mut Duration) -> Result<End> {
         let cfg = &self.inner.config;

@@ -11,7 +11,6 @@
 //! ```no_run
 //! use outbox_consumer::{Consumer, ConsumerConfig, Event, Handler, Outcome};
 //! use sqlx::PgConnection;
-//! use tokio_util::sync::CancellationToken;
 //!
 //! struct Reserve;
 //!
@@ -36,8 +35,9 @@
 //! outbox_consumer::migrate(&pool, "public").await?;
 //! let config = ConsumerConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f", "stock.orders", "stock");
 //! let consumer = Consumer::new(config, pool, Reserve)?;
-//! let shutdown = CancellationToken::new();
-//! consumer.run(shutdown).await?; // until shutdown.cancel()
+//! // Until SIGTERM (Kubernetes, systemd, `docker stop`) or Ctrl-C, then the
+//! // batch in hand is committed and acked; `run(token)` stops on your token.
+//! consumer.run_until_signal().await?;
 //! # Ok(()) }
 //! ```
 //!

@@ -43,6 +43,7 @@ mod ordered_types;
 mod outage;
 mod outbox;
 pub mod redact;
+mod signal;
 mod wakeup;
 pub mod wire;
 
@@ -54,6 +55,7 @@ pub use crate::idempotency::*;
 pub use crate::ident::{Ident, wakeup_channel};
 pub use crate::ordered_types::{ALL_TYPES, ordered_types, set_ordered};
 pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, Ordering, Outbox, OutboxConfig};
+pub use crate::signal::shutdown_signal;
 pub use crate::wakeup::Wakeup;
 
 /// Applies the producer's migrations (outbox, dead letters, idempotency

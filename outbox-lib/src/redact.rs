@@ -1,9 +1,12 @@
 //! Passwords in URLs never reach a log line, an error or `--help`.
 
-/// `url` with any password replaced by `***`. Unparseable input is not
-/// echoed at all, since it might be a secret.
+/// `url` with any password replaced by `***`. Input that does not parse
+/// as `scheme://...` with a host is not echoed at all: a malformed URL
+/// (`amqp:guest:secret@host`, missing the `//`) may hold a password where
+/// no parser looks for one.
 pub fn redact_url(url: &str) -> String {
     match url::Url::parse(url) {
+        Ok(u) if u.cannot_be_a_base() || !u.has_host() => "<malformed URL, not shown>".to_owned(),
         Ok(mut u) => {
             if u.password().is_some() {
                 let _ = u.set_password(Some("***"));
@@ -25,8 +28,36 @@ pub fn redact_url(url: &str) -> String {
             }
             u.to_string()
         }
-        Err(_) => "<unparseable URL>".to_owned(),
+        Err(_) => "<unparseable URL, not shown>".to_owned(),
     }
+}
+
+/// Checks that `url` is a well-formed `scheme://[user[:password]@]host...`
+/// URL of one of `schemes`, before anything connects with it. The error
+/// says what is wrong and never quotes the value (it may hold a password).
+/// `what` names the setting (`"AMQP URL"`).
+pub fn check_url(url: &str, what: &str, schemes: &[&str]) -> Result<(), String> {
+    let expected = || {
+        let alternatives: Vec<String> = schemes.iter().map(|s| format!("{s}://")).collect();
+        alternatives.join(" or ")
+    };
+    let hidden = "the value is not shown: it may hold a password";
+    let u = url::Url::parse(url).map_err(|e| {
+        format!(
+            "{what} is malformed ({e}); expected {}user:password@host:port/...; {hidden}",
+            expected()
+        )
+    })?;
+    if !schemes.contains(&u.scheme()) {
+        return Err(format!("{what} must start with {}; {hidden}", expected()));
+    }
+    if u.cannot_be_a_base() || !u.has_host() {
+        return Err(format!(
+            "{what} is malformed (no // after the scheme, or no host); expected {}user:password@host:port/...; {hidden}",
+            expected()
+        ));
+    }
+    Ok(())
 }
 
 fn is_secret_param(name: &str) -> bool {
@@ -35,23 +66,40 @@ fn is_secret_param(name: &str) -> bool {
 
 /// Replaces every occurrence of the passwords of `url` (user info and
 /// `password` query parameters) in `text`: errors of underlying libraries
-/// may quote the URL they were given.
+/// may quote the URL they were given. A URL that is malformed (no host) has
+/// each occurrence of itself, and of whatever sits where a password would
+/// (between the last `:` and the last `@`), replaced.
 pub fn scrub(text: &str, url: &str) -> String {
-    let Ok(u) = url::Url::parse(url) else {
-        return text.to_owned();
-    };
-    let mut secrets: Vec<String> = u.password().map(str::to_owned).into_iter().collect();
-    secrets.extend(
-        u.query_pairs()
-            .filter(|(k, _)| is_secret_param(k))
-            .map(|(_, v)| v.into_owned()),
-    );
+    let mut secrets: Vec<String> = Vec::new();
+    match url::Url::parse(url) {
+        Ok(u) if !u.cannot_be_a_base() && u.has_host() => {
+            secrets.extend(u.password().map(str::to_owned));
+            secrets.extend(
+                u.query_pairs()
+                    .filter(|(k, _)| is_secret_param(k))
+                    .map(|(_, v)| v.into_owned()),
+            );
+        }
+        _ => {
+            secrets.push(url.to_owned());
+            if let Some((before_at, _)) = url.rsplit_once('@')
+                && let Some((_, password)) = before_at.rsplit_once(':')
+            {
+                secrets.push(password.trim_start_matches('/').to_owned());
+            }
+        }
+    }
     let mut out = text.to_owned();
     for p in secrets.into_iter().filter(|p| !p.is_empty()) {
         let decoded = percent_decode(&p);
         out = out.replace(&p, "***").replace(&decoded, "***");
     }
     out
+}
+
+/// [`scrub`] for each of `urls`.
+pub fn scrub_all(text: &str, urls: &[String]) -> String {
+    urls.iter().fold(text.to_owned(), |t, u| scrub(&t, u))
 }
 
 fn percent_decode(s: &str) -> String {
@@ -79,7 +127,15 @@ mod tests {
             redact_url("postgres://app@db/shop"),
             "postgres://app@db/shop"
         );
-        assert_eq!(redact_url("not a url hunter2"), "<unparseable URL>");
+        assert_eq!(
+            redact_url("not a url hunter2"),
+            "<unparseable URL, not shown>"
+        );
+        // Missing `//`: parses, but the password sits in the "path".
+        assert_eq!(
+            redact_url("amqp:guest:hunter2@127.0.0.1:5672/%2f"),
+            "<malformed URL, not shown>"
+        );
         assert_eq!(
             redact_url("postgres://app@db/shop?password=hunter2&sslmode=require"),
             "postgres://app@db/shop?password=***&sslmode=require"
@@ -98,5 +154,28 @@ mod tests {
             scrub("saw hunter2", "postgres://db/x?password=hunter2"),
             "saw ***"
         );
+        let malformed = "amqp:guest:hunter2@127.0.0.1:5672/%2f";
+        assert_eq!(
+            scrub(&format!("Invalid URL: '{malformed}' (hunter2)"), malformed),
+            "Invalid URL: '***' (***)"
+        );
+    }
+
+    #[test]
+    fn check_url_says_what_is_wrong_without_the_value() {
+        let amqp = ["amqp", "amqps"];
+        for bad in [
+            "amqp:guest:hunter2@127.0.0.1:5672/%2f",
+            "amqp//guest:hunter2@host/",
+            "amqp://guest:hunter2@127.0.0.1:notaport/",
+            "http://guest:hunter2@host/",
+            "guest:hunter2",
+            "",
+        ] {
+            let e = check_url(bad, "AMQP URL", &amqp).unwrap_err();
+            assert!(e.starts_with("AMQP URL "), "{e}");
+            assert!(!e.contains("hunter2"), "{e}");
+        }
+        assert!(check_url("amqp://guest:hunter2@127.0.0.1:5672/%2f", "AMQP URL", &amqp).is_ok());
     }
 }

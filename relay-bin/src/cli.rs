@@ -309,9 +309,12 @@ async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
 }
 
 async fn connect_db(url: &str, max: u32) -> Result<PgPool> {
-    let options: PgConnectOptions = url
-        .parse()
-        .with_context(|| format!("invalid database URL {}", redact_url(url)))?;
+    outbox::redact::check_url(url, "database URL", &["postgres", "postgresql"])
+        .map_err(anyhow::Error::msg)?;
+    // sqlx's parse errors do not quote the URL; say which setting anyway.
+    let options: PgConnectOptions = url.parse().map_err(|e: sqlx::Error| {
+        anyhow::anyhow!("database URL is malformed: {}", scrub(&e.to_string(), url))
+    })?;
     // Bounds on the database side: no statement runs forever, and a relay
     // frozen inside a transaction (SIGSTOP, a hung broker) loses its
     // session and its row locks instead of holding them for ever.
@@ -409,17 +412,7 @@ async fn run_relay(url: &str, schema: &Ident, r: &RunArgs) -> Result<ExitCode> {
 }
 
 async fn wait_for_signal(shutdown: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = int.recv() => tracing::info!("SIGINT received"),
-    }
+    outbox::shutdown_signal().await;
     shutdown.cancel();
 }
 

@@ -127,10 +127,12 @@ impl RelayConfig {
     pub fn validate(&self) -> Result<Ident> {
         let schema = Ident::new("schema", &self.schema)?;
         let bad = |m: String| Err(Error::Config(m));
-        if !(self.amqp_url.starts_with("amqp://") || self.amqp_url.starts_with("amqps://")) {
-            return bad(format!(
-                "AMQP URL must start with amqp:// or amqps://, got {}",
-                outbox::redact::redact_url(&self.amqp_url)
+        outbox::redact::check_url(&self.amqp_url, "AMQP URL", &["amqp", "amqps"])
+            .map_err(Error::Config)?;
+        if self.amqp_url.parse::<lapin::uri::AMQPUri>().is_err() {
+            // lapin's own reading (its error would quote the URL).
+            return Err(Error::Config(
+                "AMQP URL is malformed (its user, host, vhost or query parameters); the value is not shown: it may hold a password".to_owned(),
             ));
         }
         if self.batch_size == 0 || self.batch_size > 10_000 {

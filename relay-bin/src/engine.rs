@@ -109,6 +109,8 @@ struct Inner {
     /// Events of batches during which a worker panicked: each is published
     /// alone until it goes through or is set aside as the culprit.
     suspects: std::sync::Mutex<HashSet<Uuid>>,
+    /// Events that panicked alone, until set aside: never published.
+    culprits: std::sync::Mutex<HashSet<Uuid>>,
     /// Worker panics so far (each one a relay bug).
     panics: std::sync::atomic::AtomicU64,
 }
@@ -178,6 +180,7 @@ impl Relay {
                 last_lease_tick: tokio::sync::Mutex::new(None),
                 partitions: AtomicUsize::new(usize::MAX),
                 suspects: std::sync::Mutex::new(HashSet::new()),
+                culprits: std::sync::Mutex::new(HashSet::new()),
                 panics: std::sync::atomic::AtomicU64::new(0),
             }),
         })
@@ -341,7 +344,18 @@ impl Relay {
             return Ok(BatchReport::default());
         }
         let events = self.isolate_suspect(events);
+        if events.is_empty() {
+            tx.commit().await?;
+            return Ok(BatchReport::default());
+        }
         session.in_flight = events.iter().map(|e| e.id).collect();
+        // Declared after `tx`, so dropped before it: should the batch
+        // panic, its events are marked before the rollback unlocks them
+        // for other workers.
+        let _on_panic = MarkOnPanic {
+            relay: inner,
+            ids: session.in_flight.clone(),
+        };
         let deadline = tokio::time::Instant::now() + publish_phase(cfg);
         let outcomes = session
             .publisher
@@ -604,11 +618,13 @@ impl Relay {
                 );
                 if let Err(e) = self.set_aside(*id, &error).await {
                     tracing::warn!(event_id = %id, error = %e, "could not set the event aside; it stays isolated");
+                    lock(&inner.suspects).insert(*id);
                 }
+                lock(&inner.culprits).remove(id);
             }
+            // Marked suspects already (`MarkOnPanic`).
             ids => {
                 tracing::error!(event_ids = ?ids, panic = %why, "relay bug: a worker panicked on a batch; its events will be published one at a time (please report this)");
-                lock(&inner.suspects).extend(ids.iter().copied());
             }
         }
         session.publisher.close().await;
@@ -655,6 +671,24 @@ impl Relay {
     /// its aggregate in the batch, so nothing overtakes it). The rest stay
     /// in the outbox, unlocked at commit.
     fn isolate_suspect(&self, mut events: Vec<ClaimedEvent>) -> Vec<ClaimedEvent> {
+        {
+            // Events being set aside: not touched (an ordered one holds
+            // back the rest of its aggregate in this batch).
+            let culprits = lock(&self.inner.culprits);
+            if !culprits.is_empty() {
+                let mut stopped: HashSet<(String, String)> = HashSet::new();
+                events.retain(|e| {
+                    let key = (e.aggregate_type.clone(), e.aggregate_id.clone());
+                    if culprits.contains(&e.id) {
+                        if e.aggregate_seq.is_some() {
+                            stopped.insert(key);
+                        }
+                        return false;
+                    }
+                    !(e.aggregate_seq.is_some() && stopped.contains(&key))
+                });
+            }
+        }
         let suspects = lock(&self.inner.suspects);
         if suspects.is_empty() {
             return events;
@@ -693,6 +727,28 @@ impl Relay {
     /// Whether the broker is currently considered down.
     pub fn broker_down_now(&self) -> bool {
         self.inner.broker_outage.is_down()
+    }
+}
+
+/// Marks a batch's events when a panic unwinds through the batch: one
+/// event alone is the culprit (never published until set aside), several
+/// are suspects (each published alone from then on).
+struct MarkOnPanic<'a> {
+    relay: &'a Inner,
+    ids: Vec<Uuid>,
+}
+
+impl Drop for MarkOnPanic<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        match self.ids.as_slice() {
+            [id] => {
+                lock(&self.relay.culprits).insert(*id);
+            }
+            ids => lock(&self.relay.suspects).extend(ids.iter().copied()),
+        }
     }
 }
 

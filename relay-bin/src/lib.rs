@@ -31,7 +31,7 @@
 //! tokio::spawn({
 //!     let shutdown = shutdown.clone();
 //!     async move {
-//!         let _ = tokio::signal::ctrl_c().await;
+//!         outbox::shutdown_signal().await; // SIGTERM or Ctrl-C
 //!         shutdown.cancel();
 //!     }
 //! });

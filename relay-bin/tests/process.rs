@@ -257,6 +257,60 @@ async fn bad_configuration_gets_one_line_and_a_non_zero_exit_and_no_password_is_
             "amqp:// or amqps://",
             vec![("AMQP_URL", "http://guest:mq-S3cret-pw@x/")],
         ),
+        // Malformed URLs, from the environment and from flags: the
+        // password sits where no parser looks for one.
+        (
+            vec!["run"],
+            "AMQP URL is malformed",
+            vec![("AMQP_URL", "amqp:guest:mq-S3cret-pw@127.0.0.1:5672/%2f")],
+        ),
+        (
+            vec![
+                "run",
+                "--amqp-url",
+                "amqp:guest:mq-S3cret-pw@127.0.0.1:5672/%2f",
+            ],
+            "AMQP URL is malformed",
+            vec![],
+        ),
+        (
+            vec!["run"],
+            "AMQP URL is malformed",
+            vec![(
+                "AMQP_URL",
+                "amqp://guest:mq-S3cret-pw@127.0.0.1:notaport/%2f",
+            )],
+        ),
+        (
+            vec!["run"],
+            "AMQP URL",
+            vec![("AMQP_URL", "amqp//guest:mq-S3cret-pw@127.0.0.1/")],
+        ),
+        (
+            vec!["status"],
+            "database URL is malformed",
+            vec![(
+                "DATABASE_URL",
+                "postgres:u:pg-S3cret-pw@127.0.0.1:5432/test",
+            )],
+        ),
+        (
+            vec![
+                "--database-url",
+                "postgres:u:pg-S3cret-pw@127.0.0.1/x",
+                "status",
+            ],
+            "database URL is malformed",
+            vec![],
+        ),
+        (
+            vec!["status"],
+            "database URL is malformed",
+            vec![(
+                "DATABASE_URL",
+                "postgres://u:pg-S3cret-pw@127.0.0.1:notaport/x",
+            )],
+        ),
         (
             vec!["status"],
             "no database URL",
@@ -426,6 +480,19 @@ async fn metrics_health_and_readiness_are_served() {
         http_get(&addr, "/readyz")
             .await
             .is_some_and(|(s, _)| s == 200)
+    })
+    .await;
+    // The counters move after each batch commits, a moment after its
+    // events reach the queue.
+    let published_now = || async {
+        let (_, body) = http_get(&addr, "/metrics").await?;
+        body.lines()
+            .find(|l| l.starts_with("outbox_relay_published_total"))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    wait_until(Duration::from_secs(30), "the published counter", || async {
+        published_now().await.is_some_and(|n| n >= ids.len() as f64)
     })
     .await;
     let (status, body) = http_get(&addr, "/metrics").await.expect("/metrics answers");

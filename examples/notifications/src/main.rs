@@ -4,7 +4,6 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use tokio_util::sync::CancellationToken;
 
 /// Notifications consumer: records one notification per OrderPlaced
 /// event, exactly once, whatever the duplicates.
@@ -44,22 +43,35 @@ async fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
-    match run(Args::parse()).await {
+    let mut args = Args::parse();
+    if args.database_url.is_none() {
+        args.database_url = std::env::var("DATABASE_URL").ok();
+    }
+    // Errors of the libraries below may quote the URLs they were given.
+    let urls: Vec<String> = [Some(args.amqp_url.clone()), args.database_url.clone()]
+        .into_iter()
+        .flatten()
+        .collect();
+    match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("notifications: {e:#}");
+            eprintln!(
+                "notifications: {}",
+                outbox::redact::scrub_all(&format!("{e:#}"), &urls)
+            );
             ExitCode::FAILURE
         }
     }
 }
 
 async fn run(args: Args) -> Result<()> {
-    let Some(database_url) = args
-        .database_url
-        .or_else(|| std::env::var("DATABASE_URL").ok())
-    else {
+    let Some(database_url) = args.database_url else {
         bail!("set --database-url, NOTIFICATIONS_DATABASE_URL or DATABASE_URL");
     };
+    outbox::redact::check_url(&database_url, "database URL", &["postgres", "postgresql"])
+        .map_err(anyhow::Error::msg)?;
+    outbox::redact::check_url(&args.amqp_url, "AMQP URL", &["amqp", "amqps"])
+        .map_err(anyhow::Error::msg)?;
     let pool = sqlx::PgPool::connect(&database_url)
         .await
         .context("connecting to PostgreSQL")?;
@@ -75,16 +87,9 @@ async fn run(args: Args) -> Result<()> {
     .await
     .with_context(|| format!("declaring queue {}", args.queue))?;
     let consumer = notifications::consumer(&args.amqp_url, &args.queue, &args.schema, pool, notes)?;
-    let shutdown = CancellationToken::new();
-    tokio::spawn({
-        let shutdown = shutdown.clone();
-        async move {
-            let _ = tokio::signal::ctrl_c().await;
-            shutdown.cancel();
-        }
-    });
     tracing::info!(queue = %args.queue, schema = %args.schema, "notifications consuming");
-    consumer.run(shutdown).await.context("consuming")?;
+    // SIGTERM or Ctrl-C: drain the batch in hand, then exit 0.
+    consumer.run_until_signal().await.context("consuming")?;
     let stats = consumer.stats();
     tracing::info!(
         processed = stats.processed,

@@ -31,16 +31,28 @@ async fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
-    match run(Args::parse()).await {
+    let args = Args::parse();
+    // Errors of the libraries below may quote the URL they were given.
+    let urls = [args.database_url.clone()];
+    match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("orders: {e:#}");
+            eprintln!(
+                "orders: {}",
+                outbox::redact::scrub_all(&format!("{e:#}"), &urls)
+            );
             ExitCode::FAILURE
         }
     }
 }
 
 async fn run(args: Args) -> Result<()> {
+    outbox::redact::check_url(
+        &args.database_url,
+        "database URL",
+        &["postgres", "postgresql"],
+    )
+    .map_err(anyhow::Error::msg)?;
     let pool = sqlx::PgPool::connect(&args.database_url)
         .await
         .context("connecting to PostgreSQL")?;
@@ -52,9 +64,8 @@ async fn run(args: Args) -> Result<()> {
         .with_context(|| format!("listening on {}", args.listen_addr))?;
     tracing::info!(addr = %listener.local_addr()?, schema = %args.schema, "orders API listening");
     axum::serve(listener, orders::router(state))
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        // SIGTERM or Ctrl-C: finish the requests in flight, then exit 0.
+        .with_graceful_shutdown(outbox::shutdown_signal())
         .await
         .context("serving HTTP")
 }

@@ -5,6 +5,7 @@
 mod proxy;
 
 pub use proxy::{Mode, Proxy};
+pub mod service;
 
 use std::collections::HashMap;
 use std::future::Future;
