@@ -171,7 +171,8 @@ async fn start(prefix: &str, config: IdempotencyConfig, hold: Duration) -> Harne
             .outbox(outbox.clone()),
         optional: IdempotentRoute::new(idem)
             .optional()
-            .key_from_json_field("idempotency_key"),
+            .key_from_json_field("idempotency_key")
+            .problem_type_base("https://api.example.test/problems#"),
         outbox,
         schema: schema.clone(),
         executions: Arc::default(),
@@ -241,7 +242,8 @@ impl Reply {
             .unwrap_or_else(|e| panic!("{e}: {:?}", String::from_utf8_lossy(&self.body)))
     }
 
-    /// Asserts an RFC 9457 problem document with `status` whose type ends in `slug`.
+    /// Asserts an RFC 9457 problem document with `status` and code `slug`
+    /// (`type` is `about:blank` unless the route names a base).
     fn assert_problem(&self, status: u16, slug: &str) {
         assert_eq!(self.status, status, "{self:?}");
         assert_eq!(
@@ -249,8 +251,10 @@ impl Reply {
             Some("application/problem+json")
         );
         let p = self.json();
+        assert_eq!(p["code"], slug, "{p}");
+        let t = p["type"].as_str().unwrap();
         assert!(
-            p["type"].as_str().unwrap().ends_with(&format!("#{slug}")),
+            t == "about:blank" || t == format!("https://api.example.test/problems#{slug}"),
             "{p}"
         );
         assert_eq!(p["status"], status);
@@ -565,9 +569,17 @@ async fn an_optional_route_runs_without_a_key_and_reads_it_from_the_body() {
     let replay = h.post("/notes", None, keyed).await;
     assert!(replay.replayed());
     assert_eq!(replay.body, b"noted");
-    h.post("/notes", None, r#"{"idempotency_key":"bad key"}"#)
-        .await
-        .assert_problem(400, "key-invalid");
+    let bad = h
+        .post("/notes", None, r#"{"idempotency_key":"bad key"}"#)
+        .await;
+    bad.assert_problem(400, "key-invalid");
+    // This route names its problem types; the others use about:blank.
+    assert_eq!(
+        bad.json()["type"],
+        "https://api.example.test/problems#key-invalid"
+    );
+    let other = h.post("/orders", Some("bad key"), ORDER).await;
+    assert_eq!(other.json()["type"], "about:blank");
     assert_eq!(h.executions(), 3);
     assert_eq!(h.count("orders").await, 3);
     h.finish().await;

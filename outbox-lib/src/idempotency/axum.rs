@@ -28,9 +28,6 @@ pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 /// Default largest request body an idempotent route buffers: 1 MiB.
 const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
 
-// `type` URIs of the problem documents (RFC 9457) this module answers with.
-const PROBLEM_BASE: &str = "https://github.com/outbox-rs/outbox/blob/main/docs/IDEMPOTENCY.md#";
-
 type ScopeFn = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 type FingerprintFn = Arc<dyn Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync>;
 
@@ -56,6 +53,23 @@ pub struct IdempotentRoute {
     scope: ScopeFn,
     fingerprint: FingerprintFn,
     outbox: Option<Outbox>,
+    problems: ProblemTypes,
+}
+
+/// How problem documents name their `type` (RFC 9457).
+#[derive(Debug, Clone, Default)]
+struct ProblemTypes {
+    /// `None`: `about:blank` (with a precise `title` and a `code`).
+    base: Option<Arc<str>>,
+}
+
+impl ProblemTypes {
+    fn uri(&self, code: &str) -> String {
+        match &self.base {
+            Some(base) => format!("{base}{code}"),
+            None => "about:blank".to_owned(),
+        }
+    }
 }
 
 impl std::fmt::Debug for IdempotentRoute {
@@ -86,7 +100,21 @@ impl IdempotentRoute {
                 Fingerprint::of_request(parts.method.as_str(), path, body)
             }),
             outbox: None,
+            problems: ProblemTypes::default(),
         }
+    }
+
+    /// The `type` of this route's problem documents (RFC 9457): `base`
+    /// followed by the problem's code (`key-missing`, `key-invalid`,
+    /// `key-reused`, `key-in-use`, `request-too-large`, `request-body`,
+    /// `response-too-large`, `streaming-response`, `unavailable`,
+    /// `internal`), e.g. `https://api.example.com/problems/idempotency#`,
+    /// an address you control and document. Default: `about:blank`, as RFC
+    /// 9457 allows; every document still carries a precise `title` and the
+    /// code as the extension member `code`, for clients to branch on.
+    pub fn problem_type_base(mut self, base: impl Into<String>) -> Self {
+        self.problems.base = Some(base.into().into());
+        self
     }
 
     /// Requests without a key run normally (in a transaction, nothing
@@ -142,6 +170,7 @@ impl IdempotentRoute {
             Ok(body) => body,
             Err(ReadError::TooLarge(_)) => {
                 return Err(problem(
+                    &self.problems,
                     StatusCode::PAYLOAD_TOO_LARGE,
                     "request-too-large",
                     "Request body too large",
@@ -154,6 +183,7 @@ impl IdempotentRoute {
             Err(ReadError::Body(e)) => {
                 tracing::debug!(error = %e, "idempotent request body unreadable");
                 return Err(problem(
+                    &self.problems,
                     StatusCode::BAD_REQUEST,
                     "request-body",
                     "Unreadable request body",
@@ -163,9 +193,11 @@ impl IdempotentRoute {
         };
         let key = match self
             .raw_key(&parts, &body)
-            .map_err(|e| error_response(&e))?
+            .map_err(|e| error_response(&self.problems, &e))?
         {
-            Some(raw) => Some(IdempotencyKey::parse(&raw).map_err(|e| error_response(&e))?),
+            Some(raw) => {
+                Some(IdempotencyKey::parse(&raw).map_err(|e| error_response(&self.problems, &e))?)
+            }
             None if self.required => {
                 let detail = match &self.key_source {
                     KeySource::Header => {
@@ -176,6 +208,7 @@ impl IdempotentRoute {
                     }
                 };
                 return Err(problem(
+                    &self.problems,
                     StatusCode::BAD_REQUEST,
                     "key-missing",
                     "Idempotency key missing",
@@ -189,7 +222,7 @@ impl IdempotentRoute {
             .pool()
             .begin()
             .await
-            .map_err(|e| error_response(&Error::Database(e)))?;
+            .map_err(|e| error_response(&self.problems, &Error::Database(e)))?;
         let claimed = match key {
             None => None,
             Some(key) => {
@@ -202,7 +235,7 @@ impl IdempotentRoute {
                         let _ = tx.rollback().await;
                         return Err(replay(recorded));
                     }
-                    Err(e) => return Err(error_response(&e)),
+                    Err(e) => return Err(error_response(&self.problems, &e)),
                 }
             }
         };
@@ -213,6 +246,7 @@ impl IdempotentRoute {
             body,
             idem: self.idem.clone(),
             outbox: self.outbox.clone(),
+            problems: self.problems.clone(),
         })
     }
 
@@ -289,6 +323,7 @@ pub struct Idempotent {
     body: Bytes,
     idem: Idempotency,
     outbox: Option<Outbox>,
+    problems: ProblemTypes,
 }
 
 impl std::fmt::Debug for Idempotent {
@@ -328,6 +363,7 @@ impl Idempotent {
     pub fn json<T: DeserializeOwned>(&self) -> Result<T, Response> {
         serde_json::from_slice(&self.body).map_err(|e| {
             problem(
+                &self.problems,
                 StatusCode::BAD_REQUEST,
                 "request-body",
                 "Invalid JSON body",
@@ -352,6 +388,7 @@ impl Idempotent {
             claimed,
             idem,
             outbox,
+            problems,
             ..
         } = self;
         if response.status().is_server_error() {
@@ -362,6 +399,7 @@ impl Idempotent {
         if body.size_hint().exact().is_none() {
             let _ = tx.rollback().await;
             return problem(
+                &problems,
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "streaming-response",
                 "Streaming response on an idempotent route",
@@ -375,11 +413,12 @@ impl Idempotent {
                 let _ = tx.rollback().await;
                 return match e {
                     ReadError::TooLarge(size) => {
-                        error_response(&Error::ResponseTooLarge { size, limit })
+                        error_response(&problems, &Error::ResponseTooLarge { size, limit })
                     }
                     ReadError::Body(e) => {
                         tracing::error!(error = %e, "idempotent response body failed");
                         problem(
+                            &problems,
                             StatusCode::INTERNAL_SERVER_ERROR,
                             "internal",
                             "Internal error",
@@ -401,11 +440,11 @@ impl Idempotent {
             };
             if let Err(e) = idem.record(&mut tx, claimed, &recorded).await {
                 let _ = tx.rollback().await;
-                return error_response(&e);
+                return error_response(&problems, &e);
             }
         }
         if let Err(e) = tx.commit().await {
-            return error_response(&Error::Database(e));
+            return error_response(&problems, &Error::Database(e));
         }
         if let Some(outbox) = outbox {
             outbox.wake();
@@ -445,15 +484,17 @@ fn replay(recorded: RecordedResponse) -> Response {
 }
 
 /// The HTTP answer to an error of this crate.
-fn error_response(e: &Error) -> Response {
+fn error_response(problems: &ProblemTypes, e: &Error) -> Response {
     match e {
         Error::InvalidIdempotencyKey { .. } => problem(
+            problems,
             StatusCode::BAD_REQUEST,
             "key-invalid",
             "Invalid idempotency key",
             &format!("{e}; use 1 to 255 visible ASCII characters"),
         ),
         Error::IdempotencyKeyMismatch => problem(
+            problems,
             StatusCode::UNPROCESSABLE_ENTITY,
             "key-reused",
             "Idempotency key reused",
@@ -461,6 +502,7 @@ fn error_response(e: &Error) -> Response {
         ),
         Error::IdempotencyKeyInUse { retry_after } => with_retry_after(
             problem(
+                problems,
                 StatusCode::CONFLICT,
                 "key-in-use",
                 "Request in progress",
@@ -469,6 +511,7 @@ fn error_response(e: &Error) -> Response {
             *retry_after,
         ),
         Error::ResponseTooLarge { .. } => problem(
+            problems,
             StatusCode::INTERNAL_SERVER_ERROR,
             "response-too-large",
             "Response too large to record",
@@ -476,6 +519,7 @@ fn error_response(e: &Error) -> Response {
         ),
         e if e.is_transient() => with_retry_after(
             problem(
+                problems,
                 StatusCode::SERVICE_UNAVAILABLE,
                 "unavailable",
                 "Service unavailable",
@@ -486,6 +530,7 @@ fn error_response(e: &Error) -> Response {
         e => {
             tracing::error!(error = %e, "idempotent request failed");
             problem(
+                problems,
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal",
                 "Internal error",
@@ -504,9 +549,16 @@ fn with_retry_after(mut response: Response, after: Duration) -> Response {
 }
 
 /// An RFC 9457 problem document.
-fn problem(status: StatusCode, slug: &str, title: &str, detail: &str) -> Response {
+fn problem(
+    problems: &ProblemTypes,
+    status: StatusCode,
+    code: &str,
+    title: &str,
+    detail: &str,
+) -> Response {
     let body = serde_json::json!({
-        "type": format!("{PROBLEM_BASE}{slug}"),
+        "type": problems.uri(code),
+        "code": code,
         "title": title,
         "status": status.as_u16(),
         "detail": detail,
