@@ -615,3 +615,91 @@ async fn a_concurrent_request_past_the_wait_gets_409_with_retry_after() {
     assert_eq!(h.executions(), 1);
     drop_schema(&h.pool, &h.schema).await;
 }
+
+/// The small app of the pool test: a held idempotent route and a plain
+/// route that needs a connection.
+#[derive(Clone)]
+struct Held {
+    route: IdempotentRoute,
+    pool: PgPool,
+    release: Arc<tokio::sync::Notify>,
+    executions: Arc<AtomicUsize>,
+}
+
+impl FromRef<Held> for IdempotentRoute {
+    fn from_ref(app: &Held) -> Self {
+        app.route.clone()
+    }
+}
+
+async fn held_order(State(app): State<Held>, mut req: Idempotent) -> Response {
+    app.executions.fetch_add(1, Ordering::SeqCst);
+    sqlx::query("SELECT 1").execute(req.conn()).await.unwrap();
+    app.release.notified().await;
+    req.finish((StatusCode::CREATED, "made")).await
+}
+
+async fn ping(State(app): State<Held>) -> StatusCode {
+    match sqlx::query("SELECT 1").execute(&app.pool).await {
+        Ok(_) => StatusCode::OK,
+        Err(_) => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+/// Ten concurrent copies of one request on a pool of five: the copies wait
+/// for the first without holding connections, so another route still gets
+/// one; once the first finishes, every copy gets its recorded response.
+#[tokio::test]
+async fn concurrent_duplicates_do_not_take_the_pool() {
+    let (setup, schema) = migrated("idem_pool").await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(5)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&database_url())
+        .await
+        .unwrap();
+    let idem = Idempotency::new(
+        &pool,
+        IdempotencyConfig::default()
+            .schema(&schema)
+            .wait(Duration::from_secs(60)),
+    )
+    .await
+    .unwrap();
+    let app = Held {
+        route: IdempotentRoute::new(idem),
+        pool: pool.clone(),
+        release: Arc::default(),
+        executions: Arc::default(),
+    };
+    let router = Router::new()
+        .route("/orders", post(held_order))
+        .route("/ping", post(ping))
+        .with_state(app.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+
+    let copies: Vec<_> = (0..10)
+        .map(|_| tokio::spawn(send(addr, "/orders", &[("Idempotency-Key", "k-1")], ORDER)))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // Queued: waiting at the gate, or (were they to hold connections while
+    // they wait) the pool exhausted.
+    let queued = || app.route.waiting() == 9 || (pool.size() == 5 && pool.num_idle() == 0);
+    while !(app.executions.load(Ordering::SeqCst) == 1 && queued()) {
+        assert!(Instant::now() < deadline, "the copies never queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The first holds its claim; nine copies wait; the pool still serves.
+    assert_eq!(send(addr, "/ping", &[], "{}").await.status, 200);
+    app.release.notify_one();
+    let mut replies = Vec::new();
+    for c in copies {
+        replies.push(c.await.unwrap());
+    }
+    assert!(replies.iter().all(|r| r.status == 201), "{replies:?}");
+    assert_eq!(replies.iter().filter(|r| r.replayed()).count(), 9);
+    assert_eq!(app.executions.load(Ordering::SeqCst), 1);
+    drop_schema(&setup, &schema).await;
+}

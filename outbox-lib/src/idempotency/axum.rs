@@ -1,7 +1,9 @@
 //! axum integration: the [`Idempotent`] extractor.
 
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes, HttpBody};
@@ -54,6 +56,64 @@ pub struct IdempotentRoute {
     fingerprint: FingerprintFn,
     outbox: Option<Outbox>,
     problems: ProblemTypes,
+    gates: Gates,
+}
+
+/// One in-process gate per (scope, key) in use: concurrent requests with
+/// the same key wait here, holding no database connection, so a client
+/// repeating one request cannot take the pool; only the request holding
+/// the gate holds a connection (one per key per process).
+#[derive(Debug, Clone, Default)]
+struct Gates {
+    open: Arc<std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>,
+    waiting: Arc<AtomicUsize>,
+}
+
+/// A held gate; released (and forgotten when nobody else wants it) on drop.
+struct Gate {
+    gates: Gates,
+    key: String,
+    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl Gates {
+    /// Waits up to `wait` for the gate of `key`; `None` past it.
+    async fn enter(&self, key: String, wait: Duration) -> Option<Gate> {
+        let gate = {
+            let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+            open.entry(key.clone()).or_default().clone()
+        };
+        let guard = match gate.clone().try_lock_owned() {
+            Ok(guard) => Some(guard),
+            Err(_) if wait.is_zero() => None,
+            Err(_) => {
+                self.waiting.fetch_add(1, AtomicOrdering::Relaxed);
+                let got = tokio::time::timeout(wait, gate.lock_owned()).await.ok();
+                self.waiting.fetch_sub(1, AtomicOrdering::Relaxed);
+                got
+            }
+        };
+        let gate = Gate {
+            gates: self.clone(),
+            key,
+            guard,
+        };
+        gate.guard.is_some().then_some(gate)
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        let mut open = self.gates.open.lock().unwrap_or_else(|p| p.into_inner());
+        // Only the map holds it: nobody waits for this key any more.
+        if open
+            .get(&self.key)
+            .is_some_and(|g| Arc::strong_count(g) == 1)
+        {
+            open.remove(&self.key);
+        }
+    }
 }
 
 /// How problem documents name their `type` (RFC 9457).
@@ -101,7 +161,14 @@ impl IdempotentRoute {
             }),
             outbox: None,
             problems: ProblemTypes::default(),
+            gates: Gates::default(),
         }
+    }
+
+    /// Requests of this route waiting, in this process, for a concurrent
+    /// request with the same key (they hold no database connection).
+    pub fn waiting(&self) -> usize {
+        self.gates.waiting.load(AtomicOrdering::Relaxed)
     }
 
     /// The `type` of this route's problem documents (RFC 9457): `base`
@@ -217,6 +284,26 @@ impl IdempotentRoute {
             }
             None => None,
         };
+        // Concurrent duplicates queue here, before taking a connection.
+        let scope = (self.scope)(&parts);
+        let gate = match &key {
+            None => None,
+            Some(key) => {
+                let wait = self.idem.wait_bound();
+                let gated = self.gates.enter(format!("{scope}\0{}", key.as_str()), wait);
+                match gated.await {
+                    Some(gate) => Some(gate),
+                    None => {
+                        return Err(error_response(
+                            &self.problems,
+                            &Error::IdempotencyKeyInUse {
+                                retry_after: self.idem.retry_after(),
+                            },
+                        ));
+                    }
+                }
+            }
+        };
         let mut tx = self
             .idem
             .pool()
@@ -226,7 +313,6 @@ impl IdempotentRoute {
         let claimed = match key {
             None => None,
             Some(key) => {
-                let scope = (self.scope)(&parts);
                 let fingerprint = (self.fingerprint)(&parts, &body);
                 match self.idem.claim(&mut tx, &scope, &key, fingerprint).await {
                     Ok(Claim::Execute(claimed)) => Some(claimed),
@@ -247,6 +333,7 @@ impl IdempotentRoute {
             idem: self.idem.clone(),
             outbox: self.outbox.clone(),
             problems: self.problems.clone(),
+            _gate: gate,
         })
     }
 
@@ -324,6 +411,8 @@ pub struct Idempotent {
     idem: Idempotency,
     outbox: Option<Outbox>,
     problems: ProblemTypes,
+    /// Held until the response is recorded and committed (or dropped).
+    _gate: Option<Gate>,
 }
 
 impl std::fmt::Debug for Idempotent {
@@ -389,6 +478,8 @@ impl Idempotent {
             idem,
             outbox,
             problems,
+            // Kept to the end: a waiting duplicate must find the record.
+            _gate,
             ..
         } = self;
         if response.status().is_server_error() {

@@ -253,6 +253,10 @@ impl Idempotency {
         self.inner.config.retry_after
     }
 
+    pub(crate) fn wait_bound(&self) -> Duration {
+        self.inner.config.wait
+    }
+
     /// Keeps the allow-listed headers and checks the size cap.
     pub(crate) fn recordable(&self, response: &RecordedResponse) -> Result<serde_json::Value> {
         let limit = self.max_response_bytes();
