@@ -681,8 +681,13 @@ fn database_unreachable(e: &sqlx::Error) -> bool {
     }
 }
 
+/// Sleeps for the current backoff with full jitter (a random delay in
+/// `[d/2, d]`, so instances that lost the broker together do not all come
+/// back at the same instant), then doubles it up to `max`. False when
+/// `shutdown` fired first.
 async fn pause(shutdown: &CancellationToken, backoff: &mut Duration, max: Duration) -> bool {
-    let wait = *backoff;
+    let half = *backoff / 2;
+    let wait = half + backoff.saturating_sub(half).mul_f64(rand::random::<f64>());
     *backoff = (*backoff * 2).min(max);
     tokio::select! {
         _ = shutdown.cancelled() => false,

@@ -1,5 +1,8 @@
 use std::time::Duration;
 
+/// Bound on the notifier's connection attempts.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 use tokio::sync::mpsc;
 
@@ -60,7 +63,9 @@ async fn run(
     // Ends when every Outbox handle (and so the sender) is dropped.
     while rx.recv().await.is_some() {
         if conn.is_none() {
-            match options.connect().await {
+            // Bounded: a silent network must not stall the notifier.
+            let connected = tokio::time::timeout(CONNECT_TIMEOUT, options.connect()).await;
+            match connected.unwrap_or_else(|_| Err(sqlx::Error::PoolTimedOut)) {
                 Ok(c) => conn = Some(c),
                 Err(e) => {
                     if !failing {

@@ -43,7 +43,10 @@ pub struct RelayConfig {
     pub max_payload_bytes: usize,
     /// Keep delivered events in `outbox_published` instead of deleting them.
     pub archive: bool,
-    /// How long a shutdown may spend finishing the batches in flight.
+    /// How long a shutdown may spend finishing the batches in flight;
+    /// past it [`Relay::run`](crate::Relay::run) abandons them (rolled
+    /// back, their events stay in the outbox) and returns
+    /// [`Error::DrainTimedOut`](crate::Error::DrainTimedOut).
     pub drain_timeout: Duration,
     /// First reconnect delay after a broker or database outage.
     pub reconnect_min: Duration,

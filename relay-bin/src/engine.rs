@@ -426,6 +426,7 @@ impl Relay {
         }
         inner.health.database.store(true, Ordering::Relaxed);
         let mut failures = 0u32;
+        let mut drained_late = false;
         while !shutdown.is_cancelled() {
             let conn = match publish::connect(&cfg.amqp_url, cfg.broker_timeout).await {
                 Ok(c) => Arc::new(c),
@@ -456,7 +457,30 @@ impl Relay {
             }
             let mut broker_error = None;
             let mut worker_bug = false;
-            while let Some(r) = workers.join_next().await {
+            // Once shutdown is asked for, the batches in flight get
+            // `drain_timeout` to finish; then they are abandoned (rolled
+            // back: their events stay in the outbox).
+            let mut drain_by: Option<tokio::time::Instant> = None;
+            loop {
+                let next = match drain_by {
+                    None => tokio::select! {
+                        r = workers.join_next() => r,
+                        _ = shutdown.cancelled() => {
+                            drain_by = Some(tokio::time::Instant::now() + cfg.drain_timeout);
+                            continue;
+                        }
+                    },
+                    Some(by) => match tokio::time::timeout_at(by, workers.join_next()).await {
+                        Ok(r) => r,
+                        Err(_) => {
+                            workers.abort_all();
+                            while workers.join_next().await.is_some() {}
+                            drained_late = true;
+                            break;
+                        }
+                    },
+                };
+                let Some(r) = next else { break };
                 match r {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => {
@@ -478,11 +502,15 @@ impl Relay {
                     }
                 }
             }
-            let _ = tokio::time::timeout(
-                cfg.broker_timeout,
-                conn.close(200, "relay session over".into()),
-            )
-            .await;
+            // Past the drain timeout nothing more is waited for: the
+            // connection is dropped, not closed politely.
+            if !drained_late {
+                let _ = tokio::time::timeout(
+                    cfg.broker_timeout,
+                    conn.close(200, "relay session over".into()),
+                )
+                .await;
+            }
             inner.health.broker.store(false, Ordering::Relaxed);
             match broker_error {
                 Some(e) => self.broker_down(&e, &mut failures, &shutdown).await,
@@ -501,6 +529,9 @@ impl Relay {
             l.abort();
         }
         self.release_leases().await;
+        if drained_late {
+            return Err(Error::DrainTimedOut(cfg.drain_timeout));
+        }
         Ok(())
     }
 

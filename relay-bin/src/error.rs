@@ -33,6 +33,14 @@ pub enum Error {
     /// channel is replaced).
     #[error("broker closed the channel: {0}")]
     ChannelClosed(String),
+    /// On shutdown, the batches in flight did not finish within
+    /// [`RelayConfig::drain_timeout`](crate::RelayConfig::drain_timeout);
+    /// they were abandoned (rolled back) and their events stay in the
+    /// outbox, to be published again.
+    #[error(
+        "batches in flight did not finish within the drain timeout of {0:?}; their events stay in the outbox and will be published again"
+    )]
+    DrainTimedOut(std::time::Duration),
     /// A broker operation did not finish within its timeout.
     #[error("broker did not answer {what} within {timeout:?}")]
     BrokerTimeout {
@@ -58,7 +66,7 @@ impl Error {
     /// True when a later retry of the same operation may succeed.
     pub fn is_transient(&self) -> bool {
         match self {
-            Error::Config(_) => false,
+            Error::Config(_) | Error::DrainTimedOut(_) => false,
             Error::Outbox(e) => e.is_transient(),
             Error::Database(e) => outbox::__private::is_transient_db(e),
             Error::BrokerConnect { .. }

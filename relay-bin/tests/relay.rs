@@ -614,3 +614,62 @@ async fn a_slow_broker_cannot_stretch_a_batch_past_its_idle_bound() {
     db.cleanup().await;
     broker.cleanup().await;
 }
+
+/// An embedded relay honours `drain_timeout`: asked to stop while a batch
+/// waits for confirms from a broker gone silent, it abandons the batch
+/// after the drain timeout (rolled back: the events stay in the outbox)
+/// and says so, instead of waiting for the confirm timeout.
+#[tokio::test]
+async fn shutdown_abandons_batches_in_flight_past_the_drain_timeout() {
+    let db = TestDb::producer("relay_drain").await;
+    let broker = TestBroker::new("drain", FieldTable::default()).await;
+    let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let relay = Relay::new(
+        db.pool.clone(),
+        RelayConfig {
+            amqp_url: proxy.url(&amqp_url()),
+            confirm_timeout: Duration::from_secs(120),
+            broker_timeout: Duration::from_secs(120),
+            drain_timeout: Duration::from_secs(1),
+            workers: 1,
+            ..config(&db, &broker)
+        },
+    )
+    .await
+    .unwrap();
+    let (stop, task) = spawn(&relay);
+    wait_until(DEADLINE, "the relay connected", || async {
+        relay.health().is_ready()
+    })
+    .await;
+    proxy.set(e2e::Mode::Blackhole);
+    let ids = db.produce(10, 10, Duration::ZERO).await;
+    // In flight: the relay holds every row locked, waiting for confirms.
+    let unlocked = sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM (SELECT 1 FROM \"{}\".outbox FOR UPDATE SKIP LOCKED) x",
+        db.schema
+    )));
+    wait_until(DEADLINE, "the batch in flight", || async {
+        let mut tx = db.pool.begin().await.unwrap();
+        let n: i64 = sqlx::query_scalar(unlocked.clone())
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        tx.rollback().await.unwrap();
+        n == 0
+    })
+    .await;
+    stop.cancel();
+    let ended = tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("run returned within the drain timeout, not the confirm timeout")
+        .unwrap();
+    assert!(
+        matches!(ended, Err(outbox_relay::Error::DrainTimedOut(_))),
+        "{ended:?}"
+    );
+    assert_eq!(db.count("outbox").await, ids.len() as i64, "events kept");
+    proxy.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}

@@ -253,6 +253,7 @@ impl Idempotency {
         self.inner.config.retry_after
     }
 
+    #[cfg(feature = "axum")]
     pub(crate) fn wait_bound(&self) -> Duration {
         self.inner.config.wait
     }
@@ -356,7 +357,7 @@ impl Existing {
             expired: row.try_get("expired")?,
             response,
             recovery_point: row.try_get("recovery_point")?,
-            lease_left: lease_left.filter(|s| *s > 0.0).map(Duration::from_secs_f64),
+            lease_left: lease_left.and_then(lease_from_secs),
         })
     }
 }
@@ -451,5 +452,28 @@ impl Statements {
                  WHERE scope = $1 AND key = $2 AND state = 'in_progress' AND lease_owner = $3"
             )),
         }
+    }
+}
+
+/// The time left on a lease, from PostgreSQL's seconds: none when lapsed
+/// (or not a number); a lease `locked_until = 'infinity'` (set by hand)
+/// is held for ever, not a panic.
+fn lease_from_secs(secs: f64) -> Option<Duration> {
+    (secs > 0.0).then(|| Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX))
+}
+
+#[cfg(test)]
+mod lease_tests {
+    use super::*;
+
+    #[test]
+    fn any_lease_value_converts_without_panicking() {
+        assert_eq!(lease_from_secs(f64::INFINITY), Some(Duration::MAX));
+        assert_eq!(lease_from_secs(1e300), Some(Duration::MAX));
+        assert_eq!(lease_from_secs(1.5), Some(Duration::from_millis(1500)));
+        assert_eq!(lease_from_secs(0.0), None);
+        assert_eq!(lease_from_secs(-3.0), None);
+        assert_eq!(lease_from_secs(f64::NAN), None);
+        assert_eq!(lease_from_secs(f64::NEG_INFINITY), None);
     }
 }
