@@ -217,10 +217,11 @@ impl Consumer {
     /// ```
     pub async fn run_until_signal(&self) -> Result<()> {
         let shutdown = CancellationToken::new();
+        let stop = outbox::shutdown_signal(); // handlers installed now
         let signal = tokio::spawn({
             let shutdown = shutdown.clone();
             async move {
-                outbox::shutdown_signal().await;
+                stop.await;
                 shutdown.cancel();
             }
         });

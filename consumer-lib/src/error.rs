@@ -15,7 +15,7 @@ pub enum Error {
     Database(#[from] sqlx::Error),
     /// A broker operation failed (connection refused or lost, channel
     /// closed, queue missing, ...).
-    #[error("broker error during {what}")]
+    #[error("broker error during {what}: {source}")]
     Broker {
         /// The AMQP operation that failed.
         what: &'static str,
@@ -84,8 +84,8 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Database(e) => outbox::__private::is_transient_db(e),
-            Error::Broker { .. }
-            | Error::BrokerTimeout { .. }
+            Error::Broker { source, .. } => !is_refusal(source),
+            Error::BrokerTimeout { .. }
             | Error::ConsumerCancelled { .. }
             | Error::Nacked { .. }
             | Error::Returned { .. } => true,
@@ -93,6 +93,20 @@ impl Error {
             Error::Config(_) | Error::MissingPlugin { .. } => false,
         }
     }
+}
+
+/// The broker refused in a way no retry can fix: a login or permission
+/// refused (403 `ACCESS_REFUSED`), a missing virtual host (530
+/// `NOT_ALLOWED`), a declaration at odds with what exists (406
+/// `PRECONDITION_FAILED`: another queue type or other arguments). A missing
+/// queue (404) is not one: it may be declared later.
+pub(crate) fn is_refusal(e: &lapin::Error) -> bool {
+    use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+    matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp) if matches!(
+        amqp.kind(),
+        AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED | AMQPSoftError::PRECONDITIONFAILED)
+            | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
+    ))
 }
 
 /// The result type of this crate.

@@ -157,3 +157,48 @@ async fn disruptive_broker_restart_is_survived_without_help() {
     c.stop().await;
     env.teardown().await;
 }
+
+/// What no retry can fix ends `run` with a typed error at once: a refused
+/// login, a missing virtual host, a retry queue declared earlier with
+/// other arguments (PRECONDITION_FAILED). The password is in no message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_end_run_with_an_error_instead_of_retrying() {
+    let env = Env::new().await;
+    let wrong_password = common::amqp_url().replace("guest:guest", "guest:S3cret-wrong");
+    let no_vhost = common::amqp_url().replace("%2f", "no-such-vhost");
+    // <queue>.retry exists already as a plain queue without the retry
+    // arguments the consumer declares.
+    let clash = format!("{}_clash", env.queue);
+    env.channel
+        .queue_declare(
+            format!("{clash}.retry").as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                auto_delete: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    for (what, url, queue) in [
+        ("a refused login", wrong_password, env.queue.clone()),
+        ("a missing vhost", no_vhost, env.queue.clone()),
+        ("a conflicting declaration", common::amqp_url(), clash),
+    ] {
+        let mut cfg = env.config("svc");
+        cfg.amqp_url = url;
+        cfg.queue = queue;
+        let consumer = Consumer::new(cfg, env.pool.clone(), Ack).unwrap();
+        let ended = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            consumer.run(tokio_util::sync::CancellationToken::new()),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{what}: still retrying after 30 s"));
+        let e = ended.expect_err(what);
+        assert!(matches!(e, Error::Broker { .. }), "{what}: {e:?}");
+        assert!(!e.is_transient(), "{what}: {e}");
+        assert!(!format!("{e} {e:?}").contains("S3cret"), "{what}: {e}");
+    }
+    env.teardown().await;
+}

@@ -382,7 +382,7 @@ async fn run_relay(url: &str, schema: &Ident, r: &RunArgs) -> Result<ExitCode> {
         crate::http::serve(addr, relay.health(), pool.clone(), schema.clone()).await?;
     }
     let shutdown = CancellationToken::new();
-    let signals = tokio::spawn(wait_for_signal(shutdown.clone()));
+    let signals = tokio::spawn(wait_for_signal(outbox::shutdown_signal(), shutdown.clone()));
     tracing::info!(schema = %schema, exchange = %r.exchange, broker = %redact_url(&r.amqp_url), "relay started");
     let mut run = tokio::spawn({
         let relay = relay.clone();
@@ -404,8 +404,8 @@ async fn run_relay(url: &str, schema: &Ident, r: &RunArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn wait_for_signal(shutdown: CancellationToken) {
-    outbox::shutdown_signal().await;
+async fn wait_for_signal(signal: impl Future<Output = ()>, shutdown: CancellationToken) {
+    signal.await;
     shutdown.cancel();
 }
 

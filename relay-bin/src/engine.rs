@@ -430,6 +430,7 @@ impl Relay {
         while !shutdown.is_cancelled() {
             let conn = match publish::connect(&cfg.amqp_url, cfg.broker_timeout).await {
                 Ok(c) => Arc::new(c),
+                Err(e) if !e.is_transient() => return self.give_up(e, listener).await,
                 Err(e) => {
                     self.broker_down(&e, &mut failures, &shutdown).await;
                     continue;
@@ -444,6 +445,9 @@ impl Relay {
                 )
                 .await
             {
+                if !e.is_transient() {
+                    return self.give_up(e, listener).await;
+                }
                 self.broker_down(&e, &mut failures, &shutdown).await;
                 continue;
             }
@@ -513,6 +517,7 @@ impl Relay {
             }
             inner.health.broker.store(false, Ordering::Relaxed);
             match broker_error {
+                Some(e) if !e.is_transient() => return self.give_up(e, listener).await,
                 Some(e) => self.broker_down(&e, &mut failures, &shutdown).await,
                 None if worker_bug && !shutdown.is_cancelled() => {
                     failures = failures.saturating_add(1);
@@ -533,6 +538,18 @@ impl Relay {
             return Err(Error::DrainTimedOut(cfg.drain_timeout));
         }
         Ok(())
+    }
+
+    /// Stops for an error no retry can fix (a refused login, a missing
+    /// virtual host, a conflicting declaration): returned from `run`, not
+    /// logged as an outage for ever.
+    async fn give_up(&self, e: Error, listener: Option<tokio::task::JoinHandle<()>>) -> Result<()> {
+        if let Some(l) = listener {
+            l.abort();
+        }
+        self.inner.health.broker.store(false, Ordering::Relaxed);
+        self.release_leases().await;
+        Err(e)
     }
 
     async fn broker_down(&self, e: &Error, failures: &mut u32, shutdown: &CancellationToken) {

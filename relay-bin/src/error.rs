@@ -69,12 +69,24 @@ impl Error {
             Error::Config(_) | Error::DrainTimedOut(_) => false,
             Error::Outbox(e) => e.is_transient(),
             Error::Database(e) => outbox::__private::is_transient_db(e),
-            Error::BrokerConnect { .. }
-            | Error::Broker(_)
-            | Error::BrokerTimeout { .. }
-            | Error::ChannelClosed(_) => true,
+            Error::BrokerConnect { source, .. } | Error::Broker(source) => !is_refusal(source),
+            Error::BrokerTimeout { .. } | Error::ChannelClosed(_) => true,
         }
     }
+}
+
+/// The broker refused in a way no retry can fix: a login or permission
+/// refused (403 `ACCESS_REFUSED`), a missing virtual host (530
+/// `NOT_ALLOWED`), a declaration at odds with what exists (406
+/// `PRECONDITION_FAILED`, such as `--declare-exchange` of another type).
+/// (The same rule as the consumer's; one shared home is issue 15's.)
+fn is_refusal(e: &lapin::Error) -> bool {
+    use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+    matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp) if matches!(
+        amqp.kind(),
+        AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED | AMQPSoftError::PRECONDITIONFAILED)
+            | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
+    ))
 }
 
 /// The result type of the relay engine.

@@ -287,6 +287,13 @@ impl Publisher {
         deadline: Instant,
     ) -> Result<Vec<Outcome>> {
         let frame_max = self.conn.configuration().frame_max() as usize;
+        // Checks and publishes get the phase minus the confirm timeout, so
+        // whatever was sent always has its full confirm timeout: a batch
+        // squeezed by slow checks must not time its own confirms out (and
+        // publish them again).
+        let send_by = deadline
+            .checked_sub(confirm_timeout)
+            .unwrap_or_else(Instant::now);
         // Every value is converted (and so checked) before anything reaches
         // lapin, whose conversions panic on what AMQP cannot carry.
         let messages: Vec<Result<Message, Outcome>> = events
@@ -327,7 +334,7 @@ impl Publisher {
             let ordered = e.aggregate_seq.is_some();
             let refusal = if ordered && halted.contains(&aggregate) {
                 Err(Outcome::HeldBack)
-            } else if Instant::now() >= deadline {
+            } else if Instant::now() >= send_by {
                 Err(Outcome::NotSent)
             } else {
                 message.and_then(|m| match refused.get(m.exchange.as_str()) {
@@ -353,7 +360,7 @@ impl Publisher {
             let published = within(
                 "basic.publish",
                 self.broker_timeout,
-                deadline,
+                send_by,
                 self.channel.basic_publish(
                     message.exchange,
                     message.routing_key,
@@ -367,7 +374,7 @@ impl Publisher {
                 Ok(confirm) => pending.push((i, confirm)),
                 // Its frames may still go out: not delivered as far as we
                 // know, and the publisher is replaced.
-                Err(Error::BrokerTimeout { .. }) if Instant::now() >= deadline => {
+                Err(Error::BrokerTimeout { .. }) if Instant::now() >= send_by => {
                     outcomes[i] = Some(Outcome::TimedOut);
                 }
                 Err(err) => match self.channel_failure(&err) {

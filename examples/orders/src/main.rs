@@ -59,13 +59,15 @@ async fn run(args: Args) -> Result<()> {
     let state = orders::setup(&pool, &args.schema)
         .await
         .with_context(|| format!("preparing schema {}", args.schema))?;
+    // Before the port opens: a SIGTERM from then on is a graceful stop.
+    let stop = outbox::shutdown_signal();
     let listener = TcpListener::bind(args.listen_addr)
         .await
         .with_context(|| format!("listening on {}", args.listen_addr))?;
     tracing::info!(addr = %listener.local_addr()?, schema = %args.schema, "orders API listening");
     axum::serve(listener, orders::router(state))
         // SIGTERM or Ctrl-C: finish the requests in flight, then exit 0.
-        .with_graceful_shutdown(outbox::shutdown_signal())
+        .with_graceful_shutdown(stop)
         .await
         .context("serving HTTP")
 }
