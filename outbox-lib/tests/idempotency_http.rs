@@ -122,6 +122,20 @@ async fn create_order(State(app): State<App>, mut req: Idempotent) -> Response {
     }
 }
 
+/// A handler that writes, then returns a 201 without `finish`: its
+/// transaction rolls back, so the 201 would be a lie.
+async fn unfinished(State(app): State<App>, mut req: Idempotent) -> Response {
+    app.executions.fetch_add(1, Ordering::SeqCst);
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".orders (id, sku, qty) VALUES (gen_random_uuid()::text, 'lost', 1)",
+        app.schema
+    )))
+    .execute(req.conn())
+    .await
+    .unwrap();
+    (StatusCode::CREATED, "made").into_response()
+}
+
 /// An optional route keyed by a JSON body field, driven by hand.
 async fn create_note(State(app): State<App>, request: Request) -> Response {
     let mut req = match app.optional.begin(request).await {
@@ -184,6 +198,9 @@ async fn start(prefix: &str, config: IdempotencyConfig, hold: Duration) -> Harne
     let router = Router::new()
         .route("/orders", post(create_order))
         .route("/notes", post(create_note))
+        .route("/unfinished", post(unfinished))
+        .route_layer(axum::middleware::from_fn(outbox::require_finish))
+        .route("/unguarded", post(create_order))
         .with_state(app.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -674,6 +691,7 @@ async fn concurrent_duplicates_do_not_take_the_pool() {
     };
     let router = Router::new()
         .route("/orders", post(held_order))
+        .route_layer(axum::middleware::from_fn(outbox::require_finish))
         .route("/ping", post(ping))
         .with_state(app.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -702,4 +720,32 @@ async fn concurrent_duplicates_do_not_take_the_pool() {
     assert_eq!(replies.iter().filter(|r| r.replayed()).count(), 9);
     assert_eq!(app.executions.load(Ordering::SeqCst), 1);
     drop_schema(&setup, &schema).await;
+}
+
+/// A handler that returns without `finish` cannot send its response: its
+/// writes rolled back, so the client gets a 500 problem and nothing is
+/// recorded; the retry executes. A route without the `require_finish`
+/// middleware refuses to run at all.
+#[tokio::test]
+async fn a_handler_that_does_not_finish_cannot_claim_success() {
+    let h = start(
+        "idem_unfinished",
+        IdempotencyConfig::default(),
+        Duration::ZERO,
+    )
+    .await;
+    let reply = h.post("/unfinished", Some("k-u"), ORDER).await;
+    reply.assert_problem(500, "handler-unfinished");
+    assert_eq!(h.count("orders").await, 0, "the write rolled back");
+    assert_eq!(h.count("idempotency_keys").await, 0, "nothing recorded");
+    // The retry executes again (and fails the same way).
+    h.post("/unfinished", Some("k-u"), ORDER)
+        .await
+        .assert_problem(500, "handler-unfinished");
+    assert_eq!(h.executions(), 2);
+    h.post("/unguarded", Some("k-g"), ORDER)
+        .await
+        .assert_problem(500, "route-unguarded");
+    assert_eq!(h.executions(), 2, "an unguarded route runs nothing");
+    h.finish().await;
 }

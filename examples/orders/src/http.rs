@@ -38,6 +38,9 @@ impl FromRef<AppState> for IdempotentRoute {
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/orders", post(create_order))
+        // Every idempotent route: a handler that forgot `finish` cannot
+        // send a success its rolled-back transaction does not back.
+        .route_layer(axum::middleware::from_fn(outbox::require_finish))
         .route("/orders/{id}", get(show_order))
         .route("/healthz", get(healthz))
         .with_state(state)

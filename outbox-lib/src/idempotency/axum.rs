@@ -116,6 +116,66 @@ impl Drop for Gate {
     }
 }
 
+/// What became of the idempotent request of one HTTP request; shared by
+/// [`require_finish`] and the extractor through the request extensions.
+#[derive(Debug, Clone, Default)]
+struct FinishMarker(Arc<std::sync::Mutex<FinishState>>);
+
+#[derive(Debug, Default)]
+enum FinishState {
+    /// No idempotent request was begun.
+    #[default]
+    Unused,
+    /// Begun (a transaction is open), not finished yet.
+    Begun(ProblemTypes),
+    /// [`Idempotent::finish`] was called.
+    Finished,
+}
+
+impl FinishMarker {
+    fn set(&self, state: FinishState) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = state;
+    }
+}
+
+/// axum middleware that every idempotent route runs under: a handler that
+/// returns without [`Idempotent::finish`] has had its transaction rolled
+/// back (its writes and its claim are gone), so the response it returned
+/// would lie to the client; this answers a 500 problem document
+/// (`handler-unfinished`) instead, and nothing is recorded. The
+/// [`Idempotent`] extractor refuses to run on a route without it (500,
+/// `route-unguarded`), so the mistake shows on the first request.
+///
+/// ```no_run
+/// # use axum::{Router, routing::post, response::Response};
+/// # async fn create_order(req: outbox::Idempotent) -> Response { unimplemented!() }
+/// # fn router(app: Router<()>) -> Router<()> {
+/// app.route("/orders", post(create_order))
+///     .route_layer(axum::middleware::from_fn(outbox::require_finish))
+/// # }
+/// ```
+pub async fn require_finish(mut request: Request, next: axum::middleware::Next) -> Response {
+    let marker = FinishMarker::default();
+    request.extensions_mut().insert(marker.clone());
+    let response = next.run(request).await;
+    let state = std::mem::take(&mut *marker.0.lock().unwrap_or_else(|p| p.into_inner()));
+    match state {
+        FinishState::Begun(problems) => {
+            tracing::error!(
+                "idempotent handler returned without calling finish; its response was replaced by a 500 and nothing was committed"
+            );
+            problem(
+                &problems,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "handler-unfinished",
+                "Handler did not finish",
+                "the handler returned without recording its response; nothing was committed, retry with the same key",
+            )
+        }
+        FinishState::Unused | FinishState::Finished => response,
+    }
+}
+
 /// How problem documents name their `type` (RFC 9457).
 #[derive(Debug, Clone, Default)]
 struct ProblemTypes {
@@ -233,6 +293,16 @@ impl IdempotentRoute {
     /// another request, 503 database unavailable).
     pub async fn begin(&self, request: Request) -> Result<Idempotent, Response> {
         let (parts, body) = request.into_parts();
+        let Some(marker) = parts.extensions.get::<FinishMarker>().cloned() else {
+            tracing::error!("idempotent route without the require_finish middleware");
+            return Err(problem(
+                &self.problems,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "route-unguarded",
+                "Idempotent route misconfigured",
+                "this route lacks the outbox::require_finish middleware; nothing was executed",
+            ));
+        };
         let body = match read_limited(body, self.max_request_bytes).await {
             Ok(body) => body,
             Err(ReadError::TooLarge(_)) => {
@@ -325,7 +395,9 @@ impl IdempotentRoute {
                 }
             }
         };
+        marker.set(FinishState::Begun(self.problems.clone()));
         Ok(Idempotent {
+            marker,
             tx,
             claimed,
             parts,
@@ -370,7 +442,10 @@ impl IdempotentRoute {
 /// The recording rule: a response below 500 is recorded and committed with
 /// the business write; a 5xx, a panic, or a handler that returns without
 /// calling `finish` rolls everything back and records nothing, so a retry
-/// executes again.
+/// executes again. Routes run under [`require_finish`], which turns the
+/// response of a handler that did not call `finish` into a 500 (it would
+/// otherwise report a success whose writes rolled back); the extractor
+/// refuses to run without it.
 ///
 /// ```no_run
 /// use axum::extract::{FromRef, State};
@@ -400,10 +475,15 @@ impl IdempotentRoute {
 /// }
 ///
 /// fn router(app: App) -> Router {
-///     Router::new().route("/orders", post(create_order)).with_state(app)
+///     Router::new()
+///         .route("/orders", post(create_order))
+///         // Required: a handler returning without `finish` gets a 500.
+///         .route_layer(axum::middleware::from_fn(outbox::require_finish))
+///         .with_state(app)
 /// }
 /// ```
 pub struct Idempotent {
+    marker: FinishMarker,
     tx: Transaction<'static, Postgres>,
     claimed: Option<ClaimedKey>,
     parts: Parts,
@@ -472,6 +552,7 @@ impl Idempotent {
     /// back, not recorded, answered with a 500 problem document.
     pub async fn finish(self, response: impl IntoResponse) -> Response {
         let response = response.into_response();
+        self.marker.set(FinishState::Finished);
         let Idempotent {
             mut tx,
             claimed,

@@ -12,7 +12,9 @@ mod two_phase;
 
 pub use self::atomic::{Claim, ClaimedKey};
 #[cfg(feature = "axum")]
-pub use self::axum::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotent, IdempotentRoute};
+pub use self::axum::{
+    IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotent, IdempotentRoute, require_finish,
+};
 pub use self::fingerprint::Fingerprint;
 pub use self::key::{IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN};
 pub use self::store::{
