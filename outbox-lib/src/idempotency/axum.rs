@@ -148,10 +148,13 @@ impl FinishMarker {
 ///
 /// ```no_run
 /// # use axum::{Router, routing::post, response::Response};
+/// # use outbox::IdempotentRoute;
 /// # async fn create_order(req: outbox::Idempotent) -> Response { unimplemented!() }
-/// # fn router(app: Router<()>) -> Router<()> {
-/// app.route("/orders", post(create_order))
+/// # fn router(route: IdempotentRoute) -> Router {
+/// Router::new()
+///     .route("/orders", post(create_order))
 ///     .route_layer(axum::middleware::from_fn(outbox::require_finish))
+///     .with_state(route)
 /// # }
 /// ```
 pub async fn require_finish(mut request: Request, next: axum::middleware::Next) -> Response {
