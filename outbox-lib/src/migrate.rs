@@ -78,6 +78,11 @@ pub const PRODUCER: MigrationSet = MigrationSet {
             name: "ordered_types",
             sql: include_str!("../../migrations/producer/0006_ordered_types.sql"),
         },
+        Migration {
+            version: 7,
+            name: "failed_ordered_idx",
+            sql: include_str!("../../migrations/producer/0007_failed_ordered_idx.sql"),
+        },
     ],
 };
 

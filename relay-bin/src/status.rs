@@ -202,6 +202,58 @@ pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
     })
 }
 
+/// The relay's gauges, cheap on any size of outbox: no statement scans
+/// the outbox or the dead letters.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Gauges {
+    /// Events in the outbox: exact up to [`EXACT_COUNT_UP_TO`] rows, the
+    /// planner's estimate (`pg_class.reltuples`) above.
+    pub backlog: i64,
+    /// Seconds the most overdue unordered event has been due (0 when none
+    /// is due), from the claim index.
+    pub oldest_due_age_s: f64,
+    /// Dead letters, exact or estimated like `backlog`.
+    pub dead_letters: i64,
+    /// Ordered aggregates whose head has failed, from the partial index of
+    /// failed ordered events (migration 7).
+    pub blocked_aggregates: i64,
+}
+
+/// Up to this many rows (by the planner's estimate) a count is exact.
+pub const EXACT_COUNT_UP_TO: i64 = 100_000;
+
+/// Reads the [`Gauges`] of `schema`.
+pub async fn gauges(pool: &PgPool, schema: &Ident) -> Result<Gauges> {
+    let s = schema.quoted();
+    let count = |table: &str| {
+        format!(
+            "(SELECT CASE WHEN c.reltuples < 0 OR c.reltuples <= {EXACT_COUNT_UP_TO}
+                     THEN (SELECT count(*) FROM {s}.{table}) ELSE c.reltuples::bigint END
+              FROM pg_class c WHERE c.oid = to_regclass('{s}.{table}'))"
+        )
+    };
+    let (backlog, oldest_due_age_s, dead_letters, blocked_aggregates): (i64, f64, i64, i64) =
+        sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT {backlog},
+                    coalesce(greatest(0, extract(epoch FROM now() - (
+                        SELECT available_at FROM {s}.outbox WHERE aggregate_seq IS NULL
+                        ORDER BY available_at, id LIMIT 1)))::float8, 0),
+                    {dead},
+                    (SELECT count(*) FROM {s}.outbox o {blocked})",
+            backlog = count("outbox"),
+            dead = count("outbox_dead_letters"),
+            blocked = blocked_heads(&s),
+        )))
+        .fetch_one(pool)
+        .await?;
+    Ok(Gauges {
+        backlog,
+        oldest_due_age_s,
+        dead_letters,
+        blocked_aggregates,
+    })
+}
+
 /// The condition on `outbox o` that makes `o` a blocked aggregate's head:
 /// ordered, failed at least once, nothing earlier of its aggregate left.
 fn blocked_heads(s: &str) -> String {

@@ -719,3 +719,52 @@ async fn refusals_end_run_with_an_error_instead_of_retrying() {
     db.cleanup().await;
     broker.cleanup().await;
 }
+
+/// The relay's gauges read no table whole, yet on a small outbox they are
+/// exact and agree with `status`.
+#[tokio::test]
+async fn gauges_are_exact_on_a_small_outbox_and_agree_with_status() {
+    let db = TestDb::producer("relay_gauges").await;
+    let schema = outbox::Ident::new("schema", &db.schema).unwrap();
+    let ids = db.produce(30, 10, Duration::ZERO).await;
+    let dead: Vec<uuid::Uuid> = ids[..2].iter().map(|i| i.parse().unwrap()).collect();
+    outbox_relay::status::skip_events(&db.pool, &schema, &dead, "test")
+        .await
+        .unwrap();
+    // One blocked ordered aggregate: its head failed once.
+    outbox::set_ordered(&db.pool, &db.schema, "account", true)
+        .await
+        .unwrap();
+    let ob = outbox(&db).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    for n in 0..3 {
+        ob.enqueue(
+            &mut *tx,
+            NewEvent::new("account", "a-1", "Changed", &json!({ "n": n })).unwrap(),
+        )
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE \"{}\".outbox SET attempts = 1 WHERE aggregate_seq = 1",
+        db.schema
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let g = outbox_relay::status::gauges(&db.pool, &schema)
+        .await
+        .unwrap();
+    let s = outbox_relay::status::status(&db.pool, &schema)
+        .await
+        .unwrap();
+    assert_eq!(g.backlog, 31);
+    assert_eq!(g.backlog, s.backlog);
+    assert_eq!(g.dead_letters, 2);
+    assert_eq!(g.dead_letters, s.dead_letters);
+    assert_eq!(g.blocked_aggregates, 1);
+    assert_eq!(g.blocked_aggregates, s.blocked_aggregates);
+    assert!(g.oldest_due_age_s >= 0.0);
+    db.cleanup().await;
+}
