@@ -84,7 +84,7 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Database(e) => outbox::__private::is_transient_db(e),
-            Error::Broker { source, .. } => !is_refusal(source),
+            Error::Broker { what, source } => !is_refusal(what, source),
             Error::BrokerTimeout { .. }
             | Error::ConsumerCancelled { .. }
             | Error::Nacked { .. }
@@ -95,18 +95,24 @@ impl Error {
     }
 }
 
-/// The broker refused in a way no retry can fix: a login or permission
-/// refused (403 `ACCESS_REFUSED`), a missing virtual host (530
+/// The broker refused `what` in a way no retry can fix: a login or
+/// permission refused (403 `ACCESS_REFUSED`), a missing virtual host (530
 /// `NOT_ALLOWED`), a declaration at odds with what exists (406
-/// `PRECONDITION_FAILED`: another queue type or other arguments). A missing
-/// queue (404) is not one: it may be declared later.
-pub(crate) fn is_refusal(e: &lapin::Error) -> bool {
+/// `PRECONDITION_FAILED` on a declare: another queue type or other
+/// arguments). A 406 elsewhere is routine and retried (RabbitMQ's
+/// `consumer_timeout` on a delivery held through a long database outage,
+/// an unknown delivery tag); a missing queue (404) may be declared later.
+pub(crate) fn is_refusal(what: &str, e: &lapin::Error) -> bool {
     use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
-    matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp) if matches!(
-        amqp.kind(),
-        AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED | AMQPSoftError::PRECONDITIONFAILED)
-            | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
-    ))
+    let lapin::ErrorKind::ProtocolError(amqp) = e.kind() else {
+        return false;
+    };
+    match amqp.kind() {
+        AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+        | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED) => true,
+        AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED) => what.contains("declare"),
+        _ => false,
+    }
 }
 
 /// The result type of this crate.

@@ -45,9 +45,11 @@ $fn$;
 -- Orders (or stops ordering) one aggregate type. The numbering trigger
 -- exists only while some type is ordered, so outboxes without ordering pay
 -- nothing for it. Needs the rights of the schema's owner (it may create or
--- drop the trigger); `outbox-relay ordering add|remove` calls it.
+-- drop the trigger, which locks the outbox briefly: it gives up after 5 s
+-- rather than stall producers behind a long transaction);
+-- `outbox-relay ordering add|remove` calls it.
 CREATE FUNCTION outbox_set_ordered(p_aggregate_type text, p_ordered boolean) RETURNS void
-LANGUAGE plpgsql VOLATILE SET search_path FROM CURRENT AS $fn$
+LANGUAGE plpgsql VOLATILE SET search_path FROM CURRENT SET lock_timeout = '5s' AS $fn$
 BEGIN
     -- One at a time per database: two callers must not both create the
     -- trigger. (Any key, the same everywhere: "outbox-o" in ASCII.)

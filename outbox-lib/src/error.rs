@@ -117,9 +117,10 @@ pub enum Error {
         limit: usize,
     },
     /// The handle's [`crate::Ordering`] names an aggregate type the
-    /// database does not order yet, and this role may not register it.
+    /// database does not order (yet): ordering is the database's, set once
+    /// by an operator ([`crate::set_ordered`]).
     #[error(
-        "aggregate type {aggregate_type:?} is not ordered in schema {schema:?} and this role may not make it so; run `outbox-relay ordering add {aggregate_type}` as the schema's owner"
+        "aggregate type {aggregate_type:?} is not ordered in schema {schema:?}; once every producer runs this version, run `outbox-relay ordering add {aggregate_type}` (as the schema's owner)"
     )]
     OrderingNotRegistered {
         /// The aggregate type (`*`: every type).

@@ -27,12 +27,12 @@
 //! in other languages may insert into it directly.
 //!
 //! Per-aggregate ordering is opt-in and a property of the data: once an
-//! aggregate type is ordered in the database ([`set_ordered`], `outbox-relay
-//! ordering add order`, or a handle built with
-//! `OutboxConfig::default().ordering(Ordering::types(["order"]))`, which
-//! registers it), every event of an `order` aggregate, whoever writes it,
-//! gets the aggregate's next sequence number in commit order, and relays
-//! and ordered consumers keep that order (`docs/ORDERING.md`).
+//! aggregate type is ordered in the database ([`set_ordered`] or
+//! `outbox-relay ordering add order`), every event of an `order` aggregate,
+//! whoever writes it, gets the aggregate's next sequence number in commit
+//! order, and relays and ordered consumers keep that order
+//! (`docs/ORDERING.md`). `OutboxConfig::ordering` makes a service check at
+//! start-up that the types it relies on are ordered.
 
 mod error;
 mod event;

@@ -56,8 +56,11 @@ pub async fn ordered_types(pool: &PgPool, schema: &str) -> Result<Vec<String>> {
     .await?)
 }
 
-/// Makes sure the database orders what `ordering` names, registering what
-/// is missing. Without the rights to do so, the error names the command.
+/// Checks that the database orders what `ordering` names; a handle never
+/// registers types itself (the DDL would run at application start, and a
+/// producer of the previous version still running would number its events
+/// a second time): ordering a type is an operator's step, once every
+/// producer runs this version.
 pub(crate) async fn ensure(pool: &PgPool, schema: &Ident, ordering: &Ordering) -> Result<()> {
     let wanted: Vec<String> = match ordering {
         Ordering::None => return Ok(()),
@@ -68,23 +71,11 @@ pub(crate) async fn ensure(pool: &PgPool, schema: &Ident, ordering: &Ordering) -
     if have.iter().any(|t| t == ALL_TYPES) {
         return Ok(());
     }
-    for t in wanted.iter().filter(|t| !have.contains(t)) {
-        match set_ordered(pool, schema.as_str(), t, true).await {
-            Ok(()) => {
-                tracing::info!(schema = %schema, aggregate_type = %t, "aggregate type is now ordered for every writer");
-            }
-            Err(Error::Database(e))
-                if e.as_database_error()
-                    .and_then(|d| d.code())
-                    .is_some_and(|c| c == "42501") =>
-            {
-                return Err(Error::OrderingNotRegistered {
-                    aggregate_type: t.clone(),
-                    schema: schema.to_string(),
-                });
-            }
-            Err(e) => return Err(e),
-        }
+    match wanted.into_iter().find(|t| !have.contains(t)) {
+        Some(aggregate_type) => Err(Error::OrderingNotRegistered {
+            aggregate_type,
+            schema: schema.to_string(),
+        }),
+        None => Ok(()),
     }
-    Ok(())
 }

@@ -91,13 +91,13 @@ impl OutboxConfig {
         self
     }
 
-    /// Aggregate types whose events must keep their per-aggregate commit
-    /// order through the relay (default [`Ordering::None`]: whatever the
-    /// database says). Ordering is a property of the data, not of a
-    /// handle: [`Outbox::new`] registers the named types in the database
-    /// ([`crate::set_ordered`]) if they are not yet, and from then on every
-    /// writer's events of those types are numbered, with or without this
-    /// setting. An ordered event takes the next number of its aggregate
+    /// Aggregate types this service relies on being ordered (default
+    /// [`Ordering::None`]: whatever the database says). Ordering is a
+    /// property of the data, not of a handle: the database numbers every
+    /// writer's events of an ordered type ([`crate::set_ordered`],
+    /// `outbox-relay ordering add`), with or without this setting;
+    /// [`Outbox::new`] checks that it orders the types named here and
+    /// fails with [`crate::Error::OrderingNotRegistered`] otherwise. An ordered event takes the next number of its aggregate
     /// (`outbox_sequences`), holding that row's lock until the transaction
     /// ends: transactions writing events of the same aggregate commit one
     /// after the other. See `docs/ORDERING.md`.
@@ -128,8 +128,7 @@ struct Inner {
 impl Outbox {
     /// Validates `config`, checks that the schema is migrated
     /// ([`crate::Error::NotMigrated`] names the command that fixes it) and
-    /// that the database orders the aggregate types `config` names
-    /// (registering them if needed).
+    /// that the database orders the aggregate types `config` names.
     /// With [`Wakeup::AfterCommit`] it starts the background notifier, so it
     /// must be called inside a Tokio runtime.
     pub async fn new(pool: &PgPool, config: OutboxConfig) -> Result<Self> {

@@ -1,12 +1,13 @@
 //! Passwords in URLs never reach a log line, an error or `--help`.
 
 /// `url` with any password replaced by `***`. Input that does not parse
-/// as `scheme://...` with a host is not echoed at all: a malformed URL
-/// (`amqp:guest:secret@host`, missing the `//`) may hold a password where
-/// no parser looks for one.
+/// as `scheme://...`, or whose `@` the parser did not read as the end of
+/// a user info, is not echoed at all: a malformed URL
+/// (`amqp:guest:secret@host`, missing the `//`; a password with a raw `/`
+/// or `?`) may hold a password where no parser looks for one.
 pub fn redact_url(url: &str) -> String {
     match url::Url::parse(url) {
-        Ok(u) if u.cannot_be_a_base() || !u.has_host() => "<malformed URL, not shown>".to_owned(),
+        Ok(u) if misread(url, &u) => "<malformed URL, not shown>".to_owned(),
         Ok(mut u) => {
             if u.password().is_some() {
                 let _ = u.set_password(Some("***"));
@@ -51,13 +52,28 @@ pub fn check_url(url: &str, what: &str, schemes: &[&str]) -> Result<(), String> 
     if !schemes.contains(&u.scheme()) {
         return Err(format!("{what} must start with {}; {hidden}", expected()));
     }
-    if u.cannot_be_a_base() || !u.has_host() {
+    if misread(url, &u) {
         return Err(format!(
-            "{what} is malformed (no // after the scheme, or no host); expected {}user:password@host:port/...; {hidden}",
+            "{what} is malformed (no // after the scheme, or an @ outside the user info: percent-encode /, ?, # and @ in a password); expected {}user:password@host:port/...; {hidden}",
+            expected()
+        ));
+    }
+    // PostgreSQL may name no host (a Unix socket: `postgres:///db?host=/run/postgresql`).
+    if !u.has_host() && !matches!(u.scheme(), "postgres" | "postgresql") {
+        return Err(format!(
+            "{what} is malformed (no host); expected {}user:password@host:port/...; {hidden}",
             expected()
         ));
     }
     Ok(())
+}
+
+/// Whether the parser cannot have found every secret of `raw`: no `//`
+/// after the scheme, or an `@` that did not end a user info (a password
+/// holding a raw `/`, `?` or `#` ends the authority early: `amqp://u:/p@h`
+/// parses as host `u` with the password in the path).
+fn misread(raw: &str, u: &url::Url) -> bool {
+    u.cannot_be_a_base() || (raw.contains('@') && u.username().is_empty() && u.password().is_none())
 }
 
 fn is_secret_param(name: &str) -> bool {
@@ -72,7 +88,7 @@ fn is_secret_param(name: &str) -> bool {
 pub fn scrub(text: &str, url: &str) -> String {
     let mut secrets: Vec<String> = Vec::new();
     match url::Url::parse(url) {
-        Ok(u) if !u.cannot_be_a_base() && u.has_host() => {
+        Ok(u) if !misread(url, &u) => {
             secrets.extend(u.password().map(str::to_owned));
             secrets.extend(
                 u.query_pairs()
@@ -154,6 +170,13 @@ mod tests {
             scrub("saw hunter2", "postgres://db/x?password=hunter2"),
             "saw ***"
         );
+        for raw in [
+            "amqp://guest:/hunter2@host/",
+            "amqp://guest:12?hunter2@host/",
+        ] {
+            assert_eq!(redact_url(raw), "<malformed URL, not shown>");
+            assert!(!scrub(&format!("failed: {raw}"), raw).contains("hunter2"));
+        }
         let malformed = "amqp:guest:hunter2@127.0.0.1:5672/%2f";
         assert_eq!(
             scrub(&format!("Invalid URL: '{malformed}' (hunter2)"), malformed),
@@ -168,6 +191,9 @@ mod tests {
             "amqp:guest:hunter2@127.0.0.1:5672/%2f",
             "amqp//guest:hunter2@host/",
             "amqp://guest:hunter2@127.0.0.1:notaport/",
+            "amqp://guest:/hunter2@host/",
+            "amqp://guest:12/hunter2@host/",
+            "amqp://guest:?hunter2@host/",
             "http://guest:hunter2@host/",
             "guest:hunter2",
             "",
@@ -177,5 +203,17 @@ mod tests {
             assert!(!e.contains("hunter2"), "{e}");
         }
         assert!(check_url("amqp://guest:hunter2@127.0.0.1:5672/%2f", "AMQP URL", &amqp).is_ok());
+        assert!(check_url("amqp://guest:%2Fhunter2@host/", "AMQP URL", &amqp).is_ok());
+        let pg = ["postgres", "postgresql"];
+        // A Unix socket names no host.
+        assert!(
+            check_url(
+                "postgres:///shop?host=/var/run/postgresql",
+                "database URL",
+                &pg
+            )
+            .is_ok()
+        );
+        assert!(check_url("postgres:shop", "database URL", &pg).is_err());
     }
 }

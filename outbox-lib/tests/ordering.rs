@@ -9,7 +9,17 @@ use common::*;
 use outbox::{NewEvent, Ordering, Outbox, OutboxConfig, Wakeup};
 use serde_json::json;
 
+/// Orders in the database what `ordering` names (an operator's step), then
+/// builds a handle that checks it.
 async fn outbox(pool: &sqlx::PgPool, schema: &str, ordering: Ordering) -> Outbox {
+    let types: Vec<String> = match &ordering {
+        Ordering::All => vec![outbox::ALL_TYPES.to_owned()],
+        Ordering::Types(t) => t.iter().cloned().collect(),
+        _ => Vec::new(),
+    };
+    for t in types {
+        outbox::set_ordered(pool, schema, &t, true).await.unwrap();
+    }
     Outbox::new(
         pool,
         OutboxConfig::default()
@@ -306,6 +316,25 @@ async fn an_id_enqueued_again_after_delivery_takes_the_next_number() {
 #[tokio::test]
 async fn every_writer_numbers_an_ordered_type_whatever_its_handle_says() {
     let (pool, schema) = migrated("ord_every").await;
+    // A handle that relies on an ordering the database lacks refuses to
+    // start, naming the command.
+    let refused = Outbox::new(
+        &pool,
+        OutboxConfig::default()
+            .schema(&schema)
+            .ordering(Ordering::types(["order"])),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(refused, outbox::Error::OrderingNotRegistered { .. }),
+        "{refused}"
+    );
+    assert!(
+        refused
+            .to_string()
+            .contains("outbox-relay ordering add order")
+    );
     let ordered = outbox(&pool, &schema, Ordering::types(["order"])).await;
     let plain = outbox(&pool, &schema, Ordering::None).await;
     assert_eq!(

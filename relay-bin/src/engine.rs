@@ -289,6 +289,8 @@ impl Relay {
         // in a database crash only means its events are published again,
         // which at-least-once allows and consumers absorb. It keeps the
         // relay's fsyncs off the producers' commit path.
+        // Only this batch's ids may be blamed for a panic in it.
+        session.in_flight.clear();
         self.lease_round().await;
         let mut tx = inner.pool.begin_with(inner.begin.clone()).await?;
         // Heads per partition: the batch spread over this worker's share of
@@ -352,7 +354,7 @@ impl Relay {
         // Declared after `tx`, so dropped before it: should the batch
         // panic, its events are marked before the rollback unlocks them
         // for other workers.
-        let _on_panic = MarkOnPanic {
+        let on_panic = MarkOnPanic {
             relay: inner,
             ids: session.in_flight.clone(),
         };
@@ -369,6 +371,8 @@ impl Relay {
             .await?;
         let settled = settle(&mut tx, &inner.queries, cfg, &events, &outcomes).await?;
         tx.commit().await?;
+        // Settled: a panic from here on is not this batch's.
+        drop(on_panic);
         self.clear_suspects(&session.in_flight);
         session.in_flight.clear();
         metrics::histogram!("outbox_relay_batch_size").record(events.len() as f64);
@@ -430,7 +434,7 @@ impl Relay {
         while !shutdown.is_cancelled() {
             let conn = match publish::connect(&cfg.amqp_url, cfg.broker_timeout).await {
                 Ok(c) => Arc::new(c),
-                Err(e) if !e.is_transient() => return self.give_up(e, listener).await,
+                Err(e) if e.is_refusal() => return self.give_up(e, listener).await,
                 Err(e) => {
                     self.broker_down(&e, &mut failures, &shutdown).await;
                     continue;
@@ -445,7 +449,7 @@ impl Relay {
                 )
                 .await
             {
-                if !e.is_transient() {
+                if e.is_refusal() {
                     return self.give_up(e, listener).await;
                 }
                 self.broker_down(&e, &mut failures, &shutdown).await;
@@ -517,7 +521,7 @@ impl Relay {
             }
             inner.health.broker.store(false, Ordering::Relaxed);
             match broker_error {
-                Some(e) if !e.is_transient() => return self.give_up(e, listener).await,
+                Some(e) if e.is_refusal() => return self.give_up(e, listener).await,
                 Some(e) => self.broker_down(&e, &mut failures, &shutdown).await,
                 None if worker_bug && !shutdown.is_cancelled() => {
                     failures = failures.saturating_add(1);

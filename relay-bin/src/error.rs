@@ -63,6 +63,12 @@ impl Error {
         )
     }
 
+    /// True when the broker refused in a way no retry can fix (see
+    /// [`Error::is_transient`]): `Relay::run` returns such an error.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, Error::BrokerConnect { source, .. } | Error::Broker(source) if is_refusal(source))
+    }
+
     /// True when a later retry of the same operation may succeed.
     pub fn is_transient(&self) -> bool {
         match self {

@@ -245,8 +245,9 @@ impl Publisher {
             match r {
                 Ok(()) => {
                     self.known_exchanges.insert(name.to_string());
-                    let _ =
-                        tokio::time::timeout(self.broker_timeout, ch.close(200, "OK".into())).await;
+                    // Within the phase too: a slow close must not stretch it.
+                    let by = deadline.min(Instant::now() + self.broker_timeout);
+                    let _ = tokio::time::timeout_at(by, ch.close(200, "OK".into())).await;
                 }
                 Err(Error::Broker(e)) if is_not_found(&e) => {
                     refused.insert(

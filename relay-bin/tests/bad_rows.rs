@@ -371,3 +371,68 @@ async fn a_batch_that_panics_is_isolated_and_its_culprit_set_aside() {
     broker.cleanup().await;
     db.cleanup().await;
 }
+
+/// An ordered row from before migration 4 that the CHECKs would refuse
+/// (they were added NOT VALID, so it stays) is never dead-lettered by the
+/// relay: its failure is recorded with an UPDATE, which the CHECKs let
+/// through for a row already tried. It blocks its own aggregate with the
+/// reason; everything else is published once.
+#[tokio::test]
+async fn an_old_unpublishable_ordered_row_blocks_only_its_aggregate() {
+    let db = TestDb::producer("bad_ordered").await;
+    let broker = TestBroker::new("bad_ordered", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let s = &db.schema;
+    let constraints = sqlx::SqlSafeStr::into_sql_str(AssertSqlSafe(format!(
+        "SELECT pg_get_constraintdef(oid) FROM pg_constraint
+         WHERE conrelid = '\"{s}\".outbox'::regclass AND conname = 'outbox_names_publishable'"
+    )));
+    let def: String = sqlx::query_scalar(constraints.clone())
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    // The old row, then the CHECK as migration 4 leaves it: NOT VALID.
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "ALTER TABLE \"{s}\".outbox DROP CONSTRAINT outbox_names_publishable;
+         INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, routing_key, aggregate_seq)
+         VALUES ('account', 'a-1', 'Opened', '{{}}', repeat('r', 300), 1);
+         ALTER TABLE \"{s}\".outbox ADD CONSTRAINT outbox_names_publishable {def}"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let good = db.produce(200, 50, Duration::ZERO).await;
+    let relay = Relay::new(db.pool.clone(), relay_config(&db, &broker))
+        .await
+        .unwrap();
+    let (stop, task) = spawn(&relay);
+    wait_until(DEADLINE, "the good events", || async {
+        collector.distinct() == good.len()
+    })
+    .await;
+    let schema = outbox::Ident::new("schema", s).unwrap();
+    wait_until(DEADLINE, "the old row blocking its aggregate", || async {
+        let blocked = outbox_relay::status::blocked_aggregates(&db.pool, &schema, 10)
+            .await
+            .unwrap();
+        blocked.len() == 1
+            && blocked[0]
+                .last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("routing key"))
+    })
+    .await;
+    assert!(!task.is_finished(), "the relay stopped");
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!(db.count("outbox").await, 1, "only the old row is left");
+    assert_eq!(db.count("outbox_dead_letters").await, 0);
+    assert_eq!(
+        collector.received.lock().unwrap().duplicates(),
+        0,
+        "a batch was published again"
+    );
+    collector.stop();
+    broker.cleanup().await;
+    db.cleanup().await;
+}

@@ -40,6 +40,9 @@ fn spawn(relay: &Relay) -> (CancellationToken, tokio::task::JoinHandle<()>) {
 }
 
 async fn ordered_outbox(db: &TestDb) -> Outbox {
+    outbox::set_ordered(&db.pool, &db.schema, outbox::ALL_TYPES, true)
+        .await
+        .unwrap();
     Outbox::new(
         &db.pool,
         OutboxConfig::default()
@@ -166,6 +169,9 @@ async fn many_aggregates_arrive_in_sequence_with_unordered_events_alongside() {
     let db = TestDb::producer("ord_many").await;
     let broker = TestBroker::new("ord_many", FieldTable::default()).await;
     let log = SeqLog::start(&broker.queue);
+    outbox::set_ordered(&db.pool, &db.schema, "account", true)
+        .await
+        .unwrap();
     let ob = Outbox::new(
         &db.pool,
         OutboxConfig::default()

@@ -93,6 +93,9 @@ fn kill_now(mut child: KillOnDrop) {
 /// enqueues one event per aggregate carrying the new version; each writer
 /// pauses `pace` between transactions.
 async fn produce(db: &TestDb, n: usize, pace: Duration) {
+    outbox::set_ordered(&db.pool, &db.schema, "account", true)
+        .await
+        .unwrap();
     let outbox = Outbox::new(
         &db.pool,
         OutboxConfig::default()

@@ -95,6 +95,9 @@ pub(crate) async fn fill_outbox(
     ordering: Ordering,
     aggregates: usize,
 ) -> Result<()> {
+    if ordering == Ordering::All {
+        outbox::set_ordered(pool, schema, outbox::ALL_TYPES, true).await?;
+    }
     let ob = Outbox::new(
         pool,
         OutboxConfig::default()

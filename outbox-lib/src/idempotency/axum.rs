@@ -87,10 +87,17 @@ impl Gates {
             Ok(guard) => Some(guard),
             Err(_) if wait.is_zero() => None,
             Err(_) => {
+                // Counted while waiting, even if the request is dropped
+                // (the client went away) mid-wait.
+                struct Waiting<'a>(&'a AtomicUsize);
+                impl Drop for Waiting<'_> {
+                    fn drop(&mut self) {
+                        self.0.fetch_sub(1, AtomicOrdering::Relaxed);
+                    }
+                }
                 self.waiting.fetch_add(1, AtomicOrdering::Relaxed);
-                let got = tokio::time::timeout(wait, gate.lock_owned()).await.ok();
-                self.waiting.fetch_sub(1, AtomicOrdering::Relaxed);
-                got
+                let _waiting = Waiting(&self.waiting);
+                tokio::time::timeout(wait, gate.lock_owned()).await.ok()
             }
         };
         let gate = Gate {
