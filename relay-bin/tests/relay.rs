@@ -512,6 +512,35 @@ async fn replaying_a_dead_letter_whose_id_is_in_the_outbox_keeps_it() {
     db.cleanup().await;
 }
 
+/// A one-worker relay with `cfg` whose broker connection goes through a
+/// fault proxy, running and connected.
+async fn connected_through_proxy(
+    cfg: RelayConfig,
+) -> (
+    e2e::Proxy,
+    CancellationToken,
+    tokio::task::JoinHandle<outbox_relay::Result<()>>,
+) {
+    let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let pool = sqlx::PgPool::connect(&e2e::database_url()).await.unwrap();
+    let relay = Relay::new(
+        pool,
+        RelayConfig {
+            amqp_url: proxy.url(&amqp_url()),
+            workers: 1,
+            ..cfg
+        },
+    )
+    .await
+    .unwrap();
+    let (stop, task) = spawn(&relay);
+    wait_until(DEADLINE, "the relay connected", || async {
+        relay.health().is_ready()
+    })
+    .await;
+    (proxy, stop, task)
+}
+
 /// A slow broker cannot stretch a batch past its transaction's idle bound:
 /// the publish phase has one deadline (here 4 s, inside the 9 s bound)
 /// for exchange checks, publishes and confirms together, and whatever is
@@ -563,25 +592,13 @@ async fn a_slow_broker_cannot_stretch_a_batch_past_its_idle_bound() {
     let ids = ob.enqueue_many(&mut *tx, events).await.unwrap();
     ob.commit(tx).await.unwrap();
 
-    let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
-    let relay = Relay::new(
-        db.pool.clone(),
-        RelayConfig {
-            amqp_url: proxy.url(&amqp_url()),
-            confirm_timeout: Duration::from_secs(3),
-            broker_timeout: Duration::from_secs(1),
-            workers: 1,
-            ..config(&db, &broker)
-        },
-    )
-    .await
-    .unwrap();
-    let (stop, task) = spawn(&relay);
-    // Connected at full speed, then slowed.
-    wait_until(DEADLINE, "the relay connected", || async {
-        relay.health().is_ready()
+    let (proxy, stop, task) = connected_through_proxy(RelayConfig {
+        confirm_timeout: Duration::from_secs(3),
+        broker_timeout: Duration::from_secs(1),
+        ..config(&db, &broker)
     })
     .await;
+    // Connected at full speed, then slowed.
     proxy.set(e2e::Mode::Delay(Duration::from_millis(100)));
     wait_until(DEADLINE, "every event in the queue", || async {
         db.count("outbox").await == 0 && collector.distinct() == ids.len()
@@ -624,23 +641,11 @@ async fn a_slow_broker_cannot_stretch_a_batch_past_its_idle_bound() {
 async fn shutdown_abandons_batches_in_flight_past_the_drain_timeout() {
     let db = TestDb::producer("relay_drain").await;
     let broker = TestBroker::new("drain", FieldTable::default()).await;
-    let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
-    let relay = Relay::new(
-        db.pool.clone(),
-        RelayConfig {
-            amqp_url: proxy.url(&amqp_url()),
-            confirm_timeout: Duration::from_secs(120),
-            broker_timeout: Duration::from_secs(120),
-            drain_timeout: Duration::from_secs(1),
-            workers: 1,
-            ..config(&db, &broker)
-        },
-    )
-    .await
-    .unwrap();
-    let (stop, task) = spawn(&relay);
-    wait_until(DEADLINE, "the relay connected", || async {
-        relay.health().is_ready()
+    let (proxy, stop, task) = connected_through_proxy(RelayConfig {
+        confirm_timeout: Duration::from_secs(120),
+        broker_timeout: Duration::from_secs(120),
+        drain_timeout: Duration::from_secs(1),
+        ..config(&db, &broker)
     })
     .await;
     proxy.set(e2e::Mode::Blackhole);
