@@ -405,23 +405,14 @@ impl Consumer {
         } else {
             let mut backoff = FIRST_BACKOFF;
             let mut failures = 0u32;
+            let batch = Batch {
+                events: &events,
+                spans: &spans,
+                positions: &positions,
+                handler_timeout: cfg.handler_timeout,
+            };
             loop {
-                let batch = Batch {
-                    events: &events,
-                    spans: &spans,
-                    positions: &positions,
-                    handler_timeout: cfg.handler_timeout,
-                };
-                let sequences = me.sequences.as_ref();
-                let r = batch::process(
-                    &me.pool,
-                    &me.begin,
-                    &me.inbox,
-                    sequences,
-                    &me.handlers,
-                    &batch,
-                );
-                match r.await {
+                match self.transact(&batch).await {
                     Ok(v) => {
                         me.database.ok();
                         break v;
@@ -631,11 +622,25 @@ fn next_delivery(d: Option<lapin::Result<Delivery>>, queue: &str) -> Result<Deli
 
 /// Sleeps `backoff` (doubling it up to `max`); false when shut down first.
 impl Consumer {
+    /// `batch` in one transaction, committed (see [`batch::process`]).
+    async fn transact(&self, batch: &Batch<'_>) -> sqlx::Result<Vec<Verdict>> {
+        let me = &self.inner;
+        let sequences = me.sequences.as_ref();
+        batch::process(
+            &me.pool,
+            &me.begin,
+            &me.inbox,
+            sequences,
+            &me.handlers,
+            batch,
+        )
+        .await
+    }
+
     /// Each event of `batch` in a transaction of its own, in delivery
     /// order (so sequenced events keep their order); one whose transaction
     /// fails is retried through the retry queue.
     async fn one_by_one(&self, batch: &Batch<'_>) -> Vec<Verdict> {
-        let me = &self.inner;
         let mut verdicts = Vec::with_capacity(batch.events.len());
         for i in 0..batch.events.len() {
             let one = Batch {
@@ -644,16 +649,7 @@ impl Consumer {
                 positions: batch.positions.get(i..=i).unwrap_or(&[]),
                 handler_timeout: batch.handler_timeout,
             };
-            let sequences = me.sequences.as_ref();
-            let r = batch::process(
-                &me.pool,
-                &me.begin,
-                &me.inbox,
-                sequences,
-                &me.handlers,
-                &one,
-            );
-            verdicts.push(match r.await {
+            verdicts.push(match self.transact(&one).await {
                 Ok(mut v) => v.pop().unwrap_or(Verdict::Duplicate),
                 Err(e) => Verdict::Handled(Outcome::retry(format!(
                     "its transaction failed, alone and in its batch: {e}"
