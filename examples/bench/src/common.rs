@@ -1,13 +1,13 @@
 //! Shared set-up: fresh schemas, queues and payloads per measurement.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use lapin::options::{
     ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use outbox::{NewEvent, Ordering, Outbox, OutboxConfig, Wakeup};
 use serde_json::{Value, json};
 use sqlx::{AssertSqlSafe, PgPool};
@@ -128,6 +128,8 @@ pub(crate) async fn fill_outbox(
     Ok(())
 }
 
+/// Rows left in the outbox of `schema`: a full count, so only for checks
+/// once a measurement is over, never to follow progress.
 pub(crate) async fn outbox_len(pool: &PgPool, schema: &str) -> Result<i64> {
     Ok(sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM \"{schema}\".outbox"
@@ -136,12 +138,124 @@ pub(crate) async fn outbox_len(pool: &PgPool, schema: &str) -> Result<i64> {
     .await?)
 }
 
-/// Waits until the outbox of `schema` has at most `left` events.
-pub(crate) async fn wait_outbox_at_most(pool: &PgPool, schema: &str, left: i64) -> Result<()> {
-    while outbox_len(pool, schema).await? > left {
-        tokio::time::sleep(Duration::from_millis(5)).await;
+/// Waits (polling every 50 ms, bounded by `limit`) until the outbox of
+/// `schema` is empty: the check after a drain, not its clock.
+pub(crate) async fn wait_outbox_empty(pool: &PgPool, schema: &str, limit: Duration) -> Result<()> {
+    let until = Instant::now() + limit;
+    loop {
+        let left = outbox_len(pool, schema).await?;
+        if left == 0 {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < until,
+            "{left} events still in the outbox after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    Ok(())
+}
+
+/// Messages ready in `queue`, from a passive declare: the broker answers
+/// from its own counter, so following a drain this way costs the database
+/// nothing (the old harness ran `count(*)` over the backlog every 5 ms).
+pub(crate) async fn queue_depth(ch: &Channel, queue: &str) -> Result<u64> {
+    let q = ch
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    Ok(u64::from(q.message_count()))
+}
+
+/// When `queue` held `from` and then `to` messages, polled every 20 ms;
+/// gives up when nothing arrives for `stall`.
+pub(crate) async fn time_queue_fill(
+    ch: &Channel,
+    queue: &str,
+    from: u64,
+    to: u64,
+    stall: Duration,
+) -> Result<(Instant, Instant)> {
+    let mut first = None;
+    let mut last_seen = (0, Instant::now());
+    loop {
+        let depth = queue_depth(ch, queue).await?;
+        let now = Instant::now();
+        if depth >= from && first.is_none() {
+            first = Some(now);
+        }
+        if depth >= to {
+            return Ok((first.unwrap_or(now), now));
+        }
+        if depth != last_seen.0 {
+            last_seen = (depth, now);
+        }
+        anyhow::ensure!(
+            now.duration_since(last_seen.1) < stall,
+            "{queue} stuck at {depth} of {to} messages"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Median and spread of repeated runs of one figure.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Stats {
+    pub(crate) runs: Vec<f64>,
+}
+
+impl Stats {
+    pub(crate) fn push(&mut self, v: f64) {
+        self.runs.push(v);
+    }
+
+    fn sorted(&self) -> Vec<f64> {
+        let mut v = self.runs.clone();
+        v.sort_by(f64::total_cmp);
+        v
+    }
+
+    pub(crate) fn median(&self) -> f64 {
+        let v = self.sorted();
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        }
+    }
+
+    pub(crate) fn min(&self) -> f64 {
+        self.sorted().first().copied().unwrap_or(f64::NAN)
+    }
+
+    pub(crate) fn max(&self) -> f64 {
+        self.sorted().last().copied().unwrap_or(f64::NAN)
+    }
+}
+
+/// The AMQP properties the relay gives an event of this shape (built by
+/// the relay's own code), so baselines publish the same headers; callers
+/// set a fresh `message_id` per message.
+pub(crate) fn relay_properties() -> Result<BasicProperties> {
+    let event = outbox_relay::ClaimedEvent {
+        id: uuid::Uuid::now_v7(),
+        aggregate_type: "order".into(),
+        aggregate_id: "o-1".into(),
+        event_type: "OrderPlaced".into(),
+        payload: String::new(),
+        headers: "{}".into(),
+        exchange: None,
+        routing_key: None,
+        created_at: chrono::Utc::now(),
+        attempts: 0,
+        aggregate_seq: None,
+    };
+    event.properties().map_err(anyhow::Error::msg)
 }
 
 /// Peak resident set of a process, MiB (Linux `VmHWM`).

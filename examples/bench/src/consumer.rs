@@ -1,70 +1,224 @@
-//! The consumer: the library (per-event and batch handlers) against a raw
-//! ack-only consumer and a hand-written batched dedup loop, over the same
-//! messages.
+//! The consumer: the library (batch and per-event handlers) against a raw
+//! ack-only consumer and a hand-written batched dedup loop. Every
+//! contender runs in spawned tasks, reads the same preloaded persistent
+//! messages (the relay's properties) and is timed by the same monitor; the
+//! baselines' tunings are swept first and the best one is measured.
 
+use std::fmt;
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use futures_util::StreamExt;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions,
-};
+use lapin::Connection;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Confirmation, Connection};
 use outbox_consumer::{
     BatchHandler, BatchOutcome, Consumer, ConsumerConfig, Event, Handler, Outcome,
 };
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
+use crate::publish::{PublishTuning, publish};
 
-/// Results of the consumer measurements.
+/// Nothing consumed for this long: the contender is broken.
+const STALL: Duration = Duration::from_secs(30);
+
+/// Raw ack-only consumer: `prefetch` unacked, one multiple ack every
+/// `ack_every` deliveries.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawTuning {
+    prefetch: u16,
+    ack_every: usize,
+}
+
+/// Hand-written dedup loop: up to `batch` deliveries or `linger_ms`, then
+/// the inbox insert and the effect (as two statements in BEGIN/COMMIT, or
+/// as one statement that commits on its own), then one multiple ack;
+/// `loops` such loops, each on its own channel.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HandTuning {
+    prefetch: u16,
+    batch: usize,
+    linger_ms: u64,
+    one_statement: bool,
+    loops: usize,
+}
+
+impl fmt::Display for RawTuning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "prefetch {}, multiple ack every {}",
+            self.prefetch, self.ack_every
+        )
+    }
+}
+
+impl fmt::Display for HandTuning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} loop(s), prefetch {}, batch {}, linger {} ms, {}",
+            self.loops,
+            self.prefetch,
+            self.batch,
+            self.linger_ms,
+            if self.one_statement {
+                "one statement (inbox CTE + update, autocommit)"
+            } else {
+                "BEGIN, inbox insert, update, COMMIT"
+            }
+        )
+    }
+}
+
+impl fmt::Display for Contender {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Contender::Raw(t) => write!(f, "raw ack-only ({t})"),
+            Contender::Hand(t) => write!(f, "hand-written ({t})"),
+            Contender::LibraryBatch => f.write_str("library, batch handler"),
+            Contender::LibraryPerEvent => f.write_str("library, per-event handler"),
+        }
+    }
+}
+
+const RAW_SWEEP: [RawTuning; 3] = [
+    RawTuning {
+        prefetch: 256,
+        ack_every: 64,
+    },
+    RawTuning {
+        prefetch: 1024,
+        ack_every: 256,
+    },
+    RawTuning {
+        prefetch: 2048,
+        ack_every: 512,
+    },
+];
+
+const HAND_SWEEP: [HandTuning; 6] = [
+    // The library's defaults, by hand.
+    HandTuning {
+        prefetch: 256,
+        batch: 128,
+        linger_ms: 2,
+        one_statement: false,
+        loops: 1,
+    },
+    // The old harness's loop.
+    HandTuning {
+        prefetch: 256,
+        batch: 128,
+        linger_ms: 20,
+        one_statement: false,
+        loops: 1,
+    },
+    HandTuning {
+        prefetch: 512,
+        batch: 256,
+        linger_ms: 2,
+        one_statement: false,
+        loops: 1,
+    },
+    HandTuning {
+        prefetch: 256,
+        batch: 128,
+        linger_ms: 2,
+        one_statement: true,
+        loops: 1,
+    },
+    HandTuning {
+        prefetch: 1024,
+        batch: 512,
+        linger_ms: 5,
+        one_statement: true,
+        loops: 1,
+    },
+    HandTuning {
+        prefetch: 512,
+        batch: 256,
+        linger_ms: 2,
+        one_statement: true,
+        loops: 2,
+    },
+];
+
+#[derive(Debug, Clone, Copy)]
+enum Contender {
+    Raw(RawTuning),
+    Hand(HandTuning),
+    LibraryBatch,
+    LibraryPerEvent,
+}
+
+/// Results of the consumer measurements: rates per run, each baseline's
+/// winning tuning.
 pub(crate) struct ConsumerResults {
-    pub(crate) per_event_per_s: f64,
-    pub(crate) batch_per_s: f64,
-    pub(crate) raw_ack_per_s: f64,
-    pub(crate) hand_written_per_s: f64,
+    pub(crate) raw: Stats,
+    pub(crate) hand: Stats,
+    pub(crate) batch: Stats,
+    pub(crate) per_event: Stats,
+    /// Library batch handler / raw ack-only, per round.
+    pub(crate) batch_vs_raw: Stats,
+    /// Library batch handler / hand-written loop, per round.
+    pub(crate) batch_vs_hand: Stats,
+    pub(crate) raw_tuning: String,
+    pub(crate) hand_tuning: String,
     pub(crate) peak_rss_mib: f64,
 }
 
+/// How the contenders are measured.
+pub(crate) struct Plan {
+    /// Messages per sweep run.
+    pub(crate) sweep_n: usize,
+    /// Seconds each measured run should last (its count is the swept rate
+    /// times this, plus 10% untimed warm-up).
+    pub(crate) secs: f64,
+    pub(crate) rounds: usize,
+    /// Messages for the per-event memory measurement.
+    pub(crate) memory_n: usize,
+    /// How to preload (the best raw publisher tuning).
+    pub(crate) preload: PublishTuning,
+}
+
 struct RelativeUpdate {
-    schema: String,
+    update: String,
 }
 
 impl Handler for RelativeUpdate {
     async fn handle(&self, conn: &mut PgConnection, _: &Event) -> Outcome {
-        let sql = format!(
-            "UPDATE \"{}\".stock SET qty = qty - 1 WHERE sku = 'A'",
-            self.schema
-        );
-        match sqlx::query(AssertSqlSafe(sql)).execute(conn).await {
+        match sqlx::query(AssertSqlSafe(self.update.clone()))
+            .bind(1i64)
+            .execute(conn)
+            .await
+        {
             Ok(_) => Outcome::Ack,
-            Err(e) => Outcome::Retry(e.to_string()),
+            Err(e) => Outcome::retry(e),
         }
     }
 }
 
 struct SetUpdate {
-    schema: String,
+    update: String,
 }
 
 impl BatchHandler for SetUpdate {
     async fn handle_batch(&self, conn: &mut PgConnection, events: &[Event]) -> BatchOutcome {
-        let sql = format!(
-            "UPDATE \"{}\".stock SET qty = qty - $1 WHERE sku = 'A'",
-            self.schema
-        );
-        match sqlx::query(AssertSqlSafe(sql))
+        match sqlx::query(AssertSqlSafe(self.update.clone()))
             .bind(events.len() as i64)
             .execute(conn)
             .await
         {
             Ok(_) => BatchOutcome::All(Outcome::Ack),
-            Err(e) => BatchOutcome::All(Outcome::Retry(e.to_string())),
+            Err(e) => BatchOutcome::All(Outcome::retry(e)),
         }
     }
 }
@@ -80,150 +234,235 @@ async fn consumer_schema(pool: &PgPool) -> Result<String> {
     Ok(schema)
 }
 
-async fn stock(pool: &PgPool, schema: &str) -> Result<i64> {
-    Ok(sqlx::query_scalar(AssertSqlSafe(format!(
+fn update_sql(schema: &str) -> String {
+    format!("UPDATE \"{schema}\".stock SET qty = qty - $1 WHERE sku = 'A'")
+}
+
+async fn effects(pool: &PgPool, schema: &str) -> Result<u64> {
+    let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT -qty FROM \"{schema}\".stock"
     )))
     .fetch_one(pool)
-    .await?)
+    .await?;
+    Ok(n.max(0) as u64)
 }
 
-/// Publishes `n` distinct persistent messages once to an exchange that
-/// copies them to every queue in `queues`.
-async fn preload(conn: &Connection, exchange: &str, queues: &[String], n: usize) -> Result<()> {
-    topology(conn, exchange).await?;
-    for q in queues {
-        bind_queue(conn, exchange, q).await?;
-    }
-    let ch = conn.create_channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
-    let body = serde_json::to_vec(&payload())?;
-    for start in (0..n).step_by(1000) {
-        let mut confirms = Vec::new();
-        for _ in start..(start + 1000).min(n) {
-            let props = BasicProperties::default()
-                .with_message_id(uuid::Uuid::now_v7().to_string().into())
-                .with_type("OrderPlaced".into())
-                .with_content_type("application/json".into())
-                .with_delivery_mode(2);
-            confirms.push(
-                ch.basic_publish(
-                    exchange.into(),
-                    "order.OrderPlaced".into(),
-                    BasicPublishOptions::default(),
-                    &body,
-                    props,
-                )
-                .await?,
-            );
-        }
-        for c in confirms {
-            anyhow::ensure!(
-                c.await? == Confirmation::Ack(None),
-                "preload publish not acked"
-            );
-        }
-    }
-    Ok(())
+async fn inbox_rows(pool: &PgPool, schema: &str) -> Result<u64> {
+    let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM \"{schema}\".inbox"
+    )))
+    .fetch_one(pool)
+    .await?;
+    Ok(n as u64)
 }
 
-async fn library_rate(pool: &PgPool, url: &str, queue: &str, n: usize, batch: bool) -> Result<f64> {
-    let schema = consumer_schema(pool).await?;
-    let mut cfg = ConsumerConfig::new(url, queue, "bench").schema(&schema);
-    cfg.declare_retry_queues = false;
-    if let Some(ms) = std::env::var("BENCH_LINGER_MS")
-        .ok()
-        .and_then(|m| m.parse().ok())
-    {
-        cfg.batch_max_wait = Duration::from_millis(ms);
+/// Where a run's progress is read: an in-memory count of acked messages,
+/// or the committed effect (`stock`) of a database contender.
+enum Progress {
+    Acked(Arc<AtomicU64>),
+    Committed(String),
+}
+
+impl Progress {
+    async fn read(&self, pool: &PgPool) -> Result<u64> {
+        match self {
+            Progress::Acked(n) => Ok(n.load(AtomicOrdering::Relaxed)),
+            Progress::Committed(schema) => effects(pool, schema).await,
+        }
     }
-    let consumer = if batch {
-        Consumer::with_batch_handler(
-            cfg,
-            pool.clone(),
-            SetUpdate {
-                schema: schema.clone(),
-            },
-        )?
-    } else {
-        Consumer::new(
-            cfg,
-            pool.clone(),
-            RelativeUpdate {
-                schema: schema.clone(),
-            },
-        )?
-    };
+}
+
+/// One measured run of `who` over the `n` messages of `queue`: messages
+/// per second between 10% and 100% of `n` done, polled every 10 ms; then
+/// checks that every message left the queue and, for the database
+/// contenders, that each has exactly one inbox row and one effect.
+async fn run(pool: &PgPool, url: &str, queue: &str, n: usize, who: Contender) -> Result<f64> {
     let stop = CancellationToken::new();
-    let started = Instant::now();
-    let task = tokio::spawn({
-        let stop = stop.clone();
-        let consumer = consumer.clone();
-        async move { consumer.run(stop).await }
-    });
-    while stock(pool, &schema).await? < n as i64 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let rate = n as f64 / started.elapsed().as_secs_f64();
+    let schema = match who {
+        Contender::Raw(_) => None,
+        _ => Some(consumer_schema(pool).await?),
+    };
+    let acked = Arc::new(AtomicU64::new(0));
+    let tasks: Vec<JoinHandle<Result<()>>> = match (who, &schema) {
+        (Contender::Raw(t), _) => vec![tokio::spawn(raw_ack(
+            url.to_owned(),
+            queue.to_owned(),
+            n as u64,
+            t,
+            acked.clone(),
+        ))],
+        (Contender::Hand(t), Some(s)) => {
+            let mut v = Vec::new();
+            for _ in 0..t.loops.max(1) {
+                v.push(tokio::spawn(hand_written(
+                    pool.clone(),
+                    url.to_owned(),
+                    queue.to_owned(),
+                    s.clone(),
+                    t,
+                    stop.clone(),
+                )));
+            }
+            v
+        }
+        (Contender::LibraryBatch | Contender::LibraryPerEvent, Some(s)) => {
+            let batch = matches!(who, Contender::LibraryBatch);
+            let consumer = library(pool, url, queue, s, batch)?;
+            let stop = stop.clone();
+            vec![tokio::spawn(async move {
+                consumer.run(stop).await.map_err(anyhow::Error::from)
+            })]
+        }
+        _ => anyhow::bail!("no schema for a database contender"),
+    };
+    let progress = match &schema {
+        None => Progress::Acked(acked),
+        Some(s) => Progress::Committed(s.clone()),
+    };
+    let timed = time_progress(pool, &progress, (n / 10) as u64, n as u64, &tasks).await;
     stop.cancel();
-    task.await??;
-    drop_schema(pool, &schema).await?;
-    Ok(rate)
-}
-
-async fn raw_ack_rate(url: &str, queue: &str, n: usize) -> Result<f64> {
+    for t in tasks {
+        t.await??;
+    }
+    let secs = timed?;
+    if let Some(s) = &schema {
+        let (effects, inbox) = (effects(pool, s).await?, inbox_rows(pool, s).await?);
+        anyhow::ensure!(
+            effects == n as u64 && inbox == n as u64,
+            "{who:?}: {effects} effects and {inbox} inbox rows for {n} messages"
+        );
+        drop_schema(pool, s).await?;
+    }
     let conn = connect(url).await?;
     let ch = conn.create_channel().await?;
-    ch.basic_qos(256, BasicQosOptions::default()).await?;
+    let left = queue_depth(&ch, queue).await?;
+    anyhow::ensure!(left == 0, "{who:?}: {left} messages left in {queue}");
+    let _ = conn.close(200, "done".into()).await;
+    Ok((n - n / 10) as f64 / secs)
+}
+
+async fn time_progress(
+    pool: &PgPool,
+    progress: &Progress,
+    from: u64,
+    to: u64,
+    tasks: &[JoinHandle<Result<()>>],
+) -> Result<f64> {
+    let mut first = None;
+    let mut last = (0, Instant::now());
+    loop {
+        // Read before the progress, so a contender that finished after its
+        // last count is not taken for one that died.
+        let finished = tasks.iter().all(|t| t.is_finished());
+        let done = progress.read(pool).await?;
+        let now = Instant::now();
+        if done >= from && first.is_none() {
+            first = Some(now);
+        }
+        if done >= to {
+            return Ok(now.duration_since(first.unwrap_or(now)).as_secs_f64());
+        }
+        if done != last.0 {
+            last = (done, now);
+        }
+        anyhow::ensure!(
+            now.duration_since(last.1) < STALL,
+            "stuck at {done} of {to}"
+        );
+        anyhow::ensure!(!finished, "the contender stopped at {done} of {to}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn library(pool: &PgPool, url: &str, queue: &str, schema: &str, batch: bool) -> Result<Consumer> {
+    let mut cfg = ConsumerConfig::new(url, queue, "bench").schema(schema);
+    cfg.declare_retry_queues = false;
+    let update = update_sql(schema);
+    Ok(if batch {
+        Consumer::with_batch_handler(cfg, pool.clone(), SetUpdate { update })?
+    } else {
+        Consumer::new(cfg, pool.clone(), RelativeUpdate { update })?
+    })
+}
+
+async fn raw_ack(
+    url: String,
+    queue: String,
+    n: u64,
+    t: RawTuning,
+    acked: Arc<AtomicU64>,
+) -> Result<()> {
+    let conn = connect(&url).await?;
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(t.prefetch, BasicQosOptions::default()).await?;
     let mut c = ch
         .basic_consume(
-            queue.into(),
+            queue.as_str().into(),
             "raw".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
         .await?;
-    let started = Instant::now();
-    for _ in 0..n {
-        let d = c.next().await.context("queue ended")??;
-        d.acker.ack(BasicAckOptions::default()).await?;
+    // Small runs ack more often, so the clock sees progress before the end.
+    let every = (t.ack_every as u64).min((n / 20).max(1));
+    let mut seen = 0u64;
+    while seen < n {
+        let d = tokio::time::timeout(STALL, c.next())
+            .await
+            .context("no delivery")?
+            .context("queue ended")??;
+        seen += 1;
+        if seen.is_multiple_of(every) || seen == n {
+            d.acker.ack(BasicAckOptions { multiple: true }).await?;
+            acked.store(seen, AtomicOrdering::Relaxed);
+        }
     }
-    Ok(n as f64 / started.elapsed().as_secs_f64())
+    let _ = conn.close(200, "done".into()).await;
+    Ok(())
 }
 
-/// What a careful engineer writes by hand: batch up to 128 deliveries or
-/// 20 ms, dedup the batch in one statement, one set-based update, commit,
-/// one multiple-ack.
-async fn hand_written_rate(pool: &PgPool, url: &str, queue: &str, n: usize) -> Result<f64> {
-    let schema = consumer_schema(pool).await?;
-    let conn = connect(url).await?;
+/// What a careful engineer writes by hand (see [`HandTuning`]); keys are
+/// sorted like the library's so concurrent loops cannot deadlock.
+async fn hand_written(
+    pool: PgPool,
+    url: String,
+    queue: String,
+    schema: String,
+    t: HandTuning,
+    stop: CancellationToken,
+) -> Result<()> {
+    let conn = connect(&url).await?;
     let ch = conn.create_channel().await?;
-    ch.basic_qos(256, BasicQosOptions::default()).await?;
+    ch.basic_qos(t.prefetch, BasicQosOptions::default()).await?;
     let mut c = ch
         .basic_consume(
-            queue.into(),
+            queue.as_str().into(),
             "hand".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
         .await?;
-    let dedup = format!(
-        "INSERT INTO \"{schema}\".inbox (consumer, event_id) SELECT 'bench', unnest($1::text[]) ON CONFLICT DO NOTHING RETURNING event_id"
+    let inbox = format!(
+        "INSERT INTO \"{schema}\".inbox (consumer, event_id) SELECT 'bench', k FROM unnest($1::text[]) AS k ON CONFLICT (consumer, event_id) DO NOTHING RETURNING event_id"
     );
-    let update = format!("UPDATE \"{schema}\".stock SET qty = qty - $1 WHERE sku = 'A'");
-    let started = Instant::now();
-    let mut done = 0;
-    while done < n {
-        let first = c.next().await.context("queue ended")??;
+    let update = update_sql(&schema);
+    let together = format!(
+        "WITH fresh AS ({inbox}) UPDATE \"{schema}\".stock SET qty = qty - (SELECT count(*) FROM fresh) WHERE sku = 'A'"
+    );
+    loop {
+        let first = tokio::select! {
+            _ = stop.cancelled() => break,
+            d = c.next() => d.context("queue ended")??,
+        };
         let mut batch = vec![first];
-        let until = tokio::time::Instant::now() + Duration::from_millis(20);
-        while batch.len() < 128 {
+        let until = tokio::time::Instant::now() + Duration::from_millis(t.linger_ms);
+        while batch.len() < t.batch {
             match tokio::time::timeout_at(until, c.next()).await {
                 Ok(Some(d)) => batch.push(d?),
                 _ => break,
             }
         }
-        let ids: Vec<String> = batch
+        let mut ids: Vec<String> = batch
             .iter()
             .map(|d| {
                 d.properties
@@ -233,67 +472,151 @@ async fn hand_written_rate(pool: &PgPool, url: &str, queue: &str, n: usize) -> R
                     .unwrap_or_default()
             })
             .collect();
-        let mut tx = pool.begin().await?;
-        let fresh: Vec<String> = sqlx::query_scalar(AssertSqlSafe(dedup.clone()))
-            .bind(&ids)
-            .fetch_all(&mut *tx)
-            .await?;
-        sqlx::query(AssertSqlSafe(update.clone()))
-            .bind(fresh.len() as i64)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        let last = batch.last().expect("non-empty");
-        last.acker.ack(BasicAckOptions { multiple: true }).await?;
-        done += batch.len();
+        ids.sort_unstable();
+        if t.one_statement {
+            sqlx::query(AssertSqlSafe(together.clone()))
+                .bind(&ids)
+                .execute(&pool)
+                .await?;
+        } else {
+            let mut tx = pool.begin().await?;
+            let fresh: Vec<String> = sqlx::query_scalar(AssertSqlSafe(inbox.clone()))
+                .bind(&ids)
+                .fetch_all(&mut *tx)
+                .await?;
+            sqlx::query(AssertSqlSafe(update.clone()))
+                .bind(fresh.len() as i64)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+        }
+        if let Some(last) = batch.last() {
+            last.acker.ack(BasicAckOptions { multiple: true }).await?;
+        }
     }
-    let rate = n as f64 / started.elapsed().as_secs_f64();
-    drop_schema(pool, &schema).await?;
-    Ok(rate)
+    let _ = conn.close(200, "done".into()).await;
+    Ok(())
 }
 
-/// Runs every consumer measurement over `n` messages.
+/// A fresh durable queue holding `n` preloaded messages.
+async fn loaded_queue(conn: &Connection, n: usize, preload: PublishTuning) -> Result<String> {
+    let queue = format!("bench.cons.{}", suffix());
+    let ch = conn.create_channel().await?;
+    ch.queue_declare(
+        queue.as_str().into(),
+        lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await?;
+    publish(conn, "", &queue, n, preload).await?;
+    let _ = ch.close(200, "done".into()).await;
+    Ok(queue)
+}
+
+async fn measured(
+    pool: &PgPool,
+    url: &str,
+    conn: &Connection,
+    n: usize,
+    who: Contender,
+    preload: PublishTuning,
+) -> Result<f64> {
+    let queue = loaded_queue(conn, n, preload).await?;
+    // Let the broker settle after the preload before the clock runs.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rate = run(pool, url, &queue, n, who).await;
+    drop_queue(conn, &queue).await?;
+    rate
+}
+
+/// The fastest of `tunings` over `plan.sweep_n` messages each, and its rate.
+async fn best_of(
+    pool: &PgPool,
+    url: &str,
+    conn: &Connection,
+    plan: &Plan,
+    tunings: &[Contender],
+) -> Result<(Contender, f64)> {
+    let mut best = (tunings[0], 0.0);
+    for &who in tunings {
+        let rate = measured(pool, url, conn, plan.sweep_n, who, plan.preload).await?;
+        eprintln!("bench:   sweep {who}: {rate:.0}/s");
+        if rate > best.1 {
+            best = (who, rate);
+        }
+    }
+    Ok(best)
+}
+
+/// Sweeps the baselines' tunings, then runs `rounds` rounds of the four
+/// contenders in rotating order.
 pub(crate) async fn measure(
     pool: &PgPool,
     database_url: &str,
     url: &str,
-    n: usize,
+    plan: &Plan,
 ) -> Result<ConsumerResults> {
     let conn = connect(url).await?;
-    let base = format!("bench.cons.{}", suffix());
-    let names = [
-        "hand1",
-        "batch1",
-        "raw1",
-        "hand2",
-        "batch2",
-        "raw2",
-        "per_event",
-        "child",
+    let raw: Vec<Contender> = RAW_SWEEP.into_iter().map(Contender::Raw).collect();
+    let hand: Vec<Contender> = HAND_SWEEP.into_iter().map(Contender::Hand).collect();
+    let best_raw = best_of(pool, url, &conn, plan, &raw).await?;
+    let best_hand = best_of(pool, url, &conn, plan, &hand).await?;
+    // Counts for runs of about `secs`: the library's rates are unknown
+    // before the first round, so its counts follow the hand-written loop's
+    // (per-event: a quarter of it).
+    let count = |rate: f64| ((rate * plan.secs * 1.1) as usize).clamp(1_000, 800_000);
+    let order = [
+        (best_raw.0, count(best_raw.1)),
+        (best_hand.0, count(best_hand.1)),
+        (Contender::LibraryBatch, count(best_hand.1)),
+        (Contender::LibraryPerEvent, count(best_hand.1 / 4.0)),
     ];
-    let queues: Vec<String> = names.iter().map(|q| format!("{base}.{q}")).collect();
-    preload(&conn, &base, &queues, n).await?;
-    // Short runs are noisy on a shared 2-core machine: measure the three
-    // baselines twice, interleaved, and keep the best of each.
-    let (mut hand, mut batch, mut raw) = (0f64, 0f64, 0f64);
-    for round in 0..2 {
-        hand = hand.max(hand_written_rate(pool, url, &queues[round * 3], n).await?);
-        batch = batch.max(library_rate(pool, url, &queues[round * 3 + 1], n, true).await?);
-        raw = raw.max(raw_ack_rate(url, &queues[round * 3 + 2], n).await?);
+    let mut res = ConsumerResults {
+        raw: Stats::default(),
+        hand: Stats::default(),
+        batch: Stats::default(),
+        per_event: Stats::default(),
+        batch_vs_raw: Stats::default(),
+        batch_vs_hand: Stats::default(),
+        raw_tuning: tuning_of(best_raw.0),
+        hand_tuning: tuning_of(best_hand.0),
+        peak_rss_mib: f64::NAN,
+    };
+    for round in 0..plan.rounds {
+        let mut rates = [0.0; 4];
+        for k in 0..order.len() {
+            let i = (k + round) % order.len();
+            let (who, n) = order[i];
+            rates[i] = measured(pool, url, &conn, n, who, plan.preload).await?;
+            eprintln!(
+                "bench:   round {} {who:?} ({n}): {:.0}/s",
+                round + 1,
+                rates[i]
+            );
+        }
+        res.raw.push(rates[0]);
+        res.hand.push(rates[1]);
+        res.batch.push(rates[2]);
+        res.per_event.push(rates[3]);
+        res.batch_vs_raw.push(rates[2] / rates[0]);
+        res.batch_vs_hand.push(rates[2] / rates[1]);
     }
-    let per_event_per_s = library_rate(pool, url, &queues[6], n, false).await?;
-    let peak_rss_mib = child_rss(database_url, url, &queues[7], n)?;
-    for q in &queues {
-        drop_queue(&conn, q).await?;
+    let queue = loaded_queue(&conn, plan.memory_n, plan.preload).await?;
+    res.peak_rss_mib = child_rss(database_url, url, &queue, plan.memory_n)?;
+    drop_queue(&conn, &queue).await?;
+    let _ = conn.close(200, "done".into()).await;
+    Ok(res)
+}
+
+fn tuning_of(who: Contender) -> String {
+    match who {
+        Contender::Raw(t) => t.to_string(),
+        Contender::Hand(t) => t.to_string(),
+        other => other.to_string(),
     }
-    let _ = drop_queue(&conn, &base).await;
-    Ok(ConsumerResults {
-        per_event_per_s,
-        batch_per_s: batch,
-        raw_ack_per_s: raw,
-        hand_written_per_s: hand,
-        peak_rss_mib,
-    })
 }
 
 /// Runs the per-event consumer in a child process (this binary with
@@ -315,10 +638,10 @@ fn child_rss(database_url: &str, url: &str, queue: &str, n: usize) -> Result<f64
     Ok(rss)
 }
 
-/// The child side of [`child_rss`]: consume `n` messages, say `done`,
-/// wait for stdin to close.
+/// The child side of [`child_rss`]: consume `n` messages with the
+/// per-event library consumer, say `done`, wait for stdin to close.
 pub(crate) async fn child_consumer(pool: &PgPool, url: &str, queue: &str, n: usize) -> Result<()> {
-    library_rate(pool, url, queue, n, false).await?;
+    run(pool, url, queue, n, Contender::LibraryPerEvent).await?;
     println!("done");
     std::io::stdout().flush()?;
     let mut sink = String::new();

@@ -1,8 +1,12 @@
-//! `make bench`: measures the toolkit against raw ceilings taken in the same
-//! run, prints a table and writes JSON. `--smoke` runs tiny counts (CI).
+//! `make bench`: measures the toolkit against ceilings taken in the same
+//! run (each baseline's tuning swept, the best kept), repeats every
+//! comparison in rotating order and reports the median and the spread;
+//! prints a table and writes JSON. `--smoke` runs tiny counts (CI).
 
 mod common;
 mod consumer;
+mod latency;
+mod publish;
 mod relay;
 mod write;
 
@@ -10,6 +14,10 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use outbox::{Ordering, Wakeup};
 use serde_json::{Value, json};
+
+use crate::common::Stats;
+use crate::publish::{PUBLISH_SWEEP, PublishTuning};
+use crate::write::Shape;
 
 /// Benchmarks the outbox toolkit against the local services.
 #[derive(Debug, Parser)]
@@ -38,8 +46,7 @@ struct Args {
     #[arg(long, default_value = "target/bench/results.json")]
     out: std::path::PathBuf,
     /// Run only these sections (relay, growth, ordered, write, latency,
-    /// consumer);
-    /// all by default.
+    /// consumer); all by default.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Internal: run a consumer for the memory measurement (queue, count).
@@ -47,345 +54,661 @@ struct Args {
     child_consumer: Option<Vec<String>>,
 }
 
+const SECTIONS: [&str; 6] = ["relay", "growth", "ordered", "write", "latency", "consumer"];
+
+/// Counts and durations; `--smoke` shrinks all of them.
 struct Sizes {
-    drain: usize,
-    backlog_big: usize,
-    consumer: usize,
+    /// Comparisons repeated this many times (median and spread).
+    rounds: usize,
+    /// Target seconds of one measured ceiling run.
+    run_secs: f64,
+    /// Messages per sweep run of a baseline's tuning.
+    sweep_n: usize,
+    growth_small: usize,
+    growth_big: usize,
+    growth_window: usize,
+    growth_runs: usize,
     ordered: usize,
     write_secs: f64,
+    worst_secs: f64,
+    latency_runs: usize,
+    latency_warm: f64,
     latency_secs: f64,
+    memory_n: usize,
 }
 
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
+    for o in &args.only {
+        anyhow::ensure!(
+            SECTIONS.contains(&o.as_str()),
+            "unknown section {o:?} (sections: {})",
+            SECTIONS.join(", ")
+        );
+    }
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(16)
         .connect(&args.database_url)
         .await
         .context("connecting to the database")?;
     if let Some(child) = &args.child_consumer {
-        return consumer::child_consumer(&pool, &args.amqp_url, &child[0], child[1].parse()?).await;
+        let n = child[1].parse().context("--child-consumer count")?;
+        return consumer::child_consumer(&pool, &args.amqp_url, &child[0], n).await;
     }
     let sizes = if args.smoke {
         Sizes {
-            drain: 2_000,
-            backlog_big: 20_000,
-            consumer: 1_000,
+            rounds: 1,
+            run_secs: 0.3,
+            sweep_n: 1_000,
+            growth_small: 1_000,
+            growth_big: 20_000,
+            growth_window: 2_000,
+            growth_runs: 2,
             ordered: 2_000,
-            write_secs: 0.5,
+            write_secs: 0.3,
+            worst_secs: 0.3,
+            latency_runs: 1,
+            latency_warm: 0.5,
             latency_secs: 1.0,
+            memory_n: 1_000,
         }
     } else {
         Sizes {
-            drain: 100_000,
-            backlog_big: 1_000_000,
-            consumer: 50_000,
+            rounds: 5,
+            run_secs: 10.0,
+            sweep_n: 40_000,
+            growth_small: 10_000,
+            growth_big: 1_000_000,
+            growth_window: 100_000,
+            growth_runs: 3,
             ordered: 100_000,
-            write_secs: 5.0,
+            write_secs: 4.0,
+            worst_secs: 3.0,
+            latency_runs: 3,
+            latency_warm: 2.0,
             latency_secs: 10.0,
+            memory_n: 50_000,
         }
     };
     let mut r = Report::default();
-    let url = args.amqp_url.as_str();
     let run = |section: &str| args.only.is_empty() || args.only.iter().any(|o| o == section);
-
+    let url = args.amqp_url.as_str();
+    // The consumer section preloads with the publisher's best tuning.
+    let mut best_publish = PUBLISH_SWEEP[3];
     if run("relay") {
-        eprintln!("bench: raw confirmed publishes ({})", sizes.drain);
-        let (raw, raw_cpu) = relay::raw_publish_rate(url, sizes.drain).await?;
-        eprintln!("bench: relay binary draining a backlog of {}", sizes.drain);
-        let (drain, relay_rss, drain_cpu) =
-            relay::drain_process(&pool, &args.database_url, url, sizes.drain).await?;
-        // Where the time goes: CPU seconds per 10,000 events, per process.
-        let per10k = |cpu: f64| cpu * 10_000.0 / sizes.drain as f64;
-        r.add(
-            "raw_cpu_s_per_10k_broker",
-            per10k(raw_cpu.0),
-            "  raw: broker CPU s / 10k msgs",
-            "",
-        );
-        r.add(
-            "raw_cpu_s_per_10k_publisher",
-            per10k(raw_cpu.2),
-            "  raw: publisher CPU s / 10k msgs",
-            "",
-        );
-        r.add(
-            "drain_cpu_s_per_10k_broker",
-            per10k(drain_cpu.0),
-            "  drain: broker CPU s / 10k events",
-            "",
-        );
-        r.add(
-            "drain_cpu_s_per_10k_database",
-            per10k(drain_cpu.1),
-            "  drain: postgres CPU s / 10k events",
-            "",
-        );
-        r.add(
-            "drain_cpu_s_per_10k_relay",
-            per10k(drain_cpu.2),
-            "  drain: relay CPU s / 10k events",
-            "",
-        );
-        r.add(
-            "raw_publish_per_s",
-            raw,
-            "raw confirmed publishes/s (plain lapin, 500 in flight)",
-            "",
-        );
-        r.add(
-            "relay_drain_per_s",
-            drain,
-            "relay drain events/s (binary, 100k backlog)",
-            "",
-        );
-        r.add(
-            "relay_drain_ratio",
-            drain / raw,
-            "relay_drain_ratio",
-            ">= 0.95",
-        );
-        r.add(
-            "relay_peak_rss_mib",
-            relay_rss,
-            "relay peak RSS MiB",
-            "<= 64",
-        );
+        best_publish = relay_section(&mut r, &pool, &args.database_url, url, &sizes).await?;
     }
     if run("growth") {
-        eprintln!(
-            "bench: cost growth (backlog {} vs 10,000; one relay vs two)",
-            sizes.backlog_big
-        );
-        let small = relay::drain_rate(
-            &pool,
-            url,
-            10_000.min(sizes.backlog_big),
-            10_000.min(sizes.backlog_big),
-            1,
-            Ordering::None,
-        )
-        .await?;
-        let big = relay::drain_rate(
-            &pool,
-            url,
-            sizes.backlog_big,
-            sizes.drain.min(sizes.backlog_big),
-            1,
-            Ordering::None,
-        )
-        .await?;
-        let two =
-            relay::drain_rate(&pool, url, sizes.drain, sizes.drain, 2, Ordering::None).await?;
-        r.add(
-            "drain_per_s_backlog_10k",
-            small,
-            "drain events/s, 10k backlog (in-process)",
-            "",
-        );
-        r.add(
-            "drain_per_s_backlog_1m",
-            big,
-            "drain events/s, 1M backlog (first 100k)",
-            "",
-        );
-        r.add(
-            "backlog_1m_vs_10k_ratio",
-            big / small,
-            "backlog_1m_vs_10k_ratio",
-            ">= 0.9",
-        );
-        r.add(
-            "drain_per_s_two_relays",
-            two,
-            "drain events/s, two relays",
-            "",
-        );
-        r.add(
-            "two_relays_vs_one_ratio",
-            two / small,
-            "two relays / one relay",
-            "",
-        );
+        growth_section(&mut r, &pool, url, &sizes).await?;
     }
     if run("ordered") {
-        // Same backlog shape (1,000 aggregates), same relay settings, one
-        // after the other; unordered first, then every event ordered, then
-        // ordered with three relays sharing the partitions.
-        let n = sizes.ordered;
-        eprintln!("bench: ordered vs unordered drain ({n} events, 1,000 aggregates)");
-        let unordered = relay::drain_rate(&pool, url, n, n, 1, Ordering::None).await?;
-        let ordered = relay::drain_rate(&pool, url, n, n, 1, Ordering::All).await?;
-        let ordered3 = relay::drain_rate(&pool, url, n, n, 3, Ordering::All).await?;
-        // One event per aggregate: every event is a head (the claim's most
-        // expensive shape).
-        let ordered_wide = relay::drain_rate_over(&pool, url, n, n, 1, Ordering::All, n).await?;
-        r.add(
-            "unordered_drain_per_s",
-            unordered,
-            "drain events/s, unordered (in-process, same run)",
-            "",
-        );
-        r.add(
-            "ordered_drain_per_s",
-            ordered,
-            "drain events/s, ordered mode",
-            "",
-        );
-        r.add(
-            "ordered_vs_unordered_ratio",
-            ordered / unordered,
-            "ordered_vs_unordered_ratio",
-            ">= 0.8",
-        );
-        r.add(
-            "ordered_drain_per_s_one_event_per_aggregate",
-            ordered_wide,
-            "drain events/s, ordered, one event per aggregate",
-            "",
-        );
-        r.add(
-            "ordered_one_event_per_aggregate_ratio",
-            ordered_wide / unordered,
-            "  ratio to unordered",
-            "",
-        );
-        r.add(
-            "ordered_drain_per_s_three_relays",
-            ordered3,
-            "drain events/s, ordered mode, three relays",
-            "",
-        );
+        ordered_section(&mut r, &pool, url, &sizes).await?;
     }
     if run("write") {
-        eprintln!("bench: write path (8 writers)");
-        let base = write::write_path(&pool, None, sizes.write_secs).await?;
-        r.add(
-            "write_tx_per_s_baseline",
-            base,
-            "write path tx/s, no event",
-            "",
-        );
-        for (name, mode) in [
-            ("after_commit", Wakeup::AfterCommit),
-            ("in_transaction", Wakeup::InTransaction),
-            ("poll_only", Wakeup::PollOnly),
-        ] {
-            let rate = write::write_path(&pool, Some(mode), sizes.write_secs).await?;
-            r.add(
-                &format!("write_tx_per_s_{name}"),
-                rate,
-                &format!("write path tx/s + 1 event, wake-up {name}"),
-                "",
-            );
-            r.add(
-                &format!("write_path_ratio_{name}"),
-                rate / base,
-                &format!("  ratio to no event ({name})"),
-                "",
-            );
-        }
-        let wp = r.get("write_path_ratio_after_commit");
-        r.add(
-            "write_path_ratio",
-            wp,
-            "write_path_ratio (default wake-up)",
-            ">= 0.85",
-        );
+        write_section(&mut r, &pool, &sizes).await?;
     }
     if run("latency") {
-        eprintln!("bench: latency at 1,000 events/s");
-        for (k, v) in relay::latency(&pool, url, sizes.latency_secs).await? {
-            let target = if k == "publish_latency_p99_ms" {
-                "<= 10"
-            } else {
-                ""
-            };
-            r.add(&k, v, &k, target);
-        }
+        latency_section(&mut r, &pool, &args.database_url, url, &sizes).await?;
     }
     if run("consumer") {
-        eprintln!("bench: consumer ({} messages)", sizes.consumer);
-        let c = consumer::measure(&pool, &args.database_url, url, sizes.consumer).await?;
-        r.add(
-            "consumer_raw_ack_per_s",
-            c.raw_ack_per_s,
-            "raw ack-only consumer msgs/s",
-            "",
-        );
-        r.add(
-            "consumer_hand_written_per_s",
-            c.hand_written_per_s,
-            "hand-written batched dedup msgs/s",
-            "",
-        );
-        r.add(
-            "consumer_batch_handler_per_s",
-            c.batch_per_s,
-            "library batch handler effects/s",
-            "",
-        );
-        r.add(
-            "consumer_effects_per_s",
-            c.per_event_per_s,
-            "consumer_effects_per_s (per-event handler)",
-            ">= 5000",
-        );
-        r.add(
-            "consumer_ratio",
-            c.batch_per_s / c.raw_ack_per_s,
-            "consumer_ratio (batch / raw ack)",
-            ">= 0.6",
-        );
-        r.add(
-            "consumer_overhead_ratio",
-            c.batch_per_s / c.hand_written_per_s,
-            "consumer_overhead_ratio (library / hand)",
-            ">= 0.9",
-        );
-        r.add(
-            "consumer_peak_rss_mib",
-            c.peak_rss_mib,
-            "consumer peak RSS MiB",
-            "",
-        );
+        consumer_section(&mut r, &pool, &args.database_url, url, &sizes, best_publish).await?;
     }
-    println!("\n{:<46} {:>12}  target", "metric", "value");
-    for (_, label, v, target) in &r.rows {
-        println!("{label:<46} {v:>12.2}  {target}");
-    }
-    if let Some(dir) = args.out.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let mut json = serde_json::Map::new();
-    json.insert("smoke".into(), json!(args.smoke));
-    for (k, _, v, _) in &r.rows {
-        json.insert(k.clone(), json!(v));
-    }
-    std::fs::write(
-        &args.out,
-        serde_json::to_string_pretty(&Value::Object(json))?,
-    )?;
+    r.print();
+    r.write(&args.out, args.smoke)?;
     println!("\nwrote {}", args.out.display());
     Ok(())
 }
 
+/// The relay binary's drain against the best raw confirmed publisher,
+/// interleaved; returns the raw publisher's winning tuning.
+async fn relay_section(
+    r: &mut Report,
+    pool: &sqlx::PgPool,
+    database_url: &str,
+    url: &str,
+    sizes: &Sizes,
+) -> Result<PublishTuning> {
+    eprintln!("bench: raw publisher sweep ({} each)", sizes.sweep_n);
+    let mut best = (PUBLISH_SWEEP[0], 0.0);
+    for t in PUBLISH_SWEEP {
+        let (rate, _) = publish::raw_publish_rate(url, sizes.sweep_n, t).await?;
+        eprintln!("bench:   {t}: {rate:.0}/s");
+        if rate > best.1 {
+            best = (t, rate);
+        }
+    }
+    let n = ((best.1 * sizes.run_secs) as usize).clamp(1_000, 400_000);
+    let (mut raw, mut drain, mut ratio) = (Stats::default(), Stats::default(), Stats::default());
+    let (mut raw_cpu, mut drain_cpu) = ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0));
+    let mut rss = 0f64;
+    for round in 0..sizes.rounds {
+        let mut pair = (0.0, 0.0);
+        for k in 0..2 {
+            if (k + round) % 2 == 0 {
+                let (rate, cpu) = publish::raw_publish_rate(url, n, best.0).await?;
+                pair.0 = rate;
+                raw_cpu = add3(raw_cpu, cpu);
+            } else {
+                let (rate, peak, cpu) = relay::drain_process(pool, database_url, url, n).await?;
+                pair.1 = rate;
+                rss = rss.max(peak);
+                drain_cpu = add3(drain_cpu, cpu);
+            }
+        }
+        eprintln!(
+            "bench:   round {}: raw {:.0}/s, relay {:.0}/s ({n} each)",
+            round + 1,
+            pair.0,
+            pair.1
+        );
+        raw.push(pair.0);
+        drain.push(pair.1);
+        ratio.push(pair.1 / pair.0);
+    }
+    r.tuning("raw_publish", best.0.to_string());
+    // Where the time goes: CPU seconds per 10,000 events, per process.
+    let per10k = |cpu: f64| cpu * 10_000.0 / (n * sizes.rounds) as f64;
+    r.add(
+        "raw_cpu_s_per_10k_broker",
+        per10k(raw_cpu.0),
+        "  raw: broker CPU s / 10k msgs",
+        "",
+    );
+    r.add(
+        "raw_cpu_s_per_10k_publisher",
+        per10k(raw_cpu.2),
+        "  raw: publisher CPU s / 10k msgs",
+        "",
+    );
+    r.add(
+        "drain_cpu_s_per_10k_broker",
+        per10k(drain_cpu.0),
+        "  drain: broker CPU s / 10k events",
+        "",
+    );
+    r.add(
+        "drain_cpu_s_per_10k_database",
+        per10k(drain_cpu.1),
+        "  drain: postgres CPU s / 10k events",
+        "",
+    );
+    r.add(
+        "drain_cpu_s_per_10k_relay",
+        per10k(drain_cpu.2),
+        "  drain: relay CPU s / 10k events",
+        "",
+    );
+    r.stats(
+        "raw_publish_per_s",
+        &raw,
+        "raw confirmed publishes/s (best tuning)",
+        "",
+    );
+    r.stats(
+        "relay_drain_per_s",
+        &drain,
+        "relay drain events/s (binary)",
+        "",
+    );
+    r.ceiling(
+        "relay_drain_ratio",
+        &ratio,
+        "relay_drain_ratio (relay / raw)",
+        ">= 0.95",
+    );
+    r.add("relay_peak_rss_mib", rss, "relay peak RSS MiB", "<= 64");
+    Ok(best.0)
+}
+
+fn add3(a: (f64, f64, f64), b: (f64, f64, f64)) -> (f64, f64, f64) {
+    (a.0 + b.0, a.1 + b.1, a.2 + b.2)
+}
+
+async fn growth_section(
+    r: &mut Report,
+    pool: &sqlx::PgPool,
+    url: &str,
+    sizes: &Sizes,
+) -> Result<()> {
+    eprintln!(
+        "bench: cost growth (backlog {} vs {}; one relay vs two)",
+        sizes.growth_big, sizes.growth_small
+    );
+    let g = relay::growth(
+        pool,
+        url,
+        sizes.growth_small,
+        sizes.growth_big,
+        sizes.growth_window,
+        sizes.growth_runs,
+    )
+    .await?;
+    let shared_buffers: String = sqlx::query_scalar("SHOW shared_buffers")
+        .fetch_one(pool)
+        .await?;
+    r.tuning("growth_shared_buffers", shared_buffers);
+    r.stats(
+        "drain_per_s_backlog_10k",
+        &g.small,
+        "drain events/s, 10k backlog (in-process)",
+        "",
+    );
+    r.stats(
+        "drain_per_s_backlog_1m",
+        &g.big_one,
+        "drain events/s, 1M backlog, one relay",
+        "",
+    );
+    r.add(
+        "backlog_1m_vs_10k_ratio",
+        g.big_one.median() / g.small.median(),
+        "backlog_1m_vs_10k_ratio",
+        ">= 0.9",
+    );
+    r.stats(
+        "drain_per_s_two_relays",
+        &g.big_two,
+        "drain events/s, 1M backlog, two relays",
+        "",
+    );
+    r.add(
+        "two_relays_vs_one_ratio",
+        g.big_two.median() / g.big_one.median(),
+        "two relays / one relay (same backlog)",
+        "",
+    );
+    Ok(())
+}
+
+async fn ordered_section(
+    r: &mut Report,
+    pool: &sqlx::PgPool,
+    url: &str,
+    sizes: &Sizes,
+) -> Result<()> {
+    // Same backlog shape (1,000 aggregates), same relay settings, one
+    // after the other; unordered first, then every event ordered, then
+    // ordered with three relays sharing the partitions.
+    let n = sizes.ordered;
+    eprintln!("bench: ordered vs unordered drain ({n} events, 1,000 aggregates)");
+    let unordered = relay::drain_rate(pool, url, n, 1, Ordering::None, 1_000).await?;
+    let ordered = relay::drain_rate(pool, url, n, 1, Ordering::All, 1_000).await?;
+    let ordered3 = relay::drain_rate(pool, url, n, 3, Ordering::All, 1_000).await?;
+    // One event per aggregate: every event is a head (the claim's most
+    // expensive shape).
+    let ordered_wide = relay::drain_rate(pool, url, n, 1, Ordering::All, n).await?;
+    r.add(
+        "unordered_drain_per_s",
+        unordered,
+        "drain events/s, unordered (in-process)",
+        "",
+    );
+    r.add(
+        "ordered_drain_per_s",
+        ordered,
+        "drain events/s, ordered mode",
+        "",
+    );
+    r.add(
+        "ordered_vs_unordered_ratio",
+        ordered / unordered,
+        "ordered_vs_unordered_ratio",
+        ">= 0.8",
+    );
+    r.add(
+        "ordered_drain_per_s_one_event_per_aggregate",
+        ordered_wide,
+        "drain events/s, ordered, one event per aggregate",
+        "",
+    );
+    r.add(
+        "ordered_one_event_per_aggregate_ratio",
+        ordered_wide / unordered,
+        "  ratio to unordered",
+        "",
+    );
+    r.add(
+        "ordered_drain_per_s_three_relays",
+        ordered3,
+        "drain events/s, ordered, three relays",
+        "",
+    );
+    Ok(())
+}
+
+async fn write_section(r: &mut Report, pool: &sqlx::PgPool, sizes: &Sizes) -> Result<()> {
+    eprintln!("bench: write path (order transaction, 8 writers, modes interleaved)");
+    let modes: [(&str, Option<Wakeup>); 4] = [
+        ("baseline", None),
+        ("after_commit", Some(Wakeup::AfterCommit)),
+        ("poll_only", Some(Wakeup::PollOnly)),
+        ("in_transaction", Some(Wakeup::InTransaction)),
+    ];
+    // Warm-up, not counted: connections, caches, the first schema.
+    write::write_path(
+        pool,
+        Shape::Order,
+        Some(Wakeup::AfterCommit),
+        sizes.worst_secs,
+    )
+    .await?;
+    let mut rates = vec![Stats::default(); modes.len()];
+    let mut ratios = vec![Stats::default(); modes.len()];
+    for round in 0..sizes.rounds {
+        let mut got = [0.0; 4];
+        for k in 0..modes.len() {
+            let i = (k + round) % modes.len();
+            got[i] = write::write_path(pool, Shape::Order, modes[i].1, sizes.write_secs).await?;
+        }
+        eprintln!("bench:   round {}: {got:.0?} tx/s", round + 1);
+        for i in 0..modes.len() {
+            rates[i].push(got[i]);
+            ratios[i].push(got[i] / got[0]);
+        }
+    }
+    r.stats(
+        "write_tx_per_s_baseline",
+        &rates[0],
+        "write tx/s, order transaction, no event",
+        "",
+    );
+    for i in 1..modes.len() {
+        let name = modes[i].0;
+        r.stats(
+            &format!("write_tx_per_s_{name}"),
+            &rates[i],
+            &format!("write tx/s + event, {name}"),
+            "",
+        );
+        let target = if name == "after_commit" {
+            ">= 0.85"
+        } else {
+            ""
+        };
+        r.stats(
+            &format!("write_path_ratio_{name}"),
+            &ratios[i],
+            &format!("  ratio to no event ({name})"),
+            target,
+        );
+    }
+    let default = ratios[1].clone();
+    r.stats(
+        "write_path_ratio",
+        &default,
+        "write_path_ratio (default wake-up)",
+        ">= 0.85",
+    );
+
+    eprintln!("bench: write path, worst case (one insert per transaction)");
+    let (mut base, mut with, mut ratio) = (Stats::default(), Stats::default(), Stats::default());
+    for round in 0..sizes.rounds {
+        let mut got = [0.0; 2];
+        for k in 0..2 {
+            let i = (k + round) % 2;
+            let mode = (i == 1).then_some(Wakeup::AfterCommit);
+            got[i] = write::write_path(pool, Shape::OneInsert, mode, sizes.worst_secs).await?;
+        }
+        base.push(got[0]);
+        with.push(got[1]);
+        ratio.push(got[1] / got[0]);
+    }
+    r.stats(
+        "write_one_insert_tx_per_s_baseline",
+        &base,
+        "write tx/s, one insert, no event",
+        "",
+    );
+    r.stats(
+        "write_one_insert_tx_per_s_after_commit",
+        &with,
+        "write tx/s, one insert + event",
+        "",
+    );
+    r.stats("write_one_insert_ratio", &ratio, "  ratio (worst case)", "");
+    Ok(())
+}
+
+async fn latency_section(
+    r: &mut Report,
+    pool: &sqlx::PgPool,
+    database_url: &str,
+    url: &str,
+    sizes: &Sizes,
+) -> Result<()> {
+    let mut by_key: Vec<(String, Stats)> = Vec::new();
+    let mut achieved = Stats::default();
+    let mut offered = 0.0;
+    for run in 0..sizes.latency_runs {
+        eprintln!(
+            "bench: latency, open loop at 1,000 events/s, run {}",
+            run + 1
+        );
+        let res = latency::latency(
+            pool,
+            database_url,
+            url,
+            1000.0,
+            sizes.latency_warm,
+            sizes.latency_secs,
+        )
+        .await?;
+        offered = res.offered_per_s;
+        achieved.push(res.achieved_per_s);
+        for (prefix, samples) in &res.samples {
+            for (k, v) in latency::percentiles(prefix, samples) {
+                match by_key.iter_mut().find(|(key, _)| *key == k) {
+                    Some((_, s)) => s.push(v),
+                    None => {
+                        let mut s = Stats::default();
+                        s.push(v);
+                        by_key.push((k, s));
+                    }
+                }
+            }
+        }
+    }
+    r.add(
+        "latency_offered_per_s",
+        offered,
+        "latency: offered events/s",
+        "",
+    );
+    r.stats(
+        "latency_achieved_per_s",
+        &achieved,
+        "latency: achieved events/s",
+        "",
+    );
+    for (k, s) in &by_key {
+        let target = if k == "publish_latency_p99_ms" {
+            "<= 10"
+        } else {
+            ""
+        };
+        r.stats(k, s, k, target);
+    }
+    Ok(())
+}
+
+async fn consumer_section(
+    r: &mut Report,
+    pool: &sqlx::PgPool,
+    database_url: &str,
+    url: &str,
+    sizes: &Sizes,
+    preload: PublishTuning,
+) -> Result<()> {
+    eprintln!("bench: consumer (sweep, then {} rounds)", sizes.rounds);
+    let plan = consumer::Plan {
+        sweep_n: sizes.sweep_n,
+        secs: sizes.run_secs,
+        rounds: sizes.rounds,
+        memory_n: sizes.memory_n,
+        preload,
+    };
+    let c = consumer::measure(pool, database_url, url, &plan).await?;
+    r.tuning("raw_ack_consumer", c.raw_tuning);
+    r.tuning("hand_written_consumer", c.hand_tuning);
+    r.stats(
+        "consumer_raw_ack_per_s",
+        &c.raw,
+        "raw ack-only consumer msgs/s (best tuning)",
+        "",
+    );
+    r.stats(
+        "consumer_hand_written_per_s",
+        &c.hand,
+        "hand-written dedup loop msgs/s (best tuning)",
+        "",
+    );
+    r.stats(
+        "consumer_batch_handler_per_s",
+        &c.batch,
+        "library batch handler effects/s",
+        "",
+    );
+    r.stats(
+        "consumer_effects_per_s",
+        &c.per_event,
+        "consumer_effects_per_s (per-event handler)",
+        ">= 5000",
+    );
+    r.ceiling(
+        "consumer_ratio",
+        &c.batch_vs_raw,
+        "consumer_ratio (batch / raw ack)",
+        ">= 0.6",
+    );
+    r.ceiling(
+        "consumer_overhead_ratio",
+        &c.batch_vs_hand,
+        "consumer_overhead_ratio (library / hand)",
+        ">= 0.9",
+    );
+    r.add(
+        "consumer_peak_rss_mib",
+        c.peak_rss_mib,
+        "consumer peak RSS MiB",
+        "",
+    );
+    Ok(())
+}
+
+/// A ratio to a ceiling above this means the ceiling is wrong.
+const CEILING_SLACK: f64 = 1.05;
+
+struct Row {
+    key: String,
+    label: String,
+    stats: Stats,
+    target: &'static str,
+}
+
 #[derive(Default)]
 struct Report {
-    rows: Vec<(String, String, f64, &'static str)>,
+    rows: Vec<Row>,
+    tuning: Vec<(String, String)>,
+    ceilings: Vec<String>,
 }
 
 impl Report {
     fn add(&mut self, key: &str, value: f64, label: &str, target: &'static str) {
-        self.rows
-            .push((key.to_owned(), label.to_owned(), value, target));
+        self.stats(key, &Stats { runs: vec![value] }, label, target);
     }
 
-    fn get(&self, key: &str) -> f64 {
+    fn stats(&mut self, key: &str, stats: &Stats, label: &str, target: &'static str) {
+        self.rows.push(Row {
+            key: key.to_owned(),
+            label: label.to_owned(),
+            stats: stats.clone(),
+            target,
+        });
+    }
+
+    /// A ratio of something to its ceiling: reported like any figure, and
+    /// flagged when its median is above [`CEILING_SLACK`].
+    fn ceiling(&mut self, key: &str, stats: &Stats, label: &str, target: &'static str) {
+        self.ceilings.push(key.to_owned());
+        self.stats(key, stats, label, target);
+    }
+
+    fn tuning(&mut self, what: &str, how: String) {
+        self.tuning.push((what.to_owned(), how));
+    }
+
+    fn violations(&self) -> Vec<&Row> {
         self.rows
             .iter()
-            .find(|r| r.0 == key)
-            .map_or(f64::NAN, |r| r.2)
+            .filter(|r| self.ceilings.contains(&r.key) && r.stats.median() > CEILING_SLACK)
+            .collect()
+    }
+
+    fn print(&self) {
+        println!(
+            "\n{:<46} {:>12} {:>23}  target",
+            "metric", "median", "[min - max] x runs"
+        );
+        for row in &self.rows {
+            let s = &row.stats;
+            let spread = if s.runs.len() > 1 {
+                format!("[{:.2} - {:.2}] x{}", s.min(), s.max(), s.runs.len())
+            } else {
+                String::new()
+            };
+            println!(
+                "{:<46} {:>12.2} {:>23}  {}",
+                row.label,
+                s.median(),
+                spread,
+                row.target
+            );
+        }
+        println!("\nbaseline tunings (best of the sweep):");
+        for (what, how) in &self.tuning {
+            println!("  {what}: {how}");
+        }
+        let bad = self.violations();
+        if bad.is_empty() {
+            println!("\nratios to ceilings: all <= {CEILING_SLACK}");
+        } else {
+            for row in bad {
+                println!(
+                    "\nWARNING: {} = {:.2} > {CEILING_SLACK}: the ceiling is too weak",
+                    row.key,
+                    row.stats.median()
+                );
+            }
+        }
+    }
+
+    fn write(&self, out: &std::path::Path, smoke: bool) -> Result<()> {
+        if let Some(dir) = out.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let mut json = serde_json::Map::new();
+        json.insert("smoke".into(), json!(smoke));
+        let mut runs = serde_json::Map::new();
+        for row in &self.rows {
+            json.insert(row.key.clone(), json!(row.stats.median()));
+            if row.stats.runs.len() > 1 {
+                json.insert(format!("{}_min", row.key), json!(row.stats.min()));
+                json.insert(format!("{}_max", row.key), json!(row.stats.max()));
+                runs.insert(row.key.clone(), json!(row.stats.runs));
+            }
+        }
+        json.insert("runs".into(), Value::Object(runs));
+        let tuning: serde_json::Map<String, Value> = self
+            .tuning
+            .iter()
+            .map(|(k, v)| (k.clone(), json!(v)))
+            .collect();
+        json.insert("tuning".into(), Value::Object(tuning));
+        let bad: Vec<&str> = self.violations().iter().map(|r| r.key.as_str()).collect();
+        json.insert("ceiling_violations".into(), json!(bad));
+        std::fs::write(out, serde_json::to_string_pretty(&Value::Object(json))?)
+            .with_context(|| format!("writing {}", out.display()))?;
+        Ok(())
     }
 }

@@ -1,0 +1,285 @@
+//! Latency without coordinated omission: events are committed open-loop
+//! against a schedule (one task per event, so a slow commit never delays
+//! the next send), the relay runs in its own process, and the effect is
+//! stamped only once the consumer's transaction has committed (its
+//! handler sends a `NOTIFY`, which PostgreSQL delivers after COMMIT).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use futures_util::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions};
+use lapin::types::FieldTable;
+use outbox::{NewEvent, Outbox, OutboxConfig};
+use outbox_consumer::{Consumer, ConsumerConfig, Event, Handler, Outcome};
+use sqlx::postgres::{PgListener, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
+
+use crate::common::*;
+use crate::relay::{spawn_relay, stop_child};
+
+type Stamps = Arc<Mutex<HashMap<String, Instant>>>;
+
+/// Writes the effect row and, in the same transaction, a notification
+/// carrying the event id: the listener sees it only after COMMIT.
+struct NotifyEffect {
+    insert: String,
+    channel: String,
+}
+
+impl Handler for NotifyEffect {
+    async fn handle(&self, conn: &mut PgConnection, event: &Event) -> Outcome {
+        match sqlx::query(AssertSqlSafe(self.insert.clone()))
+            .bind(event.id())
+            .bind(&self.channel)
+            .execute(conn)
+            .await
+        {
+            Ok(_) => Outcome::Ack,
+            Err(e) => Outcome::retry(e),
+        }
+    }
+}
+
+/// One event's clock readings.
+struct Sent {
+    id: String,
+    scheduled: Instant,
+    committed: Instant,
+}
+
+/// What one run measured (milliseconds).
+pub(crate) struct LatencyRun {
+    pub(crate) offered_per_s: f64,
+    pub(crate) achieved_per_s: f64,
+    /// (name, samples) for publish/effect latency from schedule/commit.
+    pub(crate) samples: Vec<(&'static str, Vec<f64>)>,
+}
+
+/// Offers `rate` events/s for `warm + secs` seconds with the default
+/// wake-up; the first `warm` seconds are not counted.
+pub(crate) async fn latency(
+    pool: &PgPool,
+    database_url: &str,
+    url: &str,
+    rate: f64,
+    warm: f64,
+    secs: f64,
+) -> Result<LatencyRun> {
+    let schema = fresh_schema(pool, "lat").await?;
+    let consumer_schema = format!("{schema}_c");
+    outbox_consumer::migrate(pool, &consumer_schema).await?;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE \"{consumer_schema}\".effects (event_id text PRIMARY KEY)"
+    )))
+    .execute(pool)
+    .await?;
+    let conn = connect(url).await?;
+    let name = format!("bench.lat.{}", suffix());
+    topology(&conn, &name).await?;
+    let effect_queue = format!("{name}.effects");
+    bind_queue(&conn, &name, &effect_queue).await?;
+    let published: Stamps = Arc::default();
+    let effects: Stamps = Arc::default();
+
+    // Publish: a plain consumer notes each arrival.
+    let ch = conn.create_channel().await?;
+    let mut raw = ch
+        .basic_consume(
+            name.as_str().into(),
+            "bench".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let raw_task = tokio::spawn({
+        let published = published.clone();
+        async move {
+            while let Some(Ok(d)) = raw.next().await {
+                let now = Instant::now();
+                if let Some(id) = d.properties.message_id() {
+                    lock(&published).insert(id.to_string(), now);
+                }
+                let _ = d.acker.ack(BasicAckOptions::default()).await;
+            }
+        }
+    });
+    // Effect: the notification that follows the consumer's COMMIT.
+    let channel = format!("bench_effect_{}", suffix());
+    let mut listener = PgListener::connect_with(pool).await?;
+    listener.listen(&channel).await?;
+    let listen_task = tokio::spawn({
+        let effects = effects.clone();
+        async move {
+            while let Ok(n) = listener.recv().await {
+                let now = Instant::now();
+                lock(&effects).insert(n.payload().to_owned(), now);
+            }
+        }
+    });
+    let stop = CancellationToken::new();
+    let mut cfg = ConsumerConfig::new(url, &effect_queue, "bench").schema(&consumer_schema);
+    cfg.declare_retry_queues = false;
+    let handler = NotifyEffect {
+        insert: format!(
+            "INSERT INTO \"{consumer_schema}\".effects (event_id) SELECT $1::text FROM pg_notify($2, $1)"
+        ),
+        channel,
+    };
+    let consumer = Consumer::new(cfg, pool.clone(), handler)?;
+    let consumer_task = tokio::spawn({
+        let stop = stop.clone();
+        async move { consumer.run(stop).await }
+    });
+    let mut relay = spawn_relay(database_url, url, &schema, &name)?;
+    let result = offer(pool, &schema, rate, warm, secs, &published, &effects).await;
+    stop.cancel();
+    stop_child(&mut relay)?;
+    consumer_task.await??;
+    raw_task.abort();
+    listen_task.abort();
+    let (run, total) = result?;
+    let effect_rows: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM \"{consumer_schema}\".effects"
+    )))
+    .fetch_one(pool)
+    .await?;
+    anyhow::ensure!(
+        effect_rows == total as i64,
+        "{effect_rows} effects for {total} events"
+    );
+    drop_queue(&conn, &name).await?;
+    drop_queue(&conn, &effect_queue).await?;
+    drop_schema(pool, &schema).await?;
+    drop_schema(pool, &consumer_schema).await?;
+    let _ = conn.close(200, "done".into()).await;
+    Ok(run)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The producer side of [`latency`]: sends, waits for every arrival,
+/// computes the figures; also returns how many events were sent.
+async fn offer(
+    pool: &PgPool,
+    schema: &str,
+    rate: f64,
+    warm: f64,
+    secs: f64,
+    published: &Stamps,
+    effects: &Stamps,
+) -> Result<(LatencyRun, usize)> {
+    // Its own pool, large enough that an open-loop burst waits on the
+    // database rather than on the pool.
+    let producer_pool = PgPoolOptions::new()
+        .max_connections(32)
+        .min_connections(8)
+        .connect_with((*pool.connect_options()).clone())
+        .await?;
+    let ob = Outbox::new(&producer_pool, OutboxConfig::default().schema(schema)).await?;
+    // The relay process connects and starts listening meanwhile.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let total = ((warm + secs) * rate) as usize;
+    let skip = (warm * rate) as usize;
+    let body = payload();
+    let t0 = Instant::now() + Duration::from_millis(10);
+    let mut tasks = Vec::with_capacity(total);
+    for i in 0..total {
+        let scheduled = t0 + Duration::from_secs_f64(i as f64 / rate);
+        tokio::time::sleep_until(scheduled.into()).await;
+        let (pool, ob) = (producer_pool.clone(), ob.clone());
+        let event = NewEvent::new("order", i.to_string(), "OrderPlaced", &body)?;
+        tasks.push(tokio::spawn(async move {
+            let mut tx = pool.begin().await?;
+            let id = ob.enqueue(&mut *tx, event).await?;
+            ob.commit(tx).await?;
+            Ok::<_, anyhow::Error>(Sent {
+                id: id.to_string(),
+                scheduled,
+                committed: Instant::now(),
+            })
+        }));
+    }
+    let mut sent = Vec::with_capacity(total);
+    for t in tasks {
+        sent.push(t.await??);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while (lock(published).len() < total || lock(effects).len() < total)
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (published, effects) = (lock(published).clone(), lock(effects).clone());
+    anyhow::ensure!(
+        published.len() >= total && effects.len() >= total,
+        "only {}/{} of {total} events published/applied",
+        published.len(),
+        effects.len()
+    );
+    let counted = &sent[skip..];
+    let first = counted.first().context("no events counted")?.scheduled;
+    let last = counted
+        .iter()
+        .map(|s| s.committed)
+        .max()
+        .context("no events counted")?;
+    let achieved = counted.len() as f64 / last.duration_since(first).as_secs_f64();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let mut samples: Vec<(&'static str, Vec<f64>)> = vec![
+        ("publish_latency", vec![]),
+        ("publish_latency_sched", vec![]),
+        ("effect_latency", vec![]),
+        ("effect_latency_sched", vec![]),
+    ];
+    for s in counted {
+        let p = published.get(&s.id).context("event not published")?;
+        let e = effects.get(&s.id).context("event not applied")?;
+        samples[0]
+            .1
+            .push(ms(p.saturating_duration_since(s.committed)));
+        samples[1]
+            .1
+            .push(ms(p.saturating_duration_since(s.scheduled)));
+        samples[2]
+            .1
+            .push(ms(e.saturating_duration_since(s.committed)));
+        samples[3]
+            .1
+            .push(ms(e.saturating_duration_since(s.scheduled)));
+    }
+    producer_pool.close().await;
+    Ok((
+        LatencyRun {
+            offered_per_s: rate,
+            achieved_per_s: achieved,
+            samples,
+        },
+        total,
+    ))
+}
+
+/// p50, p95, p99 and max of `samples`, named `<prefix>_p50_ms` and so on.
+pub(crate) fn percentiles(prefix: &str, samples: &[f64]) -> Vec<(String, f64)> {
+    let mut l = samples.to_vec();
+    l.sort_by(f64::total_cmp);
+    let pct = |p: f64| {
+        l.get(((l.len() as f64 * p) as usize).min(l.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(f64::NAN)
+    };
+    vec![
+        (format!("{prefix}_p50_ms"), pct(0.50)),
+        (format!("{prefix}_p95_ms"), pct(0.95)),
+        (format!("{prefix}_p99_ms"), pct(0.99)),
+        (
+            format!("{prefix}_max_ms"),
+            l.last().copied().unwrap_or(f64::NAN),
+        ),
+    ]
+}
