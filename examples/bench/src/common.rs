@@ -251,7 +251,7 @@ pub(crate) fn relay_properties() -> Result<BasicProperties> {
         headers: "{}".into(),
         exchange: None,
         routing_key: None,
-        created_at: chrono::Utc::now(),
+        created_at: sqlx::types::chrono::Utc::now(),
         attempts: 0,
         aggregate_seq: None,
     };
