@@ -11,7 +11,9 @@ use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use e2e::{KillOnDrop, SeqLog, TestBroker, TestDb, amqp_url, database_url, suffix, wait_until};
+use e2e::{
+    KillOnDrop, SeqLog, TestBroker, TestDb, amqp_url, database_url, kill_now, suffix, wait_until,
+};
 use lapin::options::{QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use nix::sys::signal::{Signal, kill};
@@ -81,11 +83,6 @@ fn relay_process(db: &TestDb, exchange: &str, name: &str) -> KillOnDrop {
         .spawn()
         .expect("fault-relay");
     KillOnDrop(child)
-}
-
-fn kill_now(mut child: KillOnDrop) {
-    kill(Pid::from_raw(child.id() as i32), Signal::SIGKILL).expect("SIGKILL");
-    child.wait().unwrap();
 }
 
 /// Commits `n` events from `WRITERS` concurrent writers: each transaction
@@ -214,24 +211,7 @@ impl World {
         .unwrap();
         let wire_queue = format!("{name}.wire");
         let wire = watch_wire(&conn, &broker.exchange, &wire_queue).await;
-        let stop = CancellationToken::new();
-        let mut consumers = Vec::new();
-        for q in &queues {
-            let pool = e2e::pool(&format!("c-{}", suffix()), 4).await;
-            let mut config = ConsumerConfig::new(amqp_url(), q, "ordered")
-                .schema(&consumer_schema)
-                .ordering(outbox_consumer::Ordering::by_sequence());
-            config.retry_delay = Duration::from_millis(100);
-            config.max_retry_delay = Duration::from_millis(500);
-            config.max_deferrals = 1_000;
-            let insert = format!(
-                "INSERT INTO \"{consumer_schema}\".effects (aggregate_id, version, event_id) VALUES ($1, $2, $3)"
-            );
-            let consumer = Consumer::new(config, pool, Apply { insert }).unwrap();
-            let s = stop.clone();
-            consumers.push(tokio::spawn(async move { consumer.run(s).await }));
-        }
-        Self {
+        let mut w = Self {
             db,
             consumer_schema,
             broker,
@@ -240,13 +220,77 @@ impl World {
             queues,
             wire_queue,
             wire,
-            stop,
-            consumers,
+            stop: CancellationToken::new(),
+            consumers: Vec::new(),
+        };
+        w.start_consumers().await;
+        w
+    }
+
+    /// One ordered consumer per partition queue.
+    async fn start_consumers(&mut self) {
+        self.stop = CancellationToken::new();
+        for q in &self.queues {
+            let pool = e2e::pool(&format!("c-{}", suffix()), 4).await;
+            let mut config = ConsumerConfig::new(amqp_url(), q, "ordered")
+                .schema(&self.consumer_schema)
+                .ordering(outbox_consumer::Ordering::by_sequence());
+            config.retry_delay = Duration::from_millis(100);
+            config.max_retry_delay = Duration::from_millis(500);
+            config.max_deferrals = 1_000;
+            let insert = format!(
+                "INSERT INTO \"{}\".effects (aggregate_id, version, event_id) VALUES ($1, $2, $3)",
+                self.consumer_schema
+            );
+            let consumer = Consumer::new(config, pool, Apply { insert }).unwrap();
+            let s = self.stop.clone();
+            self.consumers
+                .push(tokio::spawn(async move { consumer.run(s).await }));
         }
     }
 
-    fn relay(&self) -> KillOnDrop {
-        self.relay_named(&format!("r-{}", suffix()))
+    async fn stop_consumers(&mut self) {
+        self.stop.cancel();
+        for c in self.consumers.drain(..) {
+            c.await.unwrap().unwrap();
+        }
+    }
+
+    /// Quiet before judging, once every relay has stopped: the consumers
+    /// empty their partition queues and retry queues and stop (again, with
+    /// fresh ones, while a requeue leaves anything behind); the wire log
+    /// empties its queue.
+    async fn quiesce(&mut self) {
+        let all: Vec<String> = self
+            .queues
+            .iter()
+            .flat_map(|q| [q.clone(), format!("{q}.retry")])
+            .collect();
+        loop {
+            wait_until(
+                DEADLINE,
+                "the partition and retry queues to empty",
+                || async {
+                    let mut ready = 0u64;
+                    for q in &all {
+                        ready += u64::from(e2e::depth(&self.conn, q).await.0);
+                    }
+                    ready == 0
+                },
+            )
+            .await;
+            self.stop_consumers().await;
+            let end = Instant::now() + DEADLINE;
+            let mut left = 0u64;
+            for q in &all {
+                left += u64::from(e2e::settled_depth(&self.conn, q, end).await);
+            }
+            if left == 0 {
+                break;
+            }
+            self.start_consumers().await;
+        }
+        self.wire.drain(DEADLINE).await;
     }
 
     /// A relay process whose relay name and database application name are
@@ -272,23 +316,21 @@ impl World {
         .unwrap()
     }
 
-    /// The oracle: waits for `n` effects, then checks exactly once, commit
-    /// order per aggregate at the consumer, first-arrival order on the
-    /// wire, and an empty outbox. Returns the duplicates seen on the wire.
-    async fn assert_in_order(&self, n: usize) -> usize {
-        let c = &self.consumer_schema;
-        let applied = || async {
-            sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!(
-                "SELECT count(DISTINCT event_id) FROM \"{c}\".effects"
-            )))
-            .fetch_one(&self.db.pool)
-            .await
-            .unwrap()
-        };
-        wait_until(DEADLINE, &format!("{n} effects"), || async {
-            applied().await >= n as i64
+    /// Waits until every committed event has left the outbox.
+    async fn outbox_drained(&self) {
+        wait_until(DEADLINE, "the outbox to empty", || async {
+            self.db.count("outbox").await == 0
         })
         .await;
+    }
+
+    /// The oracle, once every relay has stopped and everything is quiet
+    /// ([`World::quiesce`]): exactly once, commit order per aggregate at
+    /// the consumer, first-arrival order on the wire, and an empty outbox.
+    /// Returns the duplicates seen on the wire.
+    async fn assert_in_order(&mut self, n: usize) -> usize {
+        self.quiesce().await;
+        let c = &self.consumer_schema;
         // Exactly once.
         let (total, distinct): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT count(*), count(DISTINCT event_id) FROM \"{c}\".effects"
@@ -327,17 +369,9 @@ impl World {
         // The relays' own guarantee, on the wire: each sequence number
         // first arrives after every lower one of its aggregate (copies may
         // repeat).
-        wait_until(DEADLINE, "the wire queue to see every event", || async {
-            self.wire
-                .first_arrivals()
-                .0
-                .values()
-                .map(Vec::len)
-                .sum::<usize>()
-                >= n
-        })
-        .await;
         let (first, duplicates) = self.wire.first_arrivals();
+        let published: usize = first.values().map(Vec::len).sum();
+        assert_eq!(published, n, "every committed event on the wire");
         for (aggregate, seqs) in &first {
             let expected: Vec<i64> = (1..=finals[aggregate]).collect();
             assert_eq!(seqs, &expected, "{aggregate}: published out of order");
@@ -346,11 +380,8 @@ impl World {
         duplicates
     }
 
-    async fn cleanup(self) {
-        self.stop.cancel();
-        for c in self.consumers {
-            c.await.unwrap().unwrap();
-        }
+    async fn cleanup(mut self) {
+        self.stop_consumers().await;
         let ch = self.conn.create_channel().await.unwrap();
         for q in &self.queues {
             for suffix in ["", ".retry", ".dlq"] {
@@ -376,41 +407,92 @@ impl World {
     }
 }
 
+/// Whether the relay named `name` has a database session inside a write
+/// transaction: caught in a batch (claimed, not yet settled).
+async fn in_batch(db: &TestDb, name: &str) -> bool {
+    sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1
+         AND state IN ('idle in transaction', 'active') AND backend_xid IS NOT NULL",
+    )
+    .bind(name)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+        > 0
+}
+
+/// Freezes `child` (SIGSTOP) until a freeze catches the relay `name`
+/// inside a batch; returns whether one did (the child stays frozen), or
+/// leaves it running after `attempts`.
+async fn freeze_in_batch(db: &TestDb, child: &KillOnDrop, name: &str, attempts: u64) -> bool {
+    let pid = Pid::from_raw(child.id() as i32);
+    for attempt in 0..attempts {
+        kill(pid, Signal::SIGSTOP).unwrap();
+        if in_batch(db, name).await {
+            return true;
+        }
+        kill(pid, Signal::SIGCONT).unwrap();
+        tokio::time::sleep(Duration::from_millis((attempt * 7) % 13)).await;
+    }
+    false
+}
+
+/// SIGKILLs that must land inside a batch (README: the guarantees table).
+const LANDED_KILLS: usize = 20;
+
 #[tokio::test]
 async fn three_relays_killed_and_restarted_keep_every_aggregate_in_commit_order() {
     let n = events();
-    let w = World::new("ord_e2e").await;
+    let mut w = World::new("ord_e2e").await;
     let started = Instant::now();
-    let mut relays: Vec<KillOnDrop> = (0..3).map(|_| w.relay()).collect();
+    let mut relays: Vec<(String, KillOnDrop)> = (0..3)
+        .map(|_| {
+            let name = format!("r-{}", suffix());
+            let child = w.relay_named(&name);
+            (name, child)
+        })
+        .collect();
     let producer = w.produce(n, Duration::ZERO);
-    // Kill one relay at a time, at staggered moments, and start a fresh
-    // one in its place, until the producers are done and the outbox is
-    // drained (or enough kills landed after the producers finished).
-    let mut kills = 0;
+    // Kill one relay at a time, at staggered moments, each kill caught
+    // inside one of its batches, and start a fresh one in its place, until
+    // enough kills landed and the producers are done.
+    let (mut landed, mut tries) = (0, 0);
     let mut round = 0u64;
-    loop {
-        tokio::time::sleep(Duration::from_millis(400 + (round * 173) % 600)).await;
-        let left = w.db.count("outbox").await;
-        if producer.is_finished() && (left == 0 || kills >= 12) {
-            break;
+    while landed < LANDED_KILLS || !producer.is_finished() {
+        tokio::time::sleep(Duration::from_millis(200 + (round * 173) % 400)).await;
+        round += 1;
+        if w.db.count("outbox").await == 0 {
+            if producer.is_finished() {
+                break;
+            }
+            continue;
         }
         let victim = (round as usize) % relays.len();
-        let child = std::mem::replace(&mut relays[victim], w.relay());
+        tries += 1;
+        if freeze_in_batch(&w.db, &relays[victim].1, &relays[victim].0, 100).await {
+            landed += 1;
+        }
+        let name = format!("r-{}", suffix());
+        let fresh = w.relay_named(&name);
+        let (_, child) = std::mem::replace(&mut relays[victim], (name, fresh));
         kill_now(child);
-        kills += 1;
-        round += 1;
     }
     producer.await.unwrap();
-    let duplicates = w.assert_in_order(n).await;
-    println!(
-        "ordered e2e: {n} events over {AGGREGATES} aggregates, 3 relays, {kills} SIGKILLs; \
-         {duplicates} duplicates on the wire; every aggregate published and applied in \
-         commit order; {:?}",
-        started.elapsed()
+    assert!(
+        landed >= LANDED_KILLS,
+        "{landed} of {tries} SIGKILLs landed inside a batch before the outbox drained"
     );
-    for r in relays {
+    w.outbox_drained().await;
+    for (_, r) in relays {
         kill_now(r);
     }
+    let duplicates = w.assert_in_order(n).await;
+    println!(
+        "ordered e2e: {n} events over {AGGREGATES} aggregates, 3 relays, {tries} SIGKILLs \
+         ({landed} inside a batch); {duplicates} duplicates on the wire; every aggregate \
+         published and applied in commit order; {:?}",
+        started.elapsed()
+    );
     w.cleanup().await;
 }
 
@@ -422,7 +504,7 @@ async fn three_relays_killed_and_restarted_keep_every_aggregate_in_commit_order(
 #[tokio::test]
 async fn a_frozen_relay_cannot_publish_out_of_order_when_it_resumes() {
     let n = events() / 5;
-    let w = World::new("ord_stop").await;
+    let mut w = World::new("ord_stop").await;
     let (frozen_name, other_name) = (
         format!("frozen-{}", suffix()),
         format!("other-{}", suffix()),
@@ -479,13 +561,22 @@ async fn a_frozen_relay_cannot_publish_out_of_order_when_it_resumes() {
     }
     assert!(caught > 0, "no freeze landed inside a batch");
     producer.await.unwrap();
+    w.outbox_drained().await;
+    // Both stop gracefully: whatever the frozen one still had queued has
+    // landed before the oracle judges.
+    let (mut frozen, mut other) = (frozen, other);
+    for r in [&mut frozen, &mut other] {
+        assert_eq!(
+            e2e::stop_child(r, Signal::SIGINT, DEADLINE).await,
+            Some(0),
+            "a graceful stop"
+        );
+    }
     let duplicates = w.assert_in_order(n).await;
     println!(
         "ordered e2e: {n} events; a relay frozen inside a batch {caught}x beside a second relay, \
          which took its partitions over after {takeovers:?}; {duplicates} duplicates on the \
          wire; order held"
     );
-    kill_now(frozen);
-    kill_now(other);
     w.cleanup().await;
 }

@@ -1,7 +1,11 @@
 //! A consumer-lib consumer as a process the fault tests can SIGKILL. Its
 //! effect is deliberately not idempotent: one row per application in
 //! `<SCHEMA>.effects` (no unique key), so a double application shows.
-//! Settings: DATABASE_URL, AMQP_URL, SCHEMA, QUEUE.
+//! Settings: DATABASE_URL, AMQP_URL, SCHEMA, QUEUE. It prints its counts
+//! on stdout whenever they change (`processed=N duplicates=M`, a line each
+//! time, the last one at exit), so a test sees duplicates it recognised
+//! even when it is SIGKILLed a few milliseconds later. SIGINT or SIGTERM
+//! stop it gracefully.
 
 use anyhow::{Context, Result};
 use outbox_consumer::{Consumer, ConsumerConfig, Event, Handler, Outcome};
@@ -47,10 +51,26 @@ async fn main() -> Result<()> {
     tokio::spawn({
         let stop = stop.clone();
         async move {
-            let _ = tokio::signal::ctrl_c().await;
+            outbox::shutdown_signal().await;
             stop.cancel();
         }
     });
-    consumer.run(stop).await?;
+    let report = consumer.clone();
+    let printer = tokio::spawn(async move {
+        let mut last = None;
+        loop {
+            let s = report.stats();
+            if last != Some((s.processed, s.duplicates)) {
+                last = Some((s.processed, s.duplicates));
+                println!("processed={} duplicates={}", s.processed, s.duplicates);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+    });
+    let ended = consumer.run(stop).await;
+    printer.abort();
+    let s = consumer.stats();
+    println!("processed={} duplicates={}", s.processed, s.duplicates);
+    ended?;
     Ok(())
 }

@@ -2,7 +2,7 @@
 //! Settings from the environment: DATABASE_URL, AMQP_URL, SCHEMA, EXCHANGE,
 //! BATCH_SIZE (default 100), LISTEN (default 1), LEASE_TTL_MS (default
 //! 2000), NAME (relay name and database application name; default
-//! `fault-relay-<schema>`).
+//! `fault-relay-<schema>`). SIGINT or SIGTERM stop it gracefully.
 
 use std::time::Duration;
 
@@ -57,7 +57,7 @@ async fn main() -> Result<()> {
     tokio::spawn({
         let stop = stop.clone();
         async move {
-            let _ = tokio::signal::ctrl_c().await;
+            outbox::shutdown_signal().await;
             stop.cancel();
         }
     });

@@ -21,6 +21,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
+use tokio::sync::watch;
 
 /// PostgreSQL URL of the test database.
 pub fn database_url() -> String {
@@ -213,30 +214,148 @@ impl Received {
     }
 }
 
-/// Consumes a queue in the background, acking and recording every message;
-/// reconnects by itself (for broker-restart tests).
+type Record = Arc<dyn Fn(lapin::message::Delivery) + Send + Sync>;
+
+/// A background consumer of one queue that hands every delivery to a
+/// recorder before acking it, reconnects by itself (for broker-restart
+/// tests), and can drain its queue before a test judges.
+#[derive(Clone)]
+struct Tap {
+    queue: String,
+    record: Record,
+    task: Arc<Mutex<Option<(watch::Sender<bool>, tokio::task::JoinHandle<()>)>>>,
+}
+
+impl std::fmt::Debug for Tap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tap").field("queue", &self.queue).finish()
+    }
+}
+
+impl Tap {
+    fn start(queue: &str, record: Record) -> Self {
+        let t = Self {
+            queue: queue.to_owned(),
+            record,
+            task: Arc::new(Mutex::new(None)),
+        };
+        t.resume();
+        t
+    }
+
+    fn resume(&self) {
+        let (stop, mut stopped) = watch::channel(false);
+        let (queue, record) = (self.queue.clone(), self.record.clone());
+        let task = tokio::spawn(async move {
+            while !*stopped.borrow() {
+                let _ = tap(&queue, &record, &mut stopped).await;
+                tokio::select! {
+                    _ = stopped.changed() => {}
+                    _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                }
+            }
+        });
+        *self.task.lock().unwrap() = Some((stop, task));
+    }
+
+    fn abort(&self) {
+        if let Some((_, t)) = self.task.lock().unwrap().take() {
+            t.abort();
+        }
+    }
+
+    /// Stops consuming between two messages and waits until its
+    /// connection is gone.
+    async fn finish(&self) {
+        let taken = self.task.lock().unwrap().take();
+        if let Some((stop, task)) = taken {
+            let _ = stop.send(true);
+            let _ = task.await;
+        }
+    }
+
+    async fn drain(&self, timeout: Duration) {
+        let conn = connect().await;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            wait_until(left, &format!("{} to empty", self.queue), || async {
+                depth(&conn, &self.queue).await.0 == 0
+            })
+            .await;
+            self.finish().await;
+            if settled_depth(&conn, &self.queue, deadline).await == 0 {
+                break;
+            }
+            // A message delivered but not yet recorded went back: again.
+            self.resume();
+        }
+        let _ = conn.close(200, "ok".into()).await;
+    }
+}
+
+async fn tap(
+    queue: &str,
+    record: &Record,
+    stopped: &mut watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let conn = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(500, Default::default()).await?;
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "tap".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    loop {
+        // Stops only between messages: a recorded message is always acked
+        // (or its connection is lost, and its redelivery is a real copy).
+        let d = tokio::select! {
+            _ = stopped.changed() => break,
+            d = consumer.next() => match d {
+                Some(d) => d?,
+                None => break,
+            },
+        };
+        let acker = d.acker.clone();
+        record(d);
+        acker.ack(BasicAckOptions::default()).await?;
+    }
+    let _ = conn.close(200, "ok".into()).await;
+    Ok(())
+}
+
+/// Consumes a queue in the background, recording every message by its
+/// message id.
 #[derive(Debug, Clone)]
 pub struct Collector {
     /// What arrived so far.
     pub received: Arc<Mutex<Received>>,
-    task: Arc<tokio::task::JoinHandle<()>>,
+    tap: Tap,
 }
 
 impl Collector {
     /// Starts consuming `queue`.
     pub fn start(queue: &str) -> Self {
         let received = Arc::new(Mutex::new(Received::default()));
-        let queue = queue.to_owned();
         let r = received.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let _ = collect(&queue, &r).await;
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
+        let record: Record = Arc::new(move |d: lapin::message::Delivery| {
+            let id = d
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.to_string())
+                .unwrap_or_default();
+            let mut g = r.lock().unwrap();
+            *g.counts.entry(id.clone()).or_default() += 1;
+            g.first.entry(id).or_insert(d);
         });
         Self {
             received,
-            task: Arc::new(task),
+            tap: Tap::start(queue, record),
         }
     }
 
@@ -250,38 +369,60 @@ impl Collector {
         self.received.lock().unwrap().counts.contains_key(id)
     }
 
-    /// Stops consuming.
+    /// Duplicates seen so far.
+    pub fn duplicates(&self) -> usize {
+        self.received.lock().unwrap().duplicates()
+    }
+
+    /// Stops consuming at once (what it holds unacked goes back to the
+    /// queue).
     pub fn stop(&self) {
-        self.task.abort();
+        self.tap.abort();
+    }
+
+    /// Quiet before judging: consumes the queue until it holds no message,
+    /// ready or unacknowledged, then stops. Call it once every publisher
+    /// has stopped (a stopped relay's late copies included).
+    pub async fn drain(&self, timeout: Duration) {
+        self.tap.drain(timeout).await;
     }
 }
 
-async fn collect(queue: &str, r: &Arc<Mutex<Received>>) -> anyhow::Result<()> {
-    let conn = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
-    let ch = conn.create_channel().await?;
-    ch.basic_qos(500, Default::default()).await?;
-    let mut consumer = ch
-        .basic_consume(
-            queue.into(),
-            "collector".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
-    while let Some(d) = consumer.next().await {
-        let d = d?;
-        let id = d
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|s| s.to_string())
-            .unwrap_or_default();
-        d.acker.ack(BasicAckOptions::default()).await?;
-        let mut g = r.lock().unwrap();
-        *g.counts.entry(id.clone()).or_default() += 1;
-        g.first.entry(id).or_insert(d);
-    }
-    Ok(())
+/// (ready messages, consumers) of `queue`, from a passive declare on a
+/// channel of its own; (u32::MAX, 0) while the queue cannot be read.
+pub async fn depth(conn: &Connection, queue: &str) -> (u32, u32) {
+    let Ok(ch) = conn.create_channel().await else {
+        return (u32::MAX, 0);
+    };
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let got = match ch
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+    {
+        Ok(q) => (q.message_count(), q.consumer_count()),
+        Err(_) => (u32::MAX, 0),
+    };
+    let _ = ch.close(200, "ok".into()).await;
+    got
+}
+
+/// The messages left in `queue` once it has no consumer: the queue
+/// requeues a leaving consumer's unacknowledged messages in the same step
+/// that removes it, so with no consumer the ready count is every message.
+pub async fn settled_depth(conn: &Connection, queue: &str, deadline: Instant) -> u32 {
+    let ready = Arc::new(Mutex::new(u32::MAX));
+    let left = deadline.saturating_duration_since(Instant::now());
+    wait_until(left, &format!("{queue} to lose its consumers"), || async {
+        let (r, consumers) = depth(conn, queue).await;
+        *ready.lock().unwrap() = r;
+        consumers == 0 && r != u32::MAX
+    })
+    .await;
+    let r = *ready.lock().unwrap();
+    r
 }
 
 /// Waits until `check` returns true, polling every 20 ms; panics with
@@ -332,45 +473,40 @@ impl Drop for KillOnDrop {
 /// Every delivery of a queue as (`x-aggregate-id`, `x-aggregate-seq`), in
 /// arrival order, copies included; seq 0 for an event without a sequence.
 /// Consumes and acks in the background.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct SeqLog {
     entries: Arc<Mutex<Vec<(String, i64)>>>,
+    tap: Tap,
 }
 
 impl SeqLog {
     /// Starts consuming `queue` (which must exist).
     pub fn start(queue: &str) -> Self {
-        let log = Self::default();
-        let (queue, entries) = (queue.to_owned(), log.entries.clone());
-        tokio::spawn(async move {
-            let conn = connect().await;
-            let ch = conn.create_channel().await.expect("channel");
-            let mut deliveries = ch
-                .basic_consume(
-                    queue.as_str().into(),
-                    "seq-log".into(),
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .expect("consume");
-            while let Some(Ok(d)) = deliveries.next().await {
-                let headers = d.properties.headers().clone().unwrap_or_default();
-                let h = headers.inner();
-                let id = match h.get("x-aggregate-id") {
-                    Some(AMQPValue::LongString(s)) => s.to_string(),
-                    other => panic!("x-aggregate-id missing: {other:?}"),
-                };
-                let seq = match h.get("x-aggregate-seq") {
-                    Some(AMQPValue::LongLongInt(n)) => *n,
-                    None => 0,
-                    other => panic!("x-aggregate-seq of the wrong type: {other:?}"),
-                };
-                d.acker.ack(BasicAckOptions::default()).await.expect("ack");
-                entries.lock().unwrap().push((id, seq));
-            }
+        let entries: Arc<Mutex<Vec<(String, i64)>>> = Arc::default();
+        let e = entries.clone();
+        let record: Record = Arc::new(move |d: lapin::message::Delivery| {
+            let headers = d.properties.headers().clone().unwrap_or_default();
+            let h = headers.inner();
+            let id = match h.get("x-aggregate-id") {
+                Some(AMQPValue::LongString(s)) => s.to_string(),
+                other => panic!("x-aggregate-id missing: {other:?}"),
+            };
+            let seq = match h.get("x-aggregate-seq") {
+                Some(AMQPValue::LongLongInt(n)) => *n,
+                None => 0,
+                other => panic!("x-aggregate-seq of the wrong type: {other:?}"),
+            };
+            e.lock().unwrap().push((id, seq));
         });
-        log
+        Self {
+            entries,
+            tap: Tap::start(queue, record),
+        }
+    }
+
+    /// Quiet before judging: see [`Collector::drain`].
+    pub async fn drain(&self, timeout: Duration) {
+        self.tap.drain(timeout).await;
     }
 
     /// Deliveries so far, copies included.
@@ -414,4 +550,74 @@ impl SeqLog {
         }
         (first, copies)
     }
+}
+
+/// Rows of `table` (a quoted, schema-qualified outbox table) that some
+/// transaction holds locked right now: a relay's batch in flight.
+pub async fn locked_rows(pool: &PgPool, table: &str) -> i64 {
+    let mut tx = pool.begin().await.expect("begin");
+    let (all, free): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT (SELECT count(*) FROM {table}),
+                (SELECT count(*) FROM (SELECT 1 FROM {table} FOR UPDATE SKIP LOCKED) f)"
+    )))
+    .fetch_one(&mut *tx)
+    .await
+    .expect("locked rows");
+    tx.rollback().await.expect("rollback");
+    all - free
+}
+
+/// Freezes `child` (SIGSTOP) until a freeze catches it holding rows of
+/// `table` locked (a batch in flight: claimed, not yet settled), trying at
+/// most `attempts` times with a short run between tries. Returns the rows
+/// it held, with the child still frozen; 0 (child running) when no freeze
+/// landed inside a batch.
+pub async fn freeze_mid_batch(
+    child: &std::process::Child,
+    pool: &PgPool,
+    table: &str,
+    attempts: u32,
+) -> i64 {
+    use nix::sys::signal::{Signal, kill};
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    for attempt in 0..attempts {
+        kill(pid, Signal::SIGSTOP).expect("SIGSTOP");
+        let locked = locked_rows(pool, table).await;
+        if locked > 0 {
+            return locked;
+        }
+        kill(pid, Signal::SIGCONT).expect("SIGCONT");
+        tokio::time::sleep(Duration::from_millis(3 + u64::from(attempt * 7 % 11))).await;
+    }
+    0
+}
+
+/// SIGKILLs and reaps `child`.
+pub fn kill_now(mut child: KillOnDrop) {
+    use nix::sys::signal::{Signal, kill};
+    let _ = kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        Signal::SIGKILL,
+    );
+    let _ = child.wait();
+}
+
+/// Sends `signal` to `child` and waits (at most `timeout`) for it to exit;
+/// returns its exit code (`None`: ended by a signal).
+pub async fn stop_child(
+    child: &mut KillOnDrop,
+    signal: nix::sys::signal::Signal,
+    timeout: Duration,
+) -> Option<i32> {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), signal);
+    let mut status = None;
+    wait_until(timeout, "the process to exit", || {
+        let exited = child.try_wait().expect("poll");
+        if exited.is_some() {
+            status = exited;
+        }
+        std::future::ready(exited.is_some())
+    })
+    .await;
+    status.and_then(|s| s.code())
 }

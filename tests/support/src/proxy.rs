@@ -20,7 +20,10 @@ pub enum Mode {
     /// Reset every connection (new and existing) with an RST.
     Reset,
     /// Forward this many more bytes from client to server on each
-    /// connection, then close it.
+    /// connection open while this mode is on (or opened while it is),
+    /// then close it: the budget sticks to the connection, so the cut
+    /// lands once that much traffic has flowed, whatever the mode is by
+    /// then. [`Proxy::cuts`] counts the cuts.
     CutAfter(usize),
     /// Forward everything, holding each chunk from the server back this
     /// long (a slow broker: every round trip takes at least that much).
@@ -34,6 +37,7 @@ pub struct Proxy {
     pub addr: SocketAddr,
     mode: watch::Sender<Mode>,
     connections: Arc<AtomicU64>,
+    cuts: Arc<AtomicU64>,
     task: Arc<Mutex<Option<tokio::task::JoinHandle<()>>>>,
 }
 
@@ -44,13 +48,16 @@ impl Proxy {
         let addr = listener.local_addr().expect("proxy addr");
         let (mode, _) = watch::channel(Mode::Pass);
         let connections = Arc::new(AtomicU64::new(0));
+        let cuts = Arc::new(AtomicU64::new(0));
         let task = tokio::spawn({
             let mode = mode.clone();
             let connections = connections.clone();
+            let cuts = cuts.clone();
             async move {
                 while let Ok((client, _)) = listener.accept().await {
                     connections.fetch_add(1, Ordering::Relaxed);
                     let rx = mode.subscribe();
+                    let cuts = cuts.clone();
                     tokio::spawn(async move {
                         if *rx.borrow() == Mode::Reset {
                             reset(client);
@@ -61,7 +68,7 @@ impl Proxy {
                         };
                         let _ = client.set_nodelay(true);
                         let _ = server.set_nodelay(true);
-                        pipe(client, server, rx).await;
+                        pipe(client, server, rx, &cuts).await;
                     });
                 }
             }
@@ -70,6 +77,7 @@ impl Proxy {
             addr,
             mode,
             connections,
+            cuts,
             task: Arc::new(Mutex::new(Some(task))),
         }
     }
@@ -82,6 +90,11 @@ impl Proxy {
     /// Connections accepted so far.
     pub fn connections(&self) -> u64 {
         self.connections.load(Ordering::Relaxed)
+    }
+
+    /// Connections closed by [`Mode::CutAfter`] so far.
+    pub fn cuts(&self) -> u64 {
+        self.cuts.load(Ordering::Relaxed)
     }
 
     /// `url` (amqp:// or postgres://) pointed at this proxy.
@@ -107,7 +120,12 @@ fn reset(stream: TcpStream) {
     drop(stream);
 }
 
-async fn pipe(client: TcpStream, server: TcpStream, mut mode: watch::Receiver<Mode>) {
+async fn pipe(
+    client: TcpStream,
+    server: TcpStream,
+    mut mode: watch::Receiver<Mode>,
+    cuts: &AtomicU64,
+) {
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
     let mut budget: Option<usize> = None;
@@ -125,7 +143,6 @@ async fn pipe(client: TcpStream, server: TcpStream, mut mode: watch::Receiver<Mo
                 return;
             }
             Mode::CutAfter(n) if budget.is_none() => budget = Some(n),
-            Mode::Pass => budget = None,
             _ => {}
         }
         let forward = current != Mode::Blackhole;
@@ -139,7 +156,10 @@ async fn pipe(client: TcpStream, server: TcpStream, mut mode: watch::Receiver<Mo
                     if take > 0 && sw.write_all(&up[..take]).await.is_err() { return; }
                     if let Some(b) = budget.as_mut() {
                         *b -= take;
-                        if *b == 0 { return; } // cut: both halves drop and close
+                        if *b == 0 {
+                            cuts.fetch_add(1, Ordering::Relaxed);
+                            return; // cut: both halves drop and close
+                        }
                     }
                 }
             }
