@@ -6,8 +6,7 @@ use std::time::Duration;
 
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 
 use crate::{KillOnDrop, connect, wait_until};
 
@@ -72,17 +71,7 @@ pub async fn stop_with(
         child.try_wait().expect("poll").is_none(),
         "the service exited before it was signalled"
     );
-    kill(Pid::from_raw(child.id() as i32), signal).expect("signal");
-    let mut status = None;
-    wait_until(deadline, "the service to exit", || {
-        let exited = child.try_wait().expect("poll");
-        if exited.is_some() {
-            status = exited;
-        }
-        std::future::ready(exited.is_some())
-    })
-    .await;
-    status.and_then(|s| s.code())
+    crate::stop_child(&mut child, signal, deadline).await
 }
 
 /// Runs `bin` with `env` (expected to fail fast) and returns its exit code
