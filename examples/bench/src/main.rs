@@ -132,6 +132,7 @@ async fn main() -> Result<()> {
         }
     };
     let mut r = Report::default();
+    r.tuning("load_average_at_start", load_average());
     let run = |section: &str| args.only.is_empty() || args.only.iter().any(|o| o == section);
     let url = args.amqp_url.as_str();
     // The consumer section preloads with the publisher's best tuning.
@@ -154,6 +155,7 @@ async fn main() -> Result<()> {
     if run("consumer") {
         consumer_section(&mut r, &pool, &args.database_url, url, &sizes, best_publish).await?;
     }
+    r.tuning("load_average_at_end", load_average());
     r.print();
     r.write(&args.out, args.smoke)?;
     println!("\nwrote {}", args.out.display());
@@ -596,6 +598,14 @@ async fn consumer_section(
     Ok(())
 }
 
+/// The 1, 5 and 15 minute load averages: the machine is shared, and this
+/// says how busy it was.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".to_owned())
+}
+
 /// A ratio to a ceiling above this means the ceiling is wrong.
 const CEILING_SLACK: f64 = 1.05;
 
@@ -665,7 +675,7 @@ impl Report {
                 row.target
             );
         }
-        println!("\nbaseline tunings (best of the sweep):");
+        println!("\nbaseline tunings (best of the sweep) and conditions:");
         for (what, how) in &self.tuning {
             println!("  {what}: {how}");
         }
