@@ -203,6 +203,28 @@ pub(crate) async fn time_queue_fill(
     }
 }
 
+/// Runs `measure` up to three times: the machine and its broker are
+/// shared, and another suite's broker restart must cost one sample, not
+/// the whole benchmark. A retried run starts from scratch.
+pub(crate) async fn attempt<T, F, Fut>(what: &str, mut measure: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    let mut tries = 1;
+    loop {
+        match measure().await {
+            Ok(v) => return Ok(v),
+            Err(e) if tries < 3 => {
+                eprintln!("bench:   {what} failed ({e:#}); retrying in 10 s");
+                tries += 1;
+                tokio::time::sleep(Duration::from_secs(10)).await;
+            }
+            Err(e) => return Err(e.context(format!("{what}, third attempt"))),
+        }
+    }
+}
+
 /// Median and spread of repeated runs of one figure.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Stats {

@@ -519,30 +519,33 @@ async fn loaded_queue(conn: &Connection, n: usize, preload: PublishTuning) -> Re
 async fn measured(
     pool: &PgPool,
     url: &str,
-    conn: &Connection,
     n: usize,
     who: Contender,
     preload: PublishTuning,
 ) -> Result<f64> {
-    let queue = loaded_queue(conn, n, preload).await?;
-    // Let the broker settle after the preload before the clock runs.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let rate = run(pool, url, &queue, n, who).await;
-    drop_queue(conn, &queue).await?;
-    rate
+    attempt(&who.to_string(), || async move {
+        let conn = connect(url).await?;
+        let queue = loaded_queue(&conn, n, preload).await?;
+        // Let the broker settle after the preload before the clock runs.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let rate = run(pool, url, &queue, n, who).await;
+        drop_queue(&conn, &queue).await?;
+        let _ = conn.close(200, "done".into()).await;
+        rate
+    })
+    .await
 }
 
 /// The fastest of `tunings` over `plan.sweep_n` messages each, and its rate.
 async fn best_of(
     pool: &PgPool,
     url: &str,
-    conn: &Connection,
     plan: &Plan,
     tunings: &[Contender],
 ) -> Result<(Contender, f64)> {
     let mut best = (tunings[0], 0.0);
     for &who in tunings {
-        let rate = measured(pool, url, conn, plan.sweep_n, who, plan.preload).await?;
+        let rate = measured(pool, url, plan.sweep_n, who, plan.preload).await?;
         eprintln!("bench:   sweep {who}: {rate:.0}/s");
         if rate > best.1 {
             best = (who, rate);
@@ -559,11 +562,10 @@ pub(crate) async fn measure(
     url: &str,
     plan: &Plan,
 ) -> Result<ConsumerResults> {
-    let conn = connect(url).await?;
     let raw: Vec<Contender> = RAW_SWEEP.into_iter().map(Contender::Raw).collect();
     let hand: Vec<Contender> = HAND_SWEEP.into_iter().map(Contender::Hand).collect();
-    let best_raw = best_of(pool, url, &conn, plan, &raw).await?;
-    let best_hand = best_of(pool, url, &conn, plan, &hand).await?;
+    let best_raw = best_of(pool, url, plan, &raw).await?;
+    let best_hand = best_of(pool, url, plan, &hand).await?;
     // Counts for runs of about `secs`: the library's rates are unknown
     // before the first round, so its counts follow the hand-written loop's
     // (per-event: a quarter of it). At most 500,000 a run: preloading
@@ -592,7 +594,7 @@ pub(crate) async fn measure(
         for k in 0..order.len() {
             let i = (k + round) % order.len();
             let (who, n) = order[i];
-            rates[i] = measured(pool, url, &conn, n, who, plan.preload).await?;
+            rates[i] = measured(pool, url, n, who, plan.preload).await?;
             eprintln!(
                 "bench:   round {} {who:?} ({n}): {:.0}/s",
                 round + 1,
@@ -606,10 +608,15 @@ pub(crate) async fn measure(
         res.batch_vs_raw.push(rates[2] / rates[0]);
         res.batch_vs_hand.push(rates[2] / rates[1]);
     }
-    let queue = loaded_queue(&conn, plan.memory_n, plan.preload).await?;
-    res.peak_rss_mib = child_rss(database_url, url, &queue, plan.memory_n)?;
-    drop_queue(&conn, &queue).await?;
-    let _ = conn.close(200, "done".into()).await;
+    res.peak_rss_mib = attempt("consumer memory", || async {
+        let conn = connect(url).await?;
+        let queue = loaded_queue(&conn, plan.memory_n, plan.preload).await?;
+        let rss = child_rss(database_url, url, &queue, plan.memory_n);
+        drop_queue(&conn, &queue).await?;
+        let _ = conn.close(200, "done".into()).await;
+        rss
+    })
+    .await?;
     Ok(res)
 }
 

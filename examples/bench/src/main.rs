@@ -15,7 +15,7 @@ use clap::Parser;
 use outbox::{Ordering, Wakeup};
 use serde_json::{Value, json};
 
-use crate::common::Stats;
+use crate::common::{Stats, attempt};
 use crate::publish::{PUBLISH_SWEEP, PublishTuning};
 use crate::write::Shape;
 
@@ -174,7 +174,10 @@ async fn relay_section(
     eprintln!("bench: raw publisher sweep ({} each)", sizes.sweep_n);
     let mut best = (PUBLISH_SWEEP[0], 0.0);
     for t in PUBLISH_SWEEP {
-        let (rate, _) = publish::raw_publish_rate(url, sizes.sweep_n, t).await?;
+        let (rate, _) = attempt("raw publish sweep", || {
+            publish::raw_publish_rate(url, sizes.sweep_n, t)
+        })
+        .await?;
         eprintln!("bench:   {t}: {rate:.0}/s");
         if rate > best.1 {
             best = (t, rate);
@@ -188,11 +191,15 @@ async fn relay_section(
         let mut pair = (0.0, 0.0);
         for k in 0..2 {
             if (k + round) % 2 == 0 {
-                let (rate, cpu) = publish::raw_publish_rate(url, n, best.0).await?;
+                let (rate, cpu) =
+                    attempt("raw publish", || publish::raw_publish_rate(url, n, best.0)).await?;
                 pair.0 = rate;
                 raw_cpu = add3(raw_cpu, cpu);
             } else {
-                let (rate, peak, cpu) = relay::drain_process(pool, database_url, url, n).await?;
+                let (rate, peak, cpu) = attempt("relay drain", || {
+                    relay::drain_process(pool, database_url, url, n)
+                })
+                .await?;
                 pair.1 = rate;
                 rss = rss.max(peak);
                 drain_cpu = add3(drain_cpu, cpu);
@@ -277,14 +284,16 @@ async fn growth_section(
         "bench: cost growth (backlog {} vs {}; one relay vs two)",
         sizes.growth_big, sizes.growth_small
     );
-    let g = relay::growth(
-        pool,
-        url,
-        sizes.growth_small,
-        sizes.growth_big,
-        sizes.growth_window,
-        sizes.growth_runs,
-    )
+    let g = attempt("growth", || {
+        relay::growth(
+            pool,
+            url,
+            sizes.growth_small,
+            sizes.growth_big,
+            sizes.growth_window,
+            sizes.growth_runs,
+        )
+    })
     .await?;
     let shared_buffers: String = sqlx::query_scalar("SHOW shared_buffers")
         .fetch_one(pool)
@@ -334,12 +343,24 @@ async fn ordered_section(
     // ordered with three relays sharing the partitions.
     let n = sizes.ordered;
     eprintln!("bench: ordered vs unordered drain ({n} events, 1,000 aggregates)");
-    let unordered = relay::drain_rate(pool, url, n, 1, Ordering::None, 1_000).await?;
-    let ordered = relay::drain_rate(pool, url, n, 1, Ordering::All, 1_000).await?;
-    let ordered3 = relay::drain_rate(pool, url, n, 3, Ordering::All, 1_000).await?;
+    let unordered = attempt("drain", || {
+        relay::drain_rate(pool, url, n, 1, Ordering::None, 1_000)
+    })
+    .await?;
+    let ordered = attempt("drain", || {
+        relay::drain_rate(pool, url, n, 1, Ordering::All, 1_000)
+    })
+    .await?;
+    let ordered3 = attempt("drain", || {
+        relay::drain_rate(pool, url, n, 3, Ordering::All, 1_000)
+    })
+    .await?;
     // One event per aggregate: every event is a head (the claim's most
     // expensive shape).
-    let ordered_wide = relay::drain_rate(pool, url, n, 1, Ordering::All, n).await?;
+    let ordered_wide = attempt("drain", || {
+        relay::drain_rate(pool, url, n, 1, Ordering::All, n)
+    })
+    .await?;
     r.add(
         "unordered_drain_per_s",
         unordered,
@@ -487,14 +508,16 @@ async fn latency_section(
             "bench: latency, open loop at 1,000 events/s, run {}",
             run + 1
         );
-        let res = latency::latency(
-            pool,
-            database_url,
-            url,
-            1000.0,
-            sizes.latency_warm,
-            sizes.latency_secs,
-        )
+        let res = attempt("latency", || {
+            latency::latency(
+                pool,
+                database_url,
+                url,
+                1000.0,
+                sizes.latency_warm,
+                sizes.latency_secs,
+            )
+        })
         .await?;
         offered = res.offered_per_s;
         achieved.push(res.achieved_per_s);
