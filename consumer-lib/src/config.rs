@@ -149,10 +149,6 @@ pub struct ConsumerConfig {
     /// handler's retry. An unreachable database is waited out instead:
     /// nothing is acked before its commit. Default 5.
     pub max_batch_attempts: u32,
-    /// Fault injection for tests: after the first commit, close the broker
-    /// connection without acking and return from `run`.
-    #[doc(hidden)]
-    pub crash_after_commit: bool,
 }
 
 impl std::fmt::Debug for ConsumerConfig {
@@ -208,7 +204,6 @@ impl ConsumerConfig {
             handler_timeout: Duration::from_secs(30),
             lock_timeout: Duration::from_secs(10),
             max_batch_attempts: 5,
-            crash_after_commit: false,
         }
     }
 

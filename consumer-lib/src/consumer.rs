@@ -60,8 +60,6 @@ struct Inner {
 /// Why a broker session ended without error.
 enum End {
     Shutdown,
-    /// Fault injection: the session died between commit and ack.
-    Crashed,
 }
 
 impl std::fmt::Debug for Consumer {
@@ -191,10 +189,10 @@ impl Consumer {
                     tracing::info!(consumer = name, queue = %me.config.queue, "consumer stopped");
                     return Ok(());
                 }
-                Ok(End::Crashed) => return Ok(()),
                 Err(e) if !e.is_transient() => return Err(e),
                 Err(e) => {
                     me.broker.failed(&e);
+                    me.counters.broker_errors.fetch_add(1, Ordering::Relaxed);
                     metrics::counter!("outbox_consumer_broker_errors_total", "consumer" => name.to_owned())
                         .increment(1);
                     if !pause(&shutdown, &mut backoff, me.config.max_reconnect_delay).await {
@@ -307,7 +305,7 @@ impl Consumer {
                     Ok(d) => batch.push(next_delivery(d, &cfg.queue)?),
                 }
             }
-            if let Some(end) = self.process(batch, &publisher, conn, shutdown).await? {
+            if let Some(end) = self.process(batch, &publisher, shutdown).await? {
                 return Ok(end);
             }
             if shutdown.is_cancelled() {
@@ -333,7 +331,6 @@ impl Consumer {
         &self,
         mut deliveries: Vec<Delivery>,
         publisher: &Channel,
-        conn: &Connection,
         shutdown: &CancellationToken,
     ) -> Result<Option<End>> {
         let me = &self.inner;
@@ -444,15 +441,6 @@ impl Consumer {
                 }
             }
         };
-        if cfg.crash_after_commit {
-            let _ = tokio::time::timeout(
-                cfg.broker_timeout,
-                conn.close(200, "fault injection".into()),
-            )
-            .await;
-            return Ok(Some(End::Crashed));
-        }
-
         let mut counts = [0u64; 6]; // processed, duplicate, retried, rejected, poison, stale
         let mut items = Vec::with_capacity(deliveries.len());
         for (d, slot) in deliveries.iter().zip(&slots) {

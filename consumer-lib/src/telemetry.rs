@@ -24,6 +24,9 @@ pub struct ConsumerStats {
     pub batches: u64,
     /// Broker sessions started (1 + reconnections).
     pub connections: u64,
+    /// Broker sessions that failed (to connect, to declare, to consume, or
+    /// mid-stream); each is followed by a backoff and a new attempt.
+    pub broker_errors: u64,
 }
 
 impl ConsumerStats {
@@ -43,6 +46,7 @@ pub(crate) struct Counters {
     pub(crate) stale: AtomicU64,
     pub(crate) batches: AtomicU64,
     pub(crate) connections: AtomicU64,
+    pub(crate) broker_errors: AtomicU64,
 }
 
 impl Counters {
@@ -57,6 +61,7 @@ impl Counters {
             stale: g(&self.stale),
             batches: g(&self.batches),
             connections: g(&self.connections),
+            broker_errors: g(&self.broker_errors),
         }
     }
 

@@ -242,24 +242,61 @@ async fn each_consumer_name_has_its_own_dedup_state() {
     env.teardown().await;
 }
 
-/// Killed after COMMIT and before the ack: the broker redelivers, and the
-/// inbox recognises the redelivery as a duplicate.
+/// [`Effect`] that waits, once inside its transaction, until the test lets
+/// it go.
+struct Gated {
+    effect: Effect,
+    gate: std::sync::Arc<Gate>,
+}
+
+struct Gate {
+    entered: tokio::sync::Notify,
+    release: tokio::sync::Semaphore,
+}
+
+impl Handler for Gated {
+    async fn handle(&self, conn: &mut PgConnection, event: &Event) -> Outcome {
+        let outcome = self.effect.handle(conn, event).await;
+        self.gate.entered.notify_one();
+        let _ = self.gate.release.acquire().await;
+        outcome
+    }
+}
+
+/// The ack after COMMIT is lost (the broker link goes silent between the
+/// two), then the connection dies: the broker redelivers, and the inbox
+/// recognises the redelivery as a duplicate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn crash_between_commit_and_ack_redelivery_is_a_duplicate() {
+async fn ack_lost_after_commit_redelivery_is_a_duplicate() {
     let env = Env::new().await;
+    let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
     let mut cfg = env.config("svc");
-    cfg.crash_after_commit = true;
-    let crashing =
-        Running::start(Consumer::new(cfg, env.pool.clone(), Effect::new(&env.schema)).unwrap());
+    cfg.amqp_url = proxy.url(&cfg.amqp_url);
+    let gate = std::sync::Arc::new(Gate {
+        entered: tokio::sync::Notify::new(),
+        release: tokio::sync::Semaphore::new(0),
+    });
+    let gated = Gated {
+        effect: Effect::new(&env.schema),
+        gate: gate.clone(),
+    };
+    let first = Running::start(Consumer::new(cfg, env.pool.clone(), gated).unwrap());
     env.publish(Some(&id()), "{}").await;
-    // The faulty consumer returns right after its commit, without acking.
-    tokio::time::timeout(common::DEADLINE, crashing.task)
+    // Inside the handler, before COMMIT: the link goes silent, then the
+    // batch commits and its ack vanishes.
+    tokio::time::timeout(common::DEADLINE, gate.entered.notified())
         .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    assert_eq!(env.count("{s}.effects").await, 1);
-    assert_eq!(crashing.consumer.stats().settled(), 0, "nothing was acked");
+        .expect("the handler ran");
+    proxy.set(e2e::Mode::Blackhole);
+    gate.release.add_permits(1_000);
+    wait_until("the effect committed", || async {
+        env.count("{s}.effects").await == 1
+    })
+    .await;
+    // The connection dies: the broker takes the delivery back.
+    proxy.set(e2e::Mode::Reset);
+    first.stop().await;
+    proxy.stop();
 
     let fresh = Running::start(
         Consumer::new(

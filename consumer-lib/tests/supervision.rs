@@ -25,7 +25,10 @@ async fn resumes_by_itself_once_the_queue_exists() {
     let c = Running::start(Consumer::new(cfg, env.pool.clone(), Ack).unwrap());
     // basic.consume fails (404) until the queue is declared; the consumer
     // keeps retrying with backoff instead of returning.
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    wait_until("three failed attempts", || async {
+        c.consumer.stats().broker_errors >= 3
+    })
+    .await;
     assert!(!c.task.is_finished());
     assert_eq!(c.consumer.stats().connections, 0);
     env.add_queue(&late).await;

@@ -204,7 +204,26 @@ async fn numbers_follow_commit_order_across_concurrent_writers() {
             b.commit().await.unwrap();
         })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The second writer is seen waiting on a lock (not merely slow).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'",
+        )
+        .bind(&schema)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the second writer never waited on a lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert!(
         !second.is_finished(),
         "a second writer of the aggregate waits for the first to commit"

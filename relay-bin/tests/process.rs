@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use e2e::{Collector, TestBroker, TestDb, amqp_url, database_url, wait_until};
+use e2e::{Collector, KillOnDrop, TestBroker, TestDb, amqp_url, database_url, wait_until};
 use lapin::types::FieldTable;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -31,7 +31,31 @@ fn signal(child: &Child, sig: Signal) {
     kill(Pid::from_raw(child.id() as i32), sig).expect("signal");
 }
 
-fn assert_all_delivered(collector: &Collector, ids: &[String], scenario: &str) {
+fn outbox_table(db: &TestDb) -> String {
+    format!("\"{}\".outbox", db.schema)
+}
+
+/// The oracle, judged once everything is quiet: the outbox empties, the
+/// relay stops on SIGTERM (exit 0), the collector empties its queue
+/// (nothing ready or unacknowledged); then every event is delivered,
+/// nothing else.
+async fn assert_all_delivered(
+    db: &TestDb,
+    relay: &mut KillOnDrop,
+    collector: &Collector,
+    ids: &[String],
+    scenario: &str,
+) {
+    wait_until(Duration::from_secs(180), "the outbox to empty", || async {
+        db.count("outbox").await == 0
+    })
+    .await;
+    assert_eq!(
+        e2e::stop_child(relay, Signal::SIGTERM, Duration::from_secs(60)).await,
+        Some(0),
+        "{scenario}: a clean stop"
+    );
+    collector.drain(Duration::from_secs(120)).await;
     let got = collector.received.lock().unwrap();
     let seen: HashSet<&String> = got.counts.keys().collect();
     assert_eq!(
@@ -47,52 +71,48 @@ fn assert_all_delivered(collector: &Collector, ids: &[String], scenario: &str) {
 }
 
 #[tokio::test]
-async fn relay_sigkilled_at_random_points_again_and_again_loses_nothing() {
+async fn relay_sigkilled_inside_batches_again_and_again_loses_nothing() {
     let db = TestDb::producer("proc_kill").await;
     let broker = TestBroker::new("kill", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
     let ids = db.produce(20_000, 500, Duration::ZERO).await;
-    let mut kills = 0;
-    // Kill points: after the relay has made progress, plus a pseudo-random
-    // 0-127 ms, so kills land mid-batch (between publish, confirm, settle
-    // and commit), not only during start-up.
-    let jitter: Vec<u64> = ids
-        .iter()
-        .take(10)
-        .map(|id| (id.as_bytes()[35] as u64 * 13) % 128)
-        .collect();
-    for delay in jitter {
+    // Each kill lands inside a batch: the relay is frozen until a freeze
+    // catches it holding claimed rows (between claim, publish, confirm,
+    // settle and commit), then killed.
+    let (mut landed, mut tries) = (0, 0);
+    let mut held = Vec::new();
+    while landed < 10 && tries < 30 {
+        tries += 1;
         let before = collector.distinct();
-        if before >= ids.len() {
-            break;
-        }
-        let mut child = relay_cmd(&db, &broker)
-            .env("OUTBOX_BATCH_SIZE", "100")
-            .spawn()
-            .unwrap();
+        let child = KillOnDrop(
+            relay_cmd(&db, &broker)
+                .env("OUTBOX_BATCH_SIZE", "100")
+                .spawn()
+                .unwrap(),
+        );
         wait_until(
             Duration::from_secs(60),
             "progress before the kill",
-            || async { collector.distinct() > before || collector.distinct() >= ids.len() },
+            || async { collector.distinct() > before },
         )
         .await;
-        tokio::time::sleep(Duration::from_millis(delay)).await;
-        signal(&child, Signal::SIGKILL);
-        child.wait().unwrap();
-        kills += 1;
+        let locked = e2e::freeze_mid_batch(&child, &db.pool, &outbox_table(&db), 200).await;
+        if locked > 0 {
+            landed += 1;
+            held.push(locked);
+        }
+        e2e::kill_now(child);
     }
-    let mut child = relay_cmd(&db, &broker).spawn().unwrap();
-    wait_until(
-        Duration::from_secs(120),
-        "all events after the kills",
-        || async { collector.distinct() >= ids.len() },
+    assert_eq!(landed, 10, "10 kills landed inside a batch ({tries} tries)");
+    let mut child = KillOnDrop(relay_cmd(&db, &broker).spawn().unwrap());
+    assert_all_delivered(
+        &db,
+        &mut child,
+        &collector,
+        &ids,
+        &format!("relay SIGKILLed {landed} times inside a batch holding {held:?} rows"),
     )
     .await;
-    signal(&child, Signal::SIGKILL);
-    child.wait().unwrap();
-    assert!(kills >= 1);
-    assert_all_delivered(&collector, &ids, &format!("relay SIGKILLed {kills} times"));
-    collector.stop();
     db.cleanup().await;
     broker.cleanup().await;
 }
@@ -103,75 +123,106 @@ async fn sigterm_finishes_the_batch_in_flight_and_exits_zero() {
     let broker = TestBroker::new("term", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
     let ids = db.produce(20_000, 1000, Duration::ZERO).await;
-    let child = relay_cmd(&db, &broker)
-        .env("OUTBOX_BATCH_SIZE", "1000")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = KillOnDrop(
+        relay_cmd(&db, &broker)
+            .env("OUTBOX_BATCH_SIZE", "1000")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     wait_until(Duration::from_secs(60), "publishing to start", || async {
         collector.distinct() > 0
     })
     .await;
+    // Catch it inside a batch with more than two batches still unclaimed,
+    // so the signal lands on work in flight and leaves work behind
+    // whatever the timing.
+    let table = outbox_table(&db);
+    let mut locked = 0;
+    for _ in 0..20 {
+        locked = e2e::freeze_mid_batch(&child, &db.pool, &table, 200).await;
+        if locked > 0 && db.count("outbox").await - locked > 2_000 {
+            break;
+        }
+        signal(&child, Signal::SIGCONT);
+        locked = 0;
+    }
+    assert!(
+        locked > 0,
+        "never caught the relay inside a batch with work left"
+    );
+    let mut err = child.stderr.take().expect("stderr");
+    let stderr = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut err, &mut text);
+        text
+    });
     signal(&child, Signal::SIGTERM);
-    let out = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
-        .await
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0), "drained and exited 0");
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    signal(&child, Signal::SIGCONT);
+    assert_eq!(
+        e2e::wait_exit(&mut child, Duration::from_secs(60)).await,
+        Some(0),
+        "drained and exited 0"
+    );
+    let stderr = stderr.join().unwrap();
     assert!(
         !stderr.contains("ERROR"),
         "a clean shutdown logs no error: {stderr}"
     );
-    // Nothing was left half-done: every event is either delivered and
-    // gone from the outbox, or still in the outbox; none is locked.
+    // Nothing was left half-done: no row is locked, every event that left
+    // the outbox was delivered, none still in it was published.
     let remaining: Vec<uuid::Uuid> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT id FROM \"{}\".outbox FOR UPDATE NOWAIT",
-        db.schema
+        "SELECT id FROM {table} FOR UPDATE NOWAIT"
     )))
     .fetch_all(&db.pool)
     .await
     .unwrap();
     let remaining: HashSet<String> = remaining.into_iter().map(|i| i.to_string()).collect();
-    let delivered = ids.len() - remaining.len();
-    wait_until(
-        Duration::from_secs(30),
-        "the delivered events to arrive",
-        || async { collector.distinct() >= delivered },
-    )
-    .await;
-    for id in &ids {
-        if !remaining.contains(id) {
-            assert!(
-                collector.has(id),
-                "event {id} left the outbox without being delivered"
-            );
-        }
-    }
     assert!(
         !remaining.is_empty(),
-        "the relay stopped early rather than draining the whole outbox"
+        "the relay went on claiming after SIGTERM instead of finishing its batch in flight"
     );
-    collector.stop();
+    collector.drain(Duration::from_secs(60)).await;
+    for id in &ids {
+        assert_eq!(
+            collector.has(id),
+            !remaining.contains(id),
+            "event {id}: published iff it left the outbox"
+        );
+    }
+    assert_eq!(collector.duplicates(), 0, "no fault: no copy");
+    println!(
+        "SIGTERM inside a batch of {locked}: {} delivered, {} left for the next run",
+        ids.len() - remaining.len(),
+        remaining.len()
+    );
     db.cleanup().await;
     broker.cleanup().await;
 }
 
-/// Restarts the shared broker: run alone (`make test` runs `disruptive_`
-/// tests after the others, one at a time).
+/// Restarts the shared broker with a backlog in flight: run alone (`make
+/// test` runs `disruptive_` tests after the others, one at a time).
 #[tokio::test]
 async fn disruptive_broker_restart_mid_stream_loses_nothing() {
     let db = TestDb::producer("proc_brk").await;
     let broker = TestBroker::new("brk", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
-    let ids = db.produce(10_000, 500, Duration::ZERO).await;
-    let mut child = relay_cmd(&db, &broker)
-        .env("OUTBOX_BATCH_SIZE", "100")
-        .spawn()
-        .unwrap();
-    wait_until(Duration::from_secs(60), "publishing to start", || async {
-        collector.distinct() > 0
+    let ids = db.produce(20_000, 500, Duration::ZERO).await;
+    let mut child = KillOnDrop(
+        relay_cmd(&db, &broker)
+            .env("OUTBOX_BATCH_SIZE", "100")
+            .spawn()
+            .unwrap(),
+    );
+    wait_until(Duration::from_secs(60), "a batch in flight", || async {
+        e2e::locked_rows(&db.pool, &outbox_table(&db)).await > 0
     })
     .await;
+    let left = db.count("outbox").await;
+    assert!(
+        left > 1_000,
+        "the backlog drained before the restart ({left} left)"
+    );
     let ok = Command::new("rabbitmqctl")
         .arg("stop_app")
         .status()
@@ -183,19 +234,14 @@ async fn disruptive_broker_restart_mid_stream_loses_nothing() {
             .unwrap()
             .success();
     assert!(ok, "rabbitmqctl could not restart the broker");
-    wait_until(
-        Duration::from_secs(180),
-        "all events after the broker restart",
-        || async { collector.distinct() >= ids.len() },
+    assert_all_delivered(
+        &db,
+        &mut child,
+        &collector,
+        &ids,
+        &format!("broker restart with {left} events left"),
     )
     .await;
-    signal(&child, Signal::SIGTERM);
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
-        .await
-        .unwrap();
-    assert_eq!(status.code(), Some(0));
-    assert_all_delivered(&collector, &ids, "broker restart");
-    collector.stop();
     db.cleanup().await;
     broker.cleanup().await;
 }

@@ -610,6 +610,12 @@ pub async fn stop_child(
     timeout: Duration,
 ) -> Option<i32> {
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), signal);
+    wait_exit(child, timeout).await
+}
+
+/// Waits (at most `timeout`) for `child` to exit; returns its exit code
+/// (`None`: ended by a signal).
+pub async fn wait_exit(child: &mut KillOnDrop, timeout: Duration) -> Option<i32> {
     let mut status = None;
     wait_until(timeout, "the process to exit", || {
         let exited = child.try_wait().expect("poll");
