@@ -596,7 +596,7 @@ pub(crate) async fn measure(
             let (who, n) = order[i];
             rates[i] = measured(pool, url, n, who, plan.preload).await?;
             eprintln!(
-                "bench:   round {} {who:?} ({n}): {:.0}/s",
+                "bench:   round {} {who} ({n}): {:.0}/s",
                 round + 1,
                 rates[i]
             );
