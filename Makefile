@@ -45,8 +45,8 @@ bench-smoke: ## the benchmark with tiny counts (CI runs this so it cannot rot)
 	$(TARGET_DIR)/debug/bench --smoke --out target/bench/smoke.json
 
 soak: services ## the fault-injection suite with 10x the events (longer; not part of CI)
-	FAULT_SCALE=10 $(CARGO) nextest run -p e2e-tests --no-fail-fast --test-threads 2 -E 'not test(/^disruptive_/)'
-	FAULT_SCALE=10 $(CARGO) nextest run -p e2e-tests --no-fail-fast --test-threads 1 -E 'test(/^disruptive_/)'
+	FAULT_SCALE=10 $(CARGO) nextest run --profile soak --workspace --all-features --no-fail-fast --test-threads 2 -E 'package(e2e-tests) and not test(/^disruptive_/)'
+	FAULT_SCALE=10 $(CARGO) nextest run --profile soak --workspace --all-features --no-fail-fast --test-threads 1 -E 'package(e2e-tests) and test(/^disruptive_/)'
 
 clean-test-schemas: ## drop schemas left behind by failed test runs
 	psql "$(TEST_DATABASE_URL)" -qAt -c "SELECT 'DROP SCHEMA \"' || nspname || '\" CASCADE;' FROM pg_namespace WHERE nspname LIKE 't\_%'" | psql "$(TEST_DATABASE_URL)" -q

@@ -284,4 +284,111 @@ mod tests {
         .unwrap_err();
         assert!(err.contains("over the limit"), "{err}");
     }
+
+    /// Whatever arrives, decoding never panics: an arbitrary body, message
+    /// id, type and headers (text, bytes, numbers of every width, nested
+    /// tables and arrays, under the names the consumer reads) give a key or
+    /// a poison reason, and every accessor answers.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn value() -> impl Strategy<Value = AMQPValue> {
+            let leaf = prop_oneof![
+                any::<String>().prop_map(|s| AMQPValue::LongString(s.into())),
+                proptest::collection::vec(any::<u8>(), 0..40)
+                    .prop_map(|b| AMQPValue::LongString(b.into())),
+                "[a-z0-9-]{0,20}".prop_map(|s| AMQPValue::ShortString(s.into())),
+                any::<bool>().prop_map(AMQPValue::Boolean),
+                any::<i8>().prop_map(AMQPValue::ShortShortInt),
+                any::<u8>().prop_map(AMQPValue::ShortShortUInt),
+                any::<i16>().prop_map(AMQPValue::ShortInt),
+                any::<u16>().prop_map(AMQPValue::ShortUInt),
+                any::<i32>().prop_map(AMQPValue::LongInt),
+                any::<u32>().prop_map(AMQPValue::LongUInt),
+                any::<i64>().prop_map(AMQPValue::LongLongInt),
+                any::<f32>().prop_map(AMQPValue::Float),
+                any::<f64>().prop_map(AMQPValue::Double),
+                any::<u64>().prop_map(AMQPValue::Timestamp),
+                Just(AMQPValue::Void),
+            ];
+            leaf.prop_recursive(3, 16, 4, |inner| {
+                prop_oneof![
+                    proptest::collection::vec(inner.clone(), 0..4)
+                        .prop_map(|v| AMQPValue::FieldArray(v.into())),
+                    proptest::collection::vec(("[a-z-]{1,12}", inner), 0..4).prop_map(|kv| {
+                        let mut t = FieldTable::default();
+                        for (k, v) in kv {
+                            t.insert(k.into(), v);
+                        }
+                        AMQPValue::FieldTable(t)
+                    }),
+                ]
+            })
+        }
+
+        fn header_name() -> impl Strategy<Value = String> {
+            prop_oneof![
+                Just(wire::HEADER_AGGREGATE_ID.to_owned()),
+                Just(wire::HEADER_AGGREGATE_TYPE.to_owned()),
+                Just(wire::HEADER_AGGREGATE_SEQ.to_owned()),
+                Just(wire::HEADER_RETRY_COUNT.to_owned()),
+                Just(HEADER_DEFERRAL_COUNT.to_owned()),
+                Just("traceparent".to_owned()),
+                Just("tracestate".to_owned()),
+                Just("x-key".to_owned()),
+                "[a-z-]{1,12}",
+            ]
+        }
+
+        fn body() -> impl Strategy<Value = Vec<u8>> {
+            prop_oneof![
+                proptest::collection::vec(any::<u8>(), 0..64),
+                any::<String>().prop_map(String::into_bytes),
+                (any::<String>(), any::<i64>()).prop_map(|(s, n)| {
+                    serde_json::json!({"k": s, "n": n, "nested": {"k": [s, n]}})
+                        .to_string()
+                        .into_bytes()
+                }),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2_000))]
+            #[test]
+            fn decoding_never_panics(
+                id in proptest::option::of(any::<String>()),
+                kind in proptest::option::of(any::<String>()),
+                headers in proptest::collection::vec((header_name(), value()), 0..8),
+                payload in body(),
+                key in prop_oneof![
+                    Just(DedupKey::MessageId),
+                    Just(DedupKey::Header("x-key".into())),
+                    Just(DedupKey::PayloadField("/k".into())),
+                    Just(DedupKey::PayloadField("/nested/k/1".into())),
+                ],
+            ) {
+                let mut t = FieldTable::default();
+                for (k, v) in headers {
+                    t.insert(k.into(), v);
+                }
+                let mut properties = BasicProperties::default().with_headers(t);
+                if let Some(id) = id {
+                    properties = properties.with_message_id(id.into());
+                }
+                if let Some(kind) = kind {
+                    properties = properties.with_type(kind.into());
+                }
+                let _ = crate::sequence::position(&properties);
+                if let Ok(id) = dedup_key(&properties, &payload, &key) {
+                    prop_assert!(!id.is_empty() && id.len() <= MAX_DEDUP_KEY_BYTES);
+                    let e = Event { id, properties, payload, redelivered: true };
+                    let _ = (e.aggregate_type(), e.aggregate_id(), e.aggregate_seq());
+                    let _ = (e.retry_count(), e.deferral_count(), e.event_type());
+                    let _ = (e.traceparent(), e.trace(), e.header_str("x-key"));
+                    let _ = e.payload::<Value>();
+                }
+            }
+        }
+    }
 }

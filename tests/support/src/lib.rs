@@ -215,6 +215,7 @@ impl Received {
 }
 
 type Record = Arc<dyn Fn(lapin::message::Delivery) + Send + Sync>;
+type Stopper = (watch::Sender<bool>, tokio::task::JoinHandle<()>);
 
 /// A background consumer of one queue that hands every delivery to a
 /// recorder before acking it, reconnects by itself (for broker-restart
@@ -223,7 +224,7 @@ type Record = Arc<dyn Fn(lapin::message::Delivery) + Send + Sync>;
 struct Tap {
     queue: String,
     record: Record,
-    task: Arc<Mutex<Option<(watch::Sender<bool>, tokio::task::JoinHandle<()>)>>>,
+    task: Arc<Mutex<Option<Stopper>>>,
 }
 
 impl std::fmt::Debug for Tap {
@@ -421,8 +422,7 @@ pub async fn settled_depth(conn: &Connection, queue: &str, deadline: Instant) ->
         consumers == 0 && r != u32::MAX
     })
     .await;
-    let r = *ready.lock().unwrap();
-    r
+    *ready.lock().unwrap()
 }
 
 /// Waits until `check` returns true, polling every 20 ms; panics with
