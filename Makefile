@@ -9,13 +9,16 @@ export TEST_AMQP_URL ?= $(AMQP_URL)
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 
-.PHONY: help services build test lint fmt demo bench bench-smoke soak clean-test-schemas
+.PHONY: help services cluster build test lint fmt demo bench bench-smoke soak clean-test-schemas
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-20s %s\n", $$1, $$2}'
 
 services: ## make sure PostgreSQL and RabbitMQ run on loopback (install/start them if needed)
 	@./scripts/services.sh
+
+cluster: ## start a local three-node RabbitMQ cluster on ports 5701-5703 (for the cluster suite)
+	@./scripts/cluster.sh start
 
 build: ## build everything
 	$(CARGO) build --workspace --all-targets

@@ -5,6 +5,7 @@
 mod proxy;
 
 pub use proxy::{Mode, Proxy};
+pub mod cluster;
 pub mod service;
 
 use std::collections::HashMap;
