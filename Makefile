@@ -9,7 +9,7 @@ export TEST_AMQP_URL ?= $(AMQP_URL)
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 
-.PHONY: help services cluster build test lint fmt demo bench bench-smoke soak clean-test-schemas
+.PHONY: help services cluster test-cluster build test lint fmt demo bench bench-smoke soak clean-test-schemas
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-20s %s\n", $$1, $$2}'
@@ -23,11 +23,16 @@ cluster: ## start a local three-node RabbitMQ cluster on ports 5701-5703 (for th
 build: ## build everything
 	$(CARGO) build --workspace --all-targets
 
-test: ## run every test (unit, database, broker, end-to-end) against the real services
-	$(CARGO) nextest run --workspace --all-features --no-fail-fast -E 'not test(/^disruptive_/)'
+test: ## run every test (unit, database, broker, end-to-end, the cluster suite) against the real services
+	$(CARGO) nextest run --workspace --all-features --no-fail-fast -E 'not test(/^disruptive_/) and not test(/^cluster_/)'
 	@# Tests that restart the shared broker or database run alone, after the rest.
 	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^disruptive_/)'
+	@# The fault suite on a local three-node RabbitMQ cluster (started on demand).
+	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^cluster_/)'
 	$(CARGO) test --workspace --all-features --doc
+
+test-cluster: cluster ## the fault suite on the three-node cluster with quorum queues (stops and starts its nodes; runs alone)
+	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^cluster_/)'
 
 lint: ## rustfmt and clippy, warnings are errors
 	$(CARGO) fmt --all --check
@@ -48,7 +53,7 @@ bench-smoke: ## the benchmark with tiny counts (CI runs this so it cannot rot)
 	$(TARGET_DIR)/debug/bench --smoke --out target/bench/smoke.json
 
 soak: services ## the fault-injection suite with 10x the events (longer; not part of CI)
-	FAULT_SCALE=10 $(CARGO) nextest run --profile soak --workspace --all-features --no-fail-fast --test-threads 2 -E 'package(e2e-tests) and not test(/^disruptive_/)'
+	FAULT_SCALE=10 $(CARGO) nextest run --profile soak --workspace --all-features --no-fail-fast --test-threads 2 -E 'package(e2e-tests) and not test(/^disruptive_/) and not test(/^cluster_/)'
 	FAULT_SCALE=10 $(CARGO) nextest run --profile soak --workspace --all-features --no-fail-fast --test-threads 1 -E 'package(e2e-tests) and test(/^disruptive_/)'
 
 clean-test-schemas: ## drop schemas left behind by failed test runs

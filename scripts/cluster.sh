@@ -15,6 +15,8 @@
 #   stop-node N      stop node N gracefully
 #   start-node N     start node N again, wait until it runs in the cluster
 #   leader Q [VHOST] the node leading quorum queue Q (exit 2: no such queue or no leader)
+#   messages Q [VHOST] every message of queue Q: ready, unacked, and (quorum)
+#                    those waiting to be dead-lettered at-least-once
 set -euo pipefail
 
 DIR=${OUTBOX_CLUSTER_DIR:-/var/tmp/outbox-cluster}
@@ -24,6 +26,9 @@ PORTS=(5701 5702 5703)
 DIST_PORTS=(25701 25702 25703)
 # Two schedulers and no busy waiting: three nodes share a 2-core machine;
 # a smaller process table (the default is 1M processes).
+# How soon at-least-once dead-lettering re-sends a message a full or
+# leaderless target refused.
+DLX_RESEND_MS=5000
 ERL_ARGS="+S 2:2 +sbwt none +sbwtdcpu none +sbwtdio none +P 262144"
 
 say() { printf 'cluster: %s\n' "$*"; }
@@ -119,6 +124,13 @@ vm_memory_high_watermark.absolute = 1GB
 disk_free_limit.absolute = 50MB
 raft.wal_max_size_bytes = 67108864
 EOF
+        # At-least-once dead-lettering (the consumer's retry path) re-sends
+        # what a full or leaderless target refused after this long; the
+        # default is 3 minutes.
+        cat >"$d/advanced.config" <<EOF
+%% Written by scripts/cluster.sh for ${NODES[$i]}.
+[{rabbit, [{dead_letter_worker_publisher_confirm_timeout, $DLX_RESEND_MS}]}].
+EOF
     done
     chown -R rabbitmq:rabbitmq "$DIR"
 }
@@ -199,6 +211,10 @@ cmd_start() {
         wait_for "three running nodes" 60 all_running 0
         say "running: ${NODES[*]}${started[*]:+ (started ${#started[@]})}"
     fi
+    # Also on nodes started by an older version of this script.
+    for i in 0 1 2; do
+        ctl "$i" -q eval "application:set_env(rabbit, dead_letter_worker_publisher_confirm_timeout, $DLX_RESEND_MS)." >/dev/null
+    done
     for i in 0 1 2; do say "amqp://guest:***@127.0.0.1:${PORTS[$i]}/%2f"; done
 }
 
@@ -260,6 +276,17 @@ cmd_status() {
     done
 }
 
+cmd_messages() { # all messages of a queue: ready, unacked and those waiting to be dead-lettered
+    local q=$1 vhost=${2:-/} i
+    for i in 0 1 2; do
+        node_up "$i" || continue
+        ctl "$i" -q list_queues -p "$vhost" name messages --formatter json |
+            jq -r --arg q "$q" '.[] | select(.name == $q) | .messages'
+        return 0
+    done
+    die "no node of the cluster is running"
+}
+
 cmd_leader() {
     local q=$1 vhost=${2:-/} i out
     for i in 0 1 2; do
@@ -302,6 +329,7 @@ status) cmd_status ;;
 kill) [ $# = 2 ] || die "usage: $0 kill N"; cmd_kill "$2" ;;
 stop-node) [ $# = 2 ] || die "usage: $0 stop-node N"; lock; stop_one "$(index_of "$2")" ;;
 start-node) [ $# = 2 ] || die "usage: $0 start-node N"; lock; cmd_start_node "$2" ;;
+messages) [ $# -ge 2 ] || die "usage: $0 messages QUEUE [VHOST]"; cmd_messages "$2" "${3:-/}" ;;
 leader) [ $# -ge 2 ] || die "usage: $0 leader QUEUE [VHOST]"; cmd_leader "$2" "${3:-/}" ;;
 *) die "usage: $0 [start|stop|reset|status|kill N|stop-node N|start-node N|leader QUEUE [VHOST]]" ;;
 esac

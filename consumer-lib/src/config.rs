@@ -71,11 +71,15 @@ impl Ordering {
 ///
 /// Build it with [`ConsumerConfig::new`] and change the public fields you
 /// need; [`Consumer::new`](crate::Consumer::new) validates it. Its `Debug`
-/// output redacts the password of `amqp_url`.
+/// output redacts the passwords of `amqp_url`.
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct ConsumerConfig {
-    /// AMQP URL of the broker (`amqp://user:pass@host:5672/%2f`).
+    /// AMQP URL of the broker (`amqp://user:pass@host:5672/%2f`), or the
+    /// URLs of several nodes of one cluster separated by commas: the
+    /// consumer connects to the first that answers and, on every
+    /// reconnect, starts with the next one. A comma in a password is
+    /// written `%2C`.
     pub amqp_url: String,
     /// The queue to consume. Retries go through `<queue>.retry`, dead
     /// letters to `<queue>.dlq`.
@@ -127,6 +131,10 @@ pub struct ConsumerConfig {
     /// Default true. The main queue itself is not declared; see
     /// [`declare_topology`](crate::declare_topology).
     pub declare_retry_queues: bool,
+    /// Type of the retry and dead-letter queues declared at start-up; the
+    /// same as the topology's ([`TopologyConfig::queue_type`](crate::TopologyConfig::queue_type)).
+    /// Default [`QueueType::Quorum`](crate::QueueType::Quorum).
+    pub queue_type: crate::QueueType,
     /// Per-aggregate ordering of sequenced events. Default
     /// [`Ordering::Off`].
     pub ordering: Ordering,
@@ -154,7 +162,7 @@ pub struct ConsumerConfig {
 impl std::fmt::Debug for ConsumerConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ConsumerConfig")
-            .field("amqp_url", &outbox::redact::redact_url(&self.amqp_url))
+            .field("amqp_url", &outbox::redact::redact_urls(&self.amqp_url))
             .field("queue", &self.queue)
             .field("consumer_name", &self.consumer_name)
             .field("schema", &self.schema)
@@ -169,6 +177,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("broker_timeout", &self.broker_timeout)
             .field("max_reconnect_delay", &self.max_reconnect_delay)
             .field("declare_retry_queues", &self.declare_retry_queues)
+            .field("queue_type", &self.queue_type)
             .field("ordering", &self.ordering)
             .field("handler_timeout", &self.handler_timeout)
             .field("lock_timeout", &self.lock_timeout)
@@ -200,6 +209,7 @@ impl ConsumerConfig {
             broker_timeout: Duration::from_secs(10),
             max_reconnect_delay: Duration::from_secs(5),
             declare_retry_queues: true,
+            queue_type: crate::QueueType::default(),
             ordering: Ordering::Off,
             handler_timeout: Duration::from_secs(30),
             lock_timeout: Duration::from_secs(10),
@@ -229,9 +239,12 @@ impl ConsumerConfig {
     pub(crate) fn validate(&self) -> Result<Ident> {
         let schema = Ident::new("schema", &self.schema)?;
         let fail = |m: &str| Err(Error::Config(m.to_owned()));
-        outbox::redact::check_url(&self.amqp_url, "AMQP URL", &["amqp", "amqps"])
+        outbox::redact::check_urls(&self.amqp_url, "AMQP URL", &["amqp", "amqps"])
             .map_err(Error::Config)?;
-        if self.amqp_url.parse::<lapin::uri::AMQPUri>().is_err() {
+        if outbox::redact::split_urls(&self.amqp_url)
+            .iter()
+            .any(|u| u.parse::<lapin::uri::AMQPUri>().is_err())
+        {
             // lapin's own reading (its error would quote the URL).
             return fail(
                 "AMQP URL is malformed (its user, host, vhost or query parameters); the value is not shown: it may hold a password",

@@ -55,6 +55,10 @@ struct Inner {
     counters: Counters,
     broker: Outage,
     database: Outage,
+    /// Index of the broker URL the next connection tries first.
+    next_url: std::sync::atomic::AtomicUsize,
+    /// `host:port` of the broker node in use (or last used).
+    node: std::sync::Mutex<Option<String>>,
 }
 
 /// Why a broker session ended without error.
@@ -129,6 +133,8 @@ impl Consumer {
                 inbox,
                 sequences,
                 counters: Counters::default(),
+                next_url: Default::default(),
+                node: Default::default(),
                 broker,
                 database,
             }),
@@ -235,10 +241,60 @@ impl Consumer {
         // lapin's auto-recovery stays off: `run` supervises and reconnects.
         let props = ConnectionProperties::default()
             .with_connection_name(format!("outbox-consumer {}", cfg.consumer_name).into());
-        let conn = bounded("connect", t, Connection::connect(&cfg.amqp_url, props)).await?;
+        let conn = self.connect(props).await?;
         let result = self.consume(&conn, shutdown, backoff).await;
         let _ = tokio::time::timeout(t, conn.close(200, "consumer stopping".into())).await;
         result
+    }
+
+    /// Connects to the first broker URL that answers, trying them in turn
+    /// from the one after the node used last. A refusal (a wrong password,
+    /// a missing virtual host) is the cluster's answer: it ends the round.
+    async fn connect(&self, props: ConnectionProperties) -> Result<Connection> {
+        let me = &self.inner;
+        let t = me.config.broker_timeout;
+        let urls = outbox::redact::split_urls(&me.config.amqp_url);
+        let start = me.next_url.load(Ordering::Relaxed);
+        let mut last = None;
+        for k in 0..urls.len() {
+            let i = (start + k) % urls.len();
+            let node = outbox::redact::host_port(urls[i]);
+            match bounded("connect", t, Connection::connect(urls[i], props.clone())).await {
+                Ok(conn) => {
+                    me.next_url.store((i + 1) % urls.len(), Ordering::Relaxed);
+                    let name = me.config.consumer_name.clone();
+                    let previous = me
+                        .node
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .replace(node.clone());
+                    if let Some(p) = previous.filter(|p| *p != node) {
+                        metrics::gauge!("outbox_consumer_broker_connected", "consumer" => name.clone(), "node" => p).set(0.0);
+                    }
+                    metrics::gauge!("outbox_consumer_broker_connected", "consumer" => name, "node" => node.clone()).set(1.0);
+                    tracing::info!(consumer = %me.config.consumer_name, broker = %node, "connected to the broker");
+                    return Ok(conn);
+                }
+                Err(e) if !e.is_transient() => return Err(e),
+                Err(e) => {
+                    if urls.len() > 1 {
+                        tracing::warn!(consumer = %me.config.consumer_name, broker = %node, error = %e, "broker node did not answer; trying the next");
+                    }
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| Error::Config("no AMQP URL configured".to_owned())))
+    }
+
+    /// `host:port` of the broker node this consumer is connected to, or
+    /// was last connected to.
+    pub fn broker_node(&self) -> Option<String> {
+        self.inner
+            .node
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     async fn consume(
@@ -252,7 +308,7 @@ impl Consumer {
         let t = cfg.broker_timeout;
         let channel = bounded("channel open", t, conn.create_channel()).await?;
         if cfg.declare_retry_queues {
-            declare_retry_queues(&channel, &cfg.queue, t).await?;
+            declare_retry_queues(&channel, &cfg.queue, cfg.queue_type, t).await?;
         }
         bounded(
             "basic.qos",

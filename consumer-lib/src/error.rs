@@ -69,6 +69,19 @@ pub enum Error {
         #[source]
         source: lapin::Error,
     },
+    /// A queue exists with another type or other arguments than declared
+    /// (RabbitMQ's 406 `PRECONDITION_FAILED`). Retrying cannot help: an
+    /// existing queue keeps its type and arguments until deleted.
+    #[error(
+        "queue {queue:?} exists with other arguments than declared ({detail}); a queue cannot change type or arguments in place: declare it as it is (QueueType::Classic for a classic queue, the same delivery limit and max length), or move it to the new declaration (docs/OPERATIONS.md, \"Moving a classic queue to quorum\")"
+    )]
+    QueueMismatch {
+        /// The queue.
+        queue: String,
+        /// The broker's words: which argument, what it received, what the
+        /// queue has.
+        detail: String,
+    },
     /// An error from `outbox-lib` (invalid schema name, inbox not migrated).
     #[error(transparent)]
     Outbox(#[from] outbox::Error),
@@ -90,7 +103,7 @@ impl Error {
             | Error::Nacked { .. }
             | Error::Returned { .. } => true,
             Error::Outbox(e) => e.is_transient(),
-            Error::Config(_) | Error::MissingPlugin { .. } => false,
+            Error::Config(_) | Error::MissingPlugin { .. } | Error::QueueMismatch { .. } => false,
         }
     }
 }

@@ -16,6 +16,10 @@ use crate::config::DedupKey;
 /// retries only; see [`ConsumerConfig::max_deferrals`](crate::ConsumerConfig::max_deferrals).
 pub const HEADER_DEFERRAL_COUNT: &str = "x-deferral-count";
 
+/// Header a quorum queue sets on a redelivery: how many earlier deliveries
+/// of the message were not acked ([`Event::delivery_count`]).
+pub const HEADER_DELIVERY_COUNT: &str = "x-delivery-count";
+
 /// One received event, decoded from its AMQP message (`docs/AMQP_MESSAGE.md`).
 #[derive(Debug, Clone)]
 pub struct Event {
@@ -102,6 +106,16 @@ impl Event {
     /// deferred).
     pub fn deferral_count(&self) -> u32 {
         self.count(HEADER_DEFERRAL_COUNT)
+    }
+
+    /// How many times a quorum queue delivered this message before this
+    /// delivery without it being acked (header `x-delivery-count`, set by
+    /// the broker: a consumer crashed or lost its connection holding it).
+    /// 0 on a first delivery and on classic queues. The work queue's
+    /// delivery limit ([`TopologyConfig::delivery_limit`](crate::TopologyConfig::delivery_limit))
+    /// moves the message to the dead-letter queue past it.
+    pub fn delivery_count(&self) -> u32 {
+        self.count(HEADER_DELIVERY_COUNT)
     }
 
     fn count(&self, header: &str) -> u32 {

@@ -74,12 +74,13 @@ use sqlx::PgPool;
 pub use crate::config::{ConsumerConfig, DedupKey, Ordering};
 pub use crate::consumer::Consumer;
 pub use crate::error::{Error, Result};
-pub use crate::event::{Event, HEADER_DEFERRAL_COUNT, MAX_DEDUP_KEY_BYTES};
+pub use crate::event::{Event, HEADER_DEFERRAL_COUNT, HEADER_DELIVERY_COUNT, MAX_DEDUP_KEY_BYTES};
 pub use crate::handler::{BatchHandler, BatchOutcome, Handler, Outcome};
 pub use crate::retention::{DEFAULT_RETENTION, RetentionTask, cleanup_inbox};
 pub use crate::telemetry::ConsumerStats;
 pub use crate::topology::{
-    MAX_PARTITIONS, OrderedTopology, TopologyConfig, declare_ordered_topology, declare_topology,
+    DEFAULT_DELIVERY_LIMIT, MAX_PARTITIONS, OrderedTopology, QueueType, TopologyConfig,
+    declare_ordered_topology, declare_topology,
 };
 pub use crate::trace::TraceContext;
 pub use crate::version::apply_if_newer;

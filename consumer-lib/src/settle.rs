@@ -9,7 +9,7 @@ use lapin::{Acker, BasicProperties, Channel, Confirmation};
 use outbox::wire;
 
 use crate::error::{Error, Result, bounded};
-use crate::event::HEADER_DEFERRAL_COUNT;
+use crate::event::{HEADER_DEFERRAL_COUNT, HEADER_DELIVERY_COUNT};
 
 /// What to do with one delivery of a committed batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,6 +151,12 @@ fn with_header(props: &BasicProperties, name: &str, value: AMQPValue) -> BasicPr
 
 fn add_header(props: BasicProperties, name: &str, value: AMQPValue) -> BasicProperties {
     let mut headers = props.headers().clone().unwrap_or_default();
+    // The broker's count belongs to this delivery, not to the copy.
+    if headers.contains_key(HEADER_DELIVERY_COUNT) {
+        let mut map = headers.inner().clone();
+        map.remove(HEADER_DELIVERY_COUNT);
+        headers = map.into();
+    }
     headers.insert(name.into(), value);
     props.with_headers(headers)
 }

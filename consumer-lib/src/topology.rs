@@ -9,6 +9,32 @@ use outbox::wire;
 
 use crate::error::{Error, Result, bounded};
 
+/// The type of the queues the topology helpers declare (`docs/OPERATIONS.md`,
+/// "Production RabbitMQ").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum QueueType {
+    /// RabbitMQ's replicated queue (Raft over the cluster's nodes; one
+    /// node is a cluster of one). The default: it survives the loss of a
+    /// minority of nodes, counts redeliveries (`x-delivery-count`) and
+    /// enforces a delivery limit, and it is the only type whose
+    /// dead-lettering is confirmed (`x-dead-letter-strategy=at-least-once`),
+    /// which is what makes the retry path loss-free.
+    #[default]
+    Quorum,
+    /// A classic queue, declared exactly as versions before quorum support
+    /// did (no arguments besides single active consumer): lives on one
+    /// node; an expired retry dead-letters back to the work queue without
+    /// confirms, so it is lost when the work queue is full or unavailable
+    /// at that moment. For brokers older than 3.10 and existing classic
+    /// queues (a queue cannot change type in place).
+    Classic,
+}
+
+/// RabbitMQ 4's default delivery limit of quorum queues, ours for every
+/// version.
+pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
+
 /// What [`declare_topology`] declares.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -19,6 +45,21 @@ pub struct TopologyConfig {
     pub exchange: String,
     /// Binding key of the queue (topic pattern such as `order.*`).
     pub binding_key: String,
+    /// Type of the work, retry and dead-letter queues. Default
+    /// [`QueueType::Quorum`]. [`ConsumerConfig::queue_type`](crate::ConsumerConfig::queue_type)
+    /// must say the same.
+    pub queue_type: QueueType,
+    /// Quorum queues: deliveries of one message before the broker moves it
+    /// to `<queue>.dlq` (a message that crashes every consumer that takes
+    /// it, or keeps losing its connection). Redeliveries count; the
+    /// consumer's own retries do not (they are new messages). Default
+    /// [`DEFAULT_DELIVERY_LIMIT`]. Ignored for classic queues.
+    pub delivery_limit: u32,
+    /// Most messages the work queue holds; publishes beyond it are refused
+    /// (`x-overflow=reject-publish`), so the relay keeps the events in the
+    /// outbox and retries, and expired retries wait in the retry queue
+    /// (quorum). `None` (default): no bound.
+    pub max_length: Option<u32>,
     /// Bound on each broker round trip. Default 10 s.
     pub timeout: Duration,
 }
@@ -34,9 +75,28 @@ impl TopologyConfig {
             queue: queue.into(),
             exchange: exchange.into(),
             binding_key: binding_key.into(),
+            queue_type: QueueType::default(),
+            delivery_limit: DEFAULT_DELIVERY_LIMIT,
+            max_length: None,
             timeout: Duration::from_secs(10),
         }
     }
+
+    fn queues(&self) -> QueueArgs {
+        QueueArgs {
+            queue_type: self.queue_type,
+            delivery_limit: self.delivery_limit,
+            max_length: self.max_length,
+        }
+    }
+}
+
+/// The queue settings shared by both topologies.
+#[derive(Debug, Clone, Copy)]
+struct QueueArgs {
+    queue_type: QueueType,
+    delivery_limit: u32,
+    max_length: Option<u32>,
 }
 
 /// Declares, idempotently and in one call: the durable topic exchange, the
@@ -44,13 +104,29 @@ impl TopologyConfig {
 /// wait there for their per-message expiration, then dead-letter back to
 /// `<queue>`) and the dead-letter queue `<queue>.dlq`.
 ///
-/// Declaring an existing queue with different arguments fails
-/// (`PRECONDITION_FAILED`); the error says which.
+/// With [`QueueType::Quorum`] (the default) all three are quorum queues;
+/// the work queue dead-letters a message delivered
+/// [`delivery_limit`](TopologyConfig::delivery_limit) times to
+/// `<queue>.dlq`, and both the work and the retry queue dead-letter
+/// at-least-once (`x-dead-letter-strategy=at-least-once`,
+/// `x-overflow=reject-publish`): an expired retry stays in the retry queue
+/// until the work queue has confirmed it, however long the work queue is
+/// full or its leader is down.
+///
+/// Declaring an existing queue with other arguments or another type fails
+/// with [`Error::QueueMismatch`], naming the argument.
 pub async fn declare_topology(conn: &Connection, topology: &TopologyConfig) -> Result<()> {
     let t = topology.timeout;
     let ch = bounded("channel open", t, conn.create_channel()).await?;
     declare_source_exchange(&ch, &topology.exchange, t).await?;
-    declare_work_queue(&ch, &topology.queue, FieldTable::default(), t).await?;
+    declare_work_queue(
+        &ch,
+        &topology.queue,
+        FieldTable::default(),
+        topology.queues(),
+        t,
+    )
+    .await?;
     bounded(
         "queue.bind",
         t,
@@ -87,6 +163,13 @@ pub struct OrderedTopology {
     /// one active consumer, so this bounds the parallelism. Changing it
     /// moves aggregates between queues: drain the queues first.
     pub partitions: u16,
+    /// Type of the partition queues and their retry and dead-letter queues
+    /// (as [`TopologyConfig::queue_type`]).
+    pub queue_type: QueueType,
+    /// As [`TopologyConfig::delivery_limit`].
+    pub delivery_limit: u32,
+    /// As [`TopologyConfig::max_length`], per partition queue.
+    pub max_length: Option<u32>,
     /// Bound on each broker round trip. Default 10 s.
     pub timeout: Duration,
 }
@@ -105,6 +188,9 @@ impl OrderedTopology {
             binding_key: binding_key.into(),
             name: name.into(),
             partitions,
+            queue_type: QueueType::default(),
+            delivery_limit: DEFAULT_DELIVERY_LIMIT,
+            max_length: None,
             timeout: Duration::from_secs(10),
         }
     }
@@ -202,7 +288,12 @@ pub async fn declare_ordered_topology(
         (topology.name.as_str(), "1")
     };
     for q in &queues {
-        declare_work_queue(&ch, q, single_active.clone(), t).await?;
+        let args = QueueArgs {
+            queue_type: topology.queue_type,
+            delivery_limit: topology.delivery_limit,
+            max_length: topology.max_length,
+        };
+        declare_work_queue(&ch, q, single_active.clone(), args, t).await?;
         bounded(
             "queue.bind",
             t,
@@ -298,56 +389,156 @@ async fn declare_source_exchange(ch: &Channel, exchange: &str, t: Duration) -> R
     .await
 }
 
-/// A durable work queue with `args`, and its retry queue and DLQ.
+/// A durable work queue with `extra` arguments, and its retry queue and
+/// DLQ.
 async fn declare_work_queue(
     ch: &Channel,
     queue: &str,
-    args: FieldTable,
+    extra: FieldTable,
+    q: QueueArgs,
     t: Duration,
 ) -> Result<()> {
-    bounded(
-        "queue.declare",
-        t,
-        ch.queue_declare(queue.into(), QueueDeclareOptions::durable(), args),
-    )
-    .await?;
-    declare_retry_queues(ch, queue, t).await
+    let mut args = extra;
+    if q.queue_type == QueueType::Quorum {
+        quorum(&mut args);
+        args.insert(
+            "x-delivery-limit".into(),
+            AMQPValue::LongLongInt(q.delivery_limit.into()),
+        );
+        dead_letter_to(&mut args, &format!("{queue}.dlq"));
+    }
+    if let Some(max) = q.max_length {
+        args.insert("x-max-length".into(), AMQPValue::LongLongInt(max.into()));
+        args.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
+    }
+    declare_queue(ch, queue, args, "queue.declare", t).await?;
+    declare_retry_queues(ch, queue, q.queue_type, t).await
 }
 
-/// Declares `<queue>.retry` and `<queue>.dlq`.
-pub(crate) async fn declare_retry_queues(ch: &Channel, queue: &str, t: Duration) -> Result<()> {
-    let mut retry_args = FieldTable::default();
-    // The default exchange routes by queue name: an expired retry goes
-    // straight back to the work queue.
-    retry_args.insert(
+/// `x-queue-type=quorum`.
+fn quorum(args: &mut FieldTable) {
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+}
+
+/// Dead-letters to `target` through the default exchange (which routes by
+/// queue name), confirmed: the broker keeps a message until the target has
+/// accepted it (quorum queues only; needs `x-overflow=reject-publish`).
+fn dead_letter_to(args: &mut FieldTable, target: &str) {
+    args.insert(
         "x-dead-letter-exchange".into(),
         AMQPValue::LongString("".into()),
     );
-    retry_args.insert(
+    args.insert(
         "x-dead-letter-routing-key".into(),
-        AMQPValue::LongString(queue.into()),
+        AMQPValue::LongString(target.into()),
     );
-    bounded(
+    args.insert(
+        "x-dead-letter-strategy".into(),
+        AMQPValue::LongString("at-least-once".into()),
+    );
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+}
+
+/// Declares `<queue>.retry` and `<queue>.dlq`.
+pub(crate) async fn declare_retry_queues(
+    ch: &Channel,
+    queue: &str,
+    queue_type: QueueType,
+    t: Duration,
+) -> Result<()> {
+    let mut retry_args = FieldTable::default();
+    match queue_type {
+        QueueType::Quorum => {
+            quorum(&mut retry_args);
+            dead_letter_to(&mut retry_args, queue);
+        }
+        QueueType::Classic => {
+            // The default exchange routes by queue name: an expired retry
+            // goes straight back to the work queue (unconfirmed).
+            retry_args.insert(
+                "x-dead-letter-exchange".into(),
+                AMQPValue::LongString("".into()),
+            );
+            retry_args.insert(
+                "x-dead-letter-routing-key".into(),
+                AMQPValue::LongString(queue.into()),
+            );
+        }
+    }
+    declare_queue(
+        ch,
+        &format!("{queue}.retry"),
+        retry_args,
         "queue.declare (retry)",
         t,
-        ch.queue_declare(
-            format!("{queue}.retry").into(),
-            QueueDeclareOptions::durable(),
-            retry_args,
-        ),
     )
     .await?;
-    bounded(
+    let mut dlq_args = FieldTable::default();
+    if queue_type == QueueType::Quorum {
+        quorum(&mut dlq_args);
+    }
+    declare_queue(
+        ch,
+        &format!("{queue}.dlq"),
+        dlq_args,
         "queue.declare (dlq)",
         t,
-        ch.queue_declare(
-            format!("{queue}.dlq").into(),
-            QueueDeclareOptions::durable(),
-            FieldTable::default(),
-        ),
     )
-    .await?;
-    Ok(())
+    .await
+}
+
+/// A durable queue; an existing one with other arguments is
+/// [`Error::QueueMismatch`].
+async fn declare_queue(
+    ch: &Channel,
+    queue: &str,
+    args: FieldTable,
+    what: &'static str,
+    t: Duration,
+) -> Result<()> {
+    bounded(
+        what,
+        t,
+        ch.queue_declare(queue.into(), QueueDeclareOptions::durable(), args),
+    )
+    .await
+    .map(drop)
+    .map_err(|e| mismatch(e, queue))
+}
+
+/// RabbitMQ answers a declaration at odds with the existing queue with
+/// 406 `PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue
+/// 'q' in vhost '/': received ... but current value is ...`.
+fn mismatch(e: Error, queue: &str) -> Error {
+    use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+    match e {
+        Error::Broker { source, .. }
+            if matches!(source.kind(), ErrorKind::ProtocolError(amqp)
+                if amqp.kind() == &AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED)) =>
+        {
+            let detail = match source.kind() {
+                ErrorKind::ProtocolError(amqp) => {
+                    let text = amqp.get_message().as_str();
+                    text.split_once(" - ").map_or(text, |(_, d)| d).to_owned()
+                }
+                _ => String::new(),
+            };
+            Error::QueueMismatch {
+                queue: queue.to_owned(),
+                detail,
+            }
+        }
+        other => other,
+    }
 }
 
 #[cfg(test)]
@@ -373,6 +564,37 @@ mod tests {
         assert!(matches!(long.validate(), Err(Error::Config(_))));
         let same = OrderedTopology::new("events", "events", "#", 2);
         assert!(matches!(same.validate(), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn a_conflicting_declaration_names_the_queue_and_the_argument() {
+        let refused = |kind, text: &str| Error::Broker {
+            what: "queue.declare",
+            source: ErrorKind::ProtocolError(AMQPError::new(kind, text.into())).into(),
+        };
+        let e = mismatch(
+            refused(
+                AMQPErrorKind::Soft(lapin::protocol::AMQPSoftError::PRECONDITIONFAILED),
+                "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'stock' in vhost '/': received the value 'quorum' of type 'longstr' but current value is 'classic' of type 'longstr'",
+            ),
+            "stock",
+        );
+        assert!(!e.is_transient());
+        let text = e.to_string();
+        assert!(
+            text.contains("\"stock\"") && text.contains("'x-queue-type'"),
+            "{text}"
+        );
+        assert!(text.contains("QueueType::Classic"), "{text}");
+        // Anything else stays what it is.
+        let other = mismatch(
+            refused(
+                AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED),
+                "NOT_ALLOWED - vhost",
+            ),
+            "stock",
+        );
+        assert!(matches!(other, Error::Broker { .. }));
     }
 
     #[test]

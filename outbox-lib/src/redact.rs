@@ -68,6 +68,70 @@ pub fn check_url(url: &str, what: &str, schemes: &[&str]) -> Result<(), String> 
     Ok(())
 }
 
+/// The URLs of a setting that lists several, separated by commas (a
+/// broker cluster: `amqp://u:p@node1/%2f,amqp://u:p@node2/%2f`); blanks
+/// around them are ignored. A comma inside a password is written `%2C`.
+pub fn split_urls(list: &str) -> Vec<&str> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .collect()
+}
+
+/// [`check_url`] for each URL of a comma-separated `list`; at least one.
+/// The error says which URL (by position) is wrong, never its value.
+pub fn check_urls(list: &str, what: &str, schemes: &[&str]) -> Result<(), String> {
+    let urls = split_urls(list);
+    if urls.is_empty() {
+        return Err(format!(
+            "{what} is empty; give one URL or several separated by commas"
+        ));
+    }
+    if urls.len() == 1 {
+        return check_url(urls[0], what, schemes);
+    }
+    for (i, url) in urls.iter().enumerate() {
+        check_url(url, &format!("{what} {} of {}", i + 1, urls.len()), schemes).map_err(|e| {
+            format!(
+                "{e} (several URLs are separated by commas: write a comma in a password as %2C)"
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// [`redact_url`] for each URL of a comma-separated `list`, joined with
+/// `", "`.
+pub fn redact_urls(list: &str) -> String {
+    split_urls(list)
+        .into_iter()
+        .map(redact_url)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `host:port` of `url` (the port defaulted from the scheme), to say which
+/// node of a cluster is in use without any user info; `"?"` when it does
+/// not parse.
+pub fn host_port(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(u) if !misread(url, &u) => {
+            let port = u.port().or(match u.scheme() {
+                "amqp" => Some(5672),
+                "amqps" => Some(5671),
+                "postgres" | "postgresql" => Some(5432),
+                _ => None,
+            });
+            match (u.host_str(), port) {
+                (Some(h), Some(p)) => format!("{h}:{p}"),
+                (Some(h), None) => h.to_owned(),
+                _ => "?".to_owned(),
+            }
+        }
+        _ => "?".to_owned(),
+    }
+}
+
 /// Whether the parser cannot have found every secret of `raw`: no `//`
 /// after the scheme, or an `@` that did not end a user info (a password
 /// holding a raw `/`, `?` or `#` ends the authority early: `amqp://u:/p@h`
@@ -86,6 +150,17 @@ fn is_secret_param(name: &str) -> bool {
 /// each occurrence of itself, and of whatever sits where a password would
 /// (between the last `:` and the last `@`), replaced.
 pub fn scrub(text: &str, url: &str) -> String {
+    // The whole value first (a raw comma in one password), then each URL
+    // of a comma-separated list.
+    let pieces = split_urls(url);
+    let whole = scrub_one(text, url);
+    if pieces.len() > 1 {
+        return pieces.into_iter().fold(whole, |t, u| scrub_one(&t, u));
+    }
+    whole
+}
+
+fn scrub_one(text: &str, url: &str) -> String {
     let mut secrets: Vec<String> = Vec::new();
     match url::Url::parse(url) {
         Ok(u) if !misread(url, &u) => {
@@ -128,6 +203,35 @@ fn percent_decode(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn url_lists_are_checked_redacted_and_scrubbed_one_by_one() {
+        let list = "amqp://u:pw1@n1:5701/%2f, amqp://u:pw2@n2:5702/%2f,";
+        assert_eq!(split_urls(list).len(), 2);
+        assert!(check_urls(list, "AMQP URL", &["amqp"]).is_ok());
+        assert_eq!(
+            redact_urls(list),
+            "amqp://u:***@n1:5701/%2f, amqp://u:***@n2:5702/%2f"
+        );
+        let said = scrub("failed: pw1 then pw2", list);
+        assert_eq!(said, "failed: *** then ***");
+        let e = check_urls(
+            "amqp://u:pw@n1/%2f,amqp:/u:secret@n2",
+            "AMQP URL",
+            &["amqp"],
+        )
+        .unwrap_err();
+        assert!(e.contains("AMQP URL 2 of 2"), "{e}");
+        assert!(!e.contains("secret"), "{e}");
+        assert!(check_urls(" , ", "AMQP URL", &["amqp"]).is_err());
+        // A raw comma in a password: scrubbed whole, and refused by the check.
+        let raw = "amqp://u:pa,ss@n1/%2f";
+        assert!(!scrub("pa,ss", raw).contains("pa,ss"));
+        assert!(check_urls(raw, "AMQP URL", &["amqp"]).is_err());
+        assert_eq!(host_port("amqp://u:pw@n1/%2f"), "n1:5672");
+        assert_eq!(host_port("amqps://n1:5999"), "n1:5999");
+        assert_eq!(host_port("amqp:u:pw@n1"), "?");
+    }
 
     #[test]
     fn passwords_are_redacted() {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::{Args as ClapArgs, Parser, Subcommand, ValueEnum};
 use outbox::Ident;
-use outbox_relay::redact::{redact_url, scrub};
+use outbox_relay::redact::{redact_url, redact_urls, scrub};
 use outbox_relay::status::{self, Selection};
 use outbox_relay::{Relay, RelayConfig};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -179,9 +179,18 @@ impl Target {
 
 #[derive(Debug, ClapArgs)]
 struct RunArgs {
-    /// RabbitMQ URL (`amqp://` or `amqps://` for TLS).
-    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-    amqp_url: String,
+    /// RabbitMQ URL (`amqp://` or `amqps://` for TLS). For a cluster, give
+    /// each node's URL (repeat the flag, or separate them with commas): the
+    /// relay connects to the first that answers and, on every reconnect,
+    /// starts with the next. Write a comma in a password as %2C.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        hide_env_values = true,
+        value_delimiter = ',',
+        required = true
+    )]
+    amqp_url: Vec<String>,
     /// Exchange for events whose `exchange` column is NULL.
     #[arg(long, env = "OUTBOX_EXCHANGE", default_value = "outbox.events")]
     exchange: String,
@@ -272,7 +281,7 @@ pub(crate) async fn run(args: Args) -> Result<ExitCode> {
 
 fn amqp_url(args: &Args) -> String {
     match &args.command {
-        Command::Run(r) => r.amqp_url.clone(),
+        Command::Run(r) => r.amqp_url.join(","),
         _ => String::new(),
     }
 }
@@ -346,7 +355,7 @@ async fn connect_db(url: &str, max: u32) -> Result<PgPool> {
 
 async fn run_relay(url: &str, schema: &Ident, r: &RunArgs) -> Result<ExitCode> {
     let config = RelayConfig {
-        amqp_url: r.amqp_url.clone(),
+        amqp_url: r.amqp_url.join(","),
         schema: schema.to_string(),
         default_exchange: r.exchange.clone(),
         declare_exchange: (r.declare_exchange != "none").then(|| r.declare_exchange.clone()),
@@ -383,7 +392,7 @@ async fn run_relay(url: &str, schema: &Ident, r: &RunArgs) -> Result<ExitCode> {
     }
     let shutdown = CancellationToken::new();
     let signals = tokio::spawn(wait_for_signal(outbox::shutdown_signal(), shutdown.clone()));
-    tracing::info!(schema = %schema, exchange = %r.exchange, broker = %redact_url(&r.amqp_url), "relay started");
+    tracing::info!(schema = %schema, exchange = %r.exchange, brokers = %redact_urls(&r.amqp_url.join(",")), "relay started");
     let mut run = tokio::spawn({
         let relay = relay.clone();
         let shutdown = shutdown.clone();

@@ -6,10 +6,13 @@ use crate::error::{Error, Result};
 
 /// Everything the relay engine needs, validated. The CLI builds one from
 /// flags and environment; an embedding service builds one in code. Its
-/// `Debug` output redacts the password of `amqp_url`.
+/// `Debug` output redacts the passwords of `amqp_url`.
 #[derive(Clone)]
 pub struct RelayConfig {
-    /// AMQP URL (`amqp://` or `amqps://`).
+    /// AMQP URL (`amqp://` or `amqps://`), or the URLs of several nodes
+    /// of one cluster separated by commas: the relay connects to the
+    /// first that answers, and on every reconnect starts with the next
+    /// one. A comma in a password is written `%2C`.
     pub amqp_url: String,
     /// Schema holding the outbox tables.
     pub schema: String,
@@ -101,7 +104,7 @@ fn default_name() -> String {
 impl std::fmt::Debug for RelayConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RelayConfig")
-            .field("amqp_url", &outbox::redact::redact_url(&self.amqp_url))
+            .field("amqp_url", &outbox::redact::redact_urls(&self.amqp_url))
             .field("schema", &self.schema)
             .field("default_exchange", &self.default_exchange)
             .field("declare_exchange", &self.declare_exchange)
@@ -126,13 +129,25 @@ impl std::fmt::Debug for RelayConfig {
 }
 
 impl RelayConfig {
+    /// The broker URLs of [`amqp_url`](Self::amqp_url), in the order tried.
+    pub fn amqp_urls(&self) -> Vec<String> {
+        outbox::redact::split_urls(&self.amqp_url)
+            .into_iter()
+            .map(str::to_owned)
+            .collect()
+    }
+
     /// Checks every setting; returns the validated schema identifier.
     pub fn validate(&self) -> Result<Ident> {
         let schema = Ident::new("schema", &self.schema)?;
         let bad = |m: String| Err(Error::Config(m));
-        outbox::redact::check_url(&self.amqp_url, "AMQP URL", &["amqp", "amqps"])
+        outbox::redact::check_urls(&self.amqp_url, "AMQP URL", &["amqp", "amqps"])
             .map_err(Error::Config)?;
-        if self.amqp_url.parse::<lapin::uri::AMQPUri>().is_err() {
+        if self
+            .amqp_urls()
+            .iter()
+            .any(|u| u.parse::<lapin::uri::AMQPUri>().is_err())
+        {
             // lapin's own reading (its error would quote the URL).
             return Err(Error::Config(
                 "AMQP URL is malformed (its user, host, vhost or query parameters); the value is not shown: it may hold a password".to_owned(),

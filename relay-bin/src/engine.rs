@@ -63,9 +63,17 @@ pub struct BatchReport {
 pub struct Health {
     broker: AtomicBool,
     database: AtomicBool,
+    /// `host:port` of the broker node in use (or last used).
+    node: std::sync::Mutex<Option<String>>,
 }
 
 impl Health {
+    /// `host:port` of the broker node the relay is connected to, or was
+    /// last connected to.
+    pub fn broker_node(&self) -> Option<String> {
+        lock(&self.node).clone()
+    }
+
     /// Connected to the broker and the last database operation succeeded.
     pub fn is_ready(&self) -> bool {
         self.broker.load(Ordering::Relaxed) && self.database.load(Ordering::Relaxed)
@@ -98,6 +106,10 @@ struct Inner {
     health: Arc<Health>,
     broker_outage: Outage,
     db_outage: Outage,
+    /// Index of the broker URL the next connection tries first.
+    broker_next: std::sync::atomic::AtomicUsize,
+    /// Events confirmed by the broker and settled, since start.
+    published: std::sync::atomic::AtomicU64,
     /// This relay's identity in `outbox_relays` and `outbox_leases`.
     id: Uuid,
     /// The batch transaction's BEGIN with its settings.
@@ -175,6 +187,8 @@ impl Relay {
                 wake,
                 health: Arc::new(Health::default()),
                 broker_outage: Outage::new("broker", "outbox-relay"),
+                broker_next: Default::default(),
+                published: Default::default(),
                 db_outage: Outage::new("database", "outbox-relay"),
                 id: Uuid::new_v4(),
                 last_lease_tick: tokio::sync::Mutex::new(None),
@@ -200,7 +214,9 @@ impl Relay {
     /// Connects to the broker, declaring the default exchange if configured.
     pub async fn connect(&self) -> Result<BrokerSession> {
         let cfg = &self.inner.config;
-        let conn = Arc::new(publish::connect(&cfg.amqp_url, cfg.broker_timeout).await?);
+        let start = inner_next(&self.inner);
+        let (conn, _) = publish::connect_any(&cfg.amqp_urls(), start, cfg.broker_timeout).await?;
+        let conn = Arc::new(conn);
         if let Some(kind) = &cfg.declare_exchange {
             publish::declare_exchange(&conn, &cfg.default_exchange, kind, cfg.broker_timeout)
                 .await?;
@@ -377,6 +393,9 @@ impl Relay {
         session.in_flight.clear();
         metrics::histogram!("outbox_relay_batch_size").record(events.len() as f64);
         metrics::counter!("outbox_relay_published_total").increment(settled.delivered as u64);
+        self.inner
+            .published
+            .fetch_add(settled.delivered as u64, Ordering::Relaxed);
         metrics::counter!("outbox_relay_failed_total").increment(settled.retried as u64);
         metrics::counter!("outbox_relay_dead_lettered_total")
             .increment(settled.dead_lettered as u64);
@@ -406,6 +425,15 @@ impl Relay {
             // Settled; now replace the closed channel.
             return Err(Error::ChannelClosed(e.clone()));
         }
+        if outcomes.contains(&Outcome::Nacked) {
+            // Settled (retried later). A channel that published to a
+            // quorum queue while its leader changed can go on nacking
+            // every publish (seen on RabbitMQ 3.10 after a node was
+            // killed) while a fresh channel is acked: replace it. Nacks
+            // are otherwise rare (a full queue refusing publishes).
+            session.publisher.close().await;
+            session.publisher = Publisher::open(&session.conn, cfg.broker_timeout).await?;
+        }
         Ok(BatchReport {
             claimed: events.len(),
             settled,
@@ -432,8 +460,13 @@ impl Relay {
         let mut failures = 0u32;
         let mut drained_late = false;
         while !shutdown.is_cancelled() {
-            let conn = match publish::connect(&cfg.amqp_url, cfg.broker_timeout).await {
-                Ok(c) => Arc::new(c),
+            let urls = cfg.amqp_urls();
+            let start = inner_next(inner);
+            let conn = match publish::connect_any(&urls, start, cfg.broker_timeout).await {
+                Ok((c, i)) => {
+                    self.using_node(&urls, i);
+                    Arc::new(c)
+                }
                 Err(e) if e.is_refusal() => return self.give_up(e, listener).await,
                 Err(e) => {
                     self.broker_down(&e, &mut failures, &shutdown).await;
@@ -554,6 +587,21 @@ impl Relay {
         self.inner.health.broker.store(false, Ordering::Relaxed);
         self.release_leases().await;
         Err(e)
+    }
+
+    /// Records (health, metrics, log) that the relay is connected to node
+    /// `i` of `urls`; the next reconnect starts with the node after it.
+    fn using_node(&self, urls: &[String], i: usize) {
+        let node = outbox::redact::host_port(&urls[i]);
+        let previous = lock(&self.inner.health.node).replace(node.clone());
+        if let Some(p) = previous.filter(|p| *p != node) {
+            metrics::gauge!("outbox_relay_broker_connected", "node" => p).set(0.0);
+        }
+        metrics::gauge!("outbox_relay_broker_connected", "node" => node.clone()).set(1.0);
+        self.inner
+            .broker_next
+            .store((i + 1) % urls.len(), Ordering::Relaxed);
+        tracing::info!(broker = %node, "connected to the broker");
     }
 
     async fn broker_down(&self, e: &Error, failures: &mut u32, shutdown: &CancellationToken) {
@@ -770,6 +818,12 @@ impl Relay {
         }
     }
 
+    /// Events the broker confirmed and the relay settled as delivered
+    /// since start (also counted in `outbox_relay_published_total`).
+    pub fn published(&self) -> u64 {
+        self.inner.published.load(Ordering::Relaxed)
+    }
+
     /// How many times a worker panicked inside a batch (each one a relay
     /// bug, also counted in `outbox_relay_worker_panics_total`).
     pub fn worker_panics(&self) -> u64 {
@@ -909,4 +963,11 @@ fn due_runs(rows: Vec<OrderedRow>) -> Vec<ClaimedEvent> {
         out.push(event);
     }
     out
+}
+
+/// The broker URL a new connection tries first. After a session, the node
+/// after the one just used: a node that failed is not the first one tried
+/// again.
+fn inner_next(inner: &Inner) -> usize {
+    inner.broker_next.load(Ordering::Relaxed)
 }

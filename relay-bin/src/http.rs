@@ -37,11 +37,16 @@ pub(crate) async fn serve(
             "/readyz",
             get(move || {
                 let ready = health.is_ready();
+                // Which broker node is in use (or was last), never a URL.
+                let node = health.broker_node().unwrap_or_else(|| "none".to_owned());
                 async move {
                     if ready {
-                        (StatusCode::OK, "ready")
+                        (StatusCode::OK, format!("ready\nbroker node: {node}\n"))
                     } else {
-                        (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+                        (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            format!("not ready\nbroker node: {node}\n"),
+                        )
                     }
                 }
             }),

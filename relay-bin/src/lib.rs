@@ -47,7 +47,7 @@ mod publish;
 mod queries;
 /// Password redaction for URLs (shared with the other crates).
 pub mod redact {
-    pub use outbox::redact::{redact_url, scrub};
+    pub use outbox::redact::{host_port, redact_url, redact_urls, scrub};
 }
 mod settle;
 pub mod status;

@@ -525,7 +525,7 @@ async fn metrics_health_and_readiness_are_served() {
     wait_until(Duration::from_secs(30), "/readyz to say ready", || async {
         http_get(&addr, "/readyz")
             .await
-            .is_some_and(|(s, _)| s == 200)
+            .is_some_and(|(s, b)| s == 200 && b.contains("broker node: 127.0.0.1:"))
     })
     .await;
     // The counters move after each batch commits, a moment after its

@@ -245,20 +245,7 @@ impl World {
         .fetch_all(&self.db.pool)
         .await
         .unwrap();
-        let distinct: HashSet<&String> = applied.iter().collect();
-        let expected: HashSet<&String> = committed.iter().collect();
-        let missing = expected.difference(&distinct).count();
-        let unexpected = distinct.difference(&expected).count();
-        assert!(
-            missing == 0 && unexpected == 0,
-            "{scenario}: applied effects differ from committed events: {missing} committed \
-             events never applied, {unexpected} effects of events never committed"
-        );
-        assert_eq!(
-            applied.len(),
-            distinct.len(),
-            "{scenario}: an effect was applied twice"
-        );
+        e2e::assert_applied_once(&applied, committed, scenario);
         let wire_seen = self.wire.distinct();
         assert_eq!(
             wire_seen,
@@ -882,5 +869,116 @@ async fn disruptive_broker_restart_and_forced_connection_close() {
         ),
     )
     .await;
+    w.cleanup().await;
+}
+
+/// Restarts the shared PostgreSQL cluster in immediate mode: no shutdown
+/// checkpoint, every backend killed, crash recovery from the WAL on start.
+fn restart_postgres_immediately() {
+    let version = std::fs::read_dir("/etc/postgresql")
+        .expect("a Debian PostgreSQL cluster under /etc/postgresql")
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .max_by_key(|v| v.parse::<u32>().unwrap_or(0))
+        .expect("a PostgreSQL version");
+    let ok = Command::new("pg_ctlcluster")
+        .args([
+            "--skip-systemctl-redirect",
+            &version,
+            "main",
+            "restart",
+            "-m",
+            "immediate",
+        ])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "pg_ctlcluster could not restart PostgreSQL");
+}
+
+/// PostgreSQL crashes (an immediate-mode restart: crash recovery) while
+/// the relay holds a batch and the consumer applies. Both recover by
+/// themselves; the relay's unflushed bookkeeping (it commits with
+/// `synchronous_commit = off`) may make it publish again what it had
+/// published, which the consumer recognises. The consumer's commits are
+/// synchronous, so no acked effect is lost. Runs alone: it restarts the
+/// shared database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn disruptive_postgres_crash_restart() {
+    let w = World::new("f_pgc").await;
+    let ids = produce(&w.db, scaled(30_000), 500, Duration::ZERO)
+        .await
+        .unwrap();
+    let relay = w.relay(&format!("r-{}", suffix()), amqp_url()).await;
+    let consumer = w.consumer(&format!("c-{}", suffix())).await;
+    let outbox = format!("\"{}\".outbox", w.db.schema);
+    // Lands on work in flight: a relay batch holds rows and the consumer
+    // has applied some but not all.
+    wait_until(
+        deadline(),
+        "a relay batch in flight while the consumer applies",
+        || async {
+            let (_, applied) = w.effects().await;
+            applied > 0
+                && (applied as usize) < ids.len()
+                && e2e::locked_rows(&w.db.pool, &outbox).await > 0
+        },
+    )
+    .await;
+    let left = w.db.count("outbox").await;
+    assert!(
+        left > 1_000,
+        "the backlog drained before the crash ({left} left)"
+    );
+    let (_, applied_before) = w.effects().await;
+    let crashed = std::time::Instant::now();
+    restart_postgres_immediately();
+    let restart_took = crashed.elapsed();
+    let restarted = std::time::Instant::now();
+    let published_before = w.wire.distinct();
+    // Counting may fail while the database recovers.
+    let applied_now = || async {
+        sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!(
+            "SELECT count(DISTINCT event_id) FROM \"{}\".effects",
+            w.consumer_schema
+        )))
+        .fetch_one(&w.db.pool)
+        .await
+        .ok()
+    };
+    let relay_back = std::cell::Cell::new(None);
+    let consumer_back = std::cell::Cell::new(None);
+    wait_until(
+        deadline(),
+        "relay and consumer to resume by themselves",
+        || async {
+            if relay_back.get().is_none() && w.wire.distinct() > published_before {
+                relay_back.set(Some(restarted.elapsed()));
+            }
+            if consumer_back.get().is_none()
+                && applied_now().await.is_some_and(|n| n > applied_before)
+            {
+                consumer_back.set(Some(restarted.elapsed()));
+            }
+            relay_back.get().is_some() && consumer_back.get().is_some()
+        },
+    )
+    .await;
+    let (relay_back, consumer_back) = (relay_back.get(), consumer_back.get());
+    w.outbox_drained().await;
+    relay.stop().await;
+    let v = w
+        .judge(
+            consumer,
+            &ids,
+            &format!(
+                "PostgreSQL restarted in immediate mode ({:.1} s) with {left} events in the \
+                 outbox: publishing resumed {:.1} s after it was back, applying {:.1} s after",
+                restart_took.as_secs_f64(),
+                relay_back.unwrap().as_secs_f64(),
+                consumer_back.unwrap().as_secs_f64()
+            ),
+        )
+        .await;
+    assert_eq!(v.events, ids.len());
     w.cleanup().await;
 }

@@ -15,10 +15,15 @@ use tokio_util::sync::CancellationToken;
 
 struct Effect {
     insert: String,
+    /// `RETRY_FIRST_MS` set: every event's first attempt asks for a retry.
+    retry_first: bool,
 }
 
 impl Handler for Effect {
     async fn handle(&self, conn: &mut PgConnection, event: &Event) -> Outcome {
+        if self.retry_first && event.retry_count() == 0 {
+            return Outcome::retry("the first attempt asks for a retry (RETRY_FIRST_MS)");
+        }
         match sqlx::query(AssertSqlSafe(self.insert.clone()))
             .bind(event.id())
             .execute(conn)
@@ -46,7 +51,21 @@ async fn main() -> Result<()> {
     config.declare_retry_queues = false;
     config.max_reconnect_delay = std::time::Duration::from_millis(500);
     let insert = format!("INSERT INTO \"{schema}\".effects (event_id) VALUES ($1)");
-    let consumer = Consumer::new(config, pool, Effect { insert })?;
+    let retry_first = match std::env::var("RETRY_FIRST_MS") {
+        Ok(ms) => {
+            config.retry_delay = std::time::Duration::from_millis(ms.parse()?);
+            true
+        }
+        Err(_) => false,
+    };
+    let consumer = Consumer::new(
+        config,
+        pool,
+        Effect {
+            insert,
+            retry_first,
+        },
+    )?;
     let stop = CancellationToken::new();
     tokio::spawn({
         let stop = stop.clone();

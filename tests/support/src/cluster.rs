@@ -107,6 +107,19 @@ impl Cluster {
         }
     }
 
+    /// Every message of `queue` in vhost `/`: ready, unacknowledged, and
+    /// (quorum) those waiting to be dead-lettered at-least-once, which an
+    /// AMQP passive declare does not count.
+    pub async fn messages(&self, queue: &str) -> Result<u64> {
+        let out = self.output(&["messages", queue], QUERY_TIMEOUT).await?;
+        if !out.status.success() {
+            bail!("cluster.sh messages {queue} failed: {}", text(&out));
+        }
+        let n = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        n.parse()
+            .with_context(|| format!("cluster.sh messages {queue}: not a count: {n:?}"))
+    }
+
     /// Whether node `n` accepts connections on its AMQP port (opened last in a node's boot); 1 s at most.
     pub async fn is_up(&self, n: usize) -> bool {
         let url = url::Url::parse(&self.urls[n]).ok();

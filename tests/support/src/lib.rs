@@ -199,6 +199,18 @@ pub async fn connect() -> Connection {
         .expect("test broker reachable (run `make services`)")
 }
 
+/// A connection to the first of `urls` (comma-separated) that answers.
+pub async fn connect_any(urls: &str) -> anyhow::Result<Connection> {
+    let mut last = None;
+    for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        match Connection::connect(url, ConnectionProperties::default()).await {
+            Ok(c) => return Ok(c),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.map_or_else(|| anyhow::anyhow!("no URL"), Into::into))
+}
+
 /// What a [`Collector`] received, keyed by message id.
 #[derive(Debug, Default)]
 pub struct Received {
@@ -223,6 +235,8 @@ type Stopper = (watch::Sender<bool>, tokio::task::JoinHandle<()>);
 /// tests), and can drain its queue before a test judges.
 #[derive(Clone)]
 struct Tap {
+    /// Broker URLs, comma-separated, tried in turn.
+    urls: String,
     queue: String,
     record: Record,
     task: Arc<Mutex<Option<Stopper>>>,
@@ -235,8 +249,9 @@ impl std::fmt::Debug for Tap {
 }
 
 impl Tap {
-    fn start(queue: &str, record: Record) -> Self {
+    fn start(urls: &str, queue: &str, record: Record) -> Self {
         let t = Self {
+            urls: urls.to_owned(),
             queue: queue.to_owned(),
             record,
             task: Arc::new(Mutex::new(None)),
@@ -247,10 +262,10 @@ impl Tap {
 
     fn resume(&self) {
         let (stop, mut stopped) = watch::channel(false);
-        let (queue, record) = (self.queue.clone(), self.record.clone());
+        let (urls, queue, record) = (self.urls.clone(), self.queue.clone(), self.record.clone());
         let task = tokio::spawn(async move {
             while !*stopped.borrow() {
-                let _ = tap(&queue, &record, &mut stopped).await;
+                let _ = tap(&urls, &queue, &record, &mut stopped).await;
                 tokio::select! {
                     _ = stopped.changed() => {}
                     _ = tokio::time::sleep(Duration::from_millis(200)) => {}
@@ -277,7 +292,9 @@ impl Tap {
     }
 
     async fn drain(&self, timeout: Duration) {
-        let conn = connect().await;
+        let conn = connect_any(&self.urls)
+            .await
+            .expect("a broker of the tap reachable");
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -297,11 +314,12 @@ impl Tap {
 }
 
 async fn tap(
+    urls: &str,
     queue: &str,
     record: &Record,
     stopped: &mut watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let conn = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
+    let conn = connect_any(urls).await?;
     let ch = conn.create_channel().await?;
     ch.basic_qos(500, Default::default()).await?;
     let mut consumer = ch
@@ -342,6 +360,12 @@ pub struct Collector {
 impl Collector {
     /// Starts consuming `queue`.
     pub fn start(queue: &str) -> Self {
+        Self::start_on(&amqp_url(), queue)
+    }
+
+    /// Starts consuming `queue` on the first of `urls` (comma-separated)
+    /// that answers, reconnecting through them.
+    pub fn start_on(urls: &str, queue: &str) -> Self {
         let received = Arc::new(Mutex::new(Received::default()));
         let r = received.clone();
         let record: Record = Arc::new(move |d: lapin::message::Delivery| {
@@ -357,7 +381,7 @@ impl Collector {
         });
         Self {
             received,
-            tap: Tap::start(queue, record),
+            tap: Tap::start(urls, queue, record),
         }
     }
 
@@ -501,7 +525,7 @@ impl SeqLog {
         });
         Self {
             entries,
-            tap: Tap::start(queue, record),
+            tap: Tap::start(&amqp_url(), queue, record),
         }
     }
 
@@ -627,4 +651,25 @@ pub async fn wait_exit(child: &mut KillOnDrop, timeout: Duration) -> Option<i32>
     })
     .await;
     status.and_then(|s| s.code())
+}
+
+/// The oracle's verdict, once everything is quiet: the effects `applied`
+/// (one row per application) are exactly the `committed` event ids, none
+/// applied twice. Panics naming `scenario` with what is missing, extra or
+/// doubled.
+pub fn assert_applied_once(applied: &[String], committed: &[String], scenario: &str) {
+    let distinct: std::collections::HashSet<&String> = applied.iter().collect();
+    let expected: std::collections::HashSet<&String> = committed.iter().collect();
+    let missing = expected.difference(&distinct).count();
+    let unexpected = distinct.difference(&expected).count();
+    assert!(
+        missing == 0 && unexpected == 0,
+        "{scenario}: applied effects differ from committed events: {missing} committed \
+         events never applied, {unexpected} effects of events never committed"
+    );
+    assert_eq!(
+        applied.len(),
+        distinct.len(),
+        "{scenario}: an effect was applied twice"
+    );
 }

@@ -1,0 +1,357 @@
+//! Quorum queues: the retry path cannot lose a retry, a message that keeps
+//! coming back ends in the dead-letter queue, and a queue declared
+//! otherwise before gives one clear error.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{DEADLINE, Env, Running, wait_until};
+use lapin::options::{BasicGetOptions, BasicNackOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use outbox_consumer::{
+    Consumer, Error, Event, Handler, Outcome, QueueType, TopologyConfig, declare_topology,
+};
+use sqlx::{AssertSqlSafe, PgConnection};
+
+/// Asks for one retry of every event whose id starts with `r-`, then
+/// applies it; applies every other event at once. Records each delivery's
+/// `x-delivery-count`.
+#[derive(Clone)]
+struct RetryOnce {
+    sql: String,
+    delivery_counts: Arc<Mutex<HashMap<String, u32>>>,
+}
+
+impl Handler for RetryOnce {
+    async fn handle(&self, conn: &mut PgConnection, event: &Event) -> Outcome {
+        self.delivery_counts
+            .lock()
+            .unwrap()
+            .insert(event.id().to_owned(), event.delivery_count());
+        if event.id().starts_with("r-") && event.retry_count() == 0 {
+            return Outcome::retry("first attempt of a retried event");
+        }
+        match sqlx::query(AssertSqlSafe(self.sql.clone()))
+            .bind(event.id())
+            .execute(conn)
+            .await
+        {
+            Ok(_) => Outcome::Ack,
+            Err(e) => Outcome::retry(e),
+        }
+    }
+}
+
+/// Gives a delivery back unacked (what a crashing consumer does).
+async fn requeue(m: lapin::message::BasicGetMessage) {
+    m.delivery
+        .acker
+        .nack(BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+}
+
+/// Messages ready in `queue` (passive declare).
+async fn depth(env: &Env, queue: &str) -> u32 {
+    env.channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap()
+        .message_count()
+}
+
+/// Retries wait in the retry queue for their delay, then go back to the
+/// work queue. Here the work queue is full when they expire (max-length
+/// with reject-publish, the consumer stopped): a classic retry queue
+/// dead-letters without confirms and the broker drops them; a quorum
+/// retry queue (at-least-once dead-lettering) keeps them until the work
+/// queue takes them. Every event is applied once.
+/// Waits until `expected` effects are applied, then until everything is
+/// quiet; returns (applied, distinct).
+async fn retries_expiring_into_a_full_work_queue(
+    queue_type: QueueType,
+    expected: i64,
+) -> (i64, i64) {
+    let mut env = Env::new().await;
+    let queue = format!("{}_full", env.queue);
+    let mut topology = TopologyConfig::new(&queue, &env.exchange, "full.#");
+    topology.queue_type = queue_type;
+    topology.max_length = Some(20);
+    declare_topology(&env.amqp, &topology).await.unwrap();
+    env.delete_on_teardown(&queue);
+    let handler = RetryOnce {
+        sql: format!("INSERT INTO {}.effects (event_id) VALUES ($1)", env.schema),
+        delivery_counts: Arc::default(),
+    };
+    let mut cfg = env.config("svc");
+    cfg.queue = queue.clone();
+    cfg.queue_type = queue_type;
+    cfg.retry_delay = Duration::from_secs(2);
+    let consumer = Consumer::new(cfg.clone(), env.pool.clone(), handler.clone()).unwrap();
+    let running = Running::start(consumer);
+    let retried: Vec<String> = (0..10).map(|i| format!("r-{i}-{}", common::id())).collect();
+    publish(&env, &retried, "full.retried").await;
+    wait_until("every event sent to the retry queue", || async {
+        running.consumer.stats().retried == 10
+    })
+    .await;
+    // The latest retry expires at most `retry_delay` from now.
+    let expired_by = tokio::time::Instant::now() + Duration::from_secs(2);
+    running.stop().await;
+    assert_eq!(depth(&env, &queue).await, 0);
+    // Fill the work queue to its bound before any retry expires.
+    let fillers: Vec<String> = (0..20).map(|i| format!("f-{i}-{}", common::id())).collect();
+    publish(&env, &fillers, "full.filler").await;
+    assert!(
+        tokio::time::Instant::now() < expired_by,
+        "the work queue was filled too late to be full when the retries expired"
+    );
+    assert_eq!(depth(&env, &queue).await, 20, "the work queue is full");
+    // Every retry has expired (their per-message TTL is a clock) while the
+    // work queue stayed full: nothing consumed it meanwhile.
+    tokio::time::sleep_until(expired_by + Duration::from_millis(500)).await;
+    // Classic: the expired retries were dropped (20 left). Quorum: RabbitMQ
+    // 3.10 lets confirmed dead letters into a queue at its bound (30); had
+    // it refused them, they would wait in the retry queue.
+    let after = depth(&env, &queue).await + depth(&env, &format!("{queue}.retry")).await;
+    assert!(after >= 20, "the fillers are still there: {after}");
+    // Consume again: the fillers, then whatever the retry path kept.
+    // Quiet means: both queues empty with the consumer stopped (so no
+    // delivery is unacked anywhere); then nothing more can arrive.
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let running =
+            Running::start(Consumer::new(cfg.clone(), env.pool.clone(), handler.clone()).unwrap());
+        wait_until(
+            "every expected effect applied, both queues empty",
+            || async {
+                depth(&env, &queue).await == 0
+                    && depth(&env, &format!("{queue}.retry")).await == 0
+                    && env.count("{s}.effects").await >= expected
+            },
+        )
+        .await;
+        running.stop().await;
+        if depth(&env, &queue).await == 0 && depth(&env, &format!("{queue}.retry")).await == 0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never quiet");
+    }
+    let applied = env.count("{s}.effects").await;
+    let distinct = env
+        .count("(SELECT DISTINCT event_id FROM {s}.effects) d")
+        .await;
+    env.teardown().await;
+    (applied, distinct)
+}
+
+async fn publish(env: &Env, ids: &[String], routing_key: &str) {
+    let confirms = {
+        let mut v = Vec::new();
+        for id in ids {
+            let props = lapin::BasicProperties::default()
+                .with_message_id(id.as_str().into())
+                .with_delivery_mode(2);
+            v.push(
+                env.channel
+                    .basic_publish(
+                        env.exchange.as_str().into(),
+                        routing_key.into(),
+                        lapin::options::BasicPublishOptions {
+                            mandatory: true,
+                            ..Default::default()
+                        },
+                        b"{}",
+                        props,
+                    )
+                    .await
+                    .unwrap(),
+            );
+        }
+        v
+    };
+    for c in confirms {
+        assert_eq!(c.await.unwrap(), lapin::Confirmation::Ack(None));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_retries_wait_out_a_full_work_queue() {
+    let (applied, distinct) = retries_expiring_into_a_full_work_queue(QueueType::Quorum, 30).await;
+    assert_eq!(
+        distinct, 30,
+        "every event applied: 20 fillers and 10 retried"
+    );
+    assert_eq!(applied, 30, "none applied twice");
+}
+
+/// Why quorum is the default: the same run on classic queues loses the
+/// retries that expired while the work queue was full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn classic_retries_expiring_into_a_full_work_queue_are_lost() {
+    let (applied, distinct) = retries_expiring_into_a_full_work_queue(QueueType::Classic, 20).await;
+    assert_eq!(applied, distinct, "none applied twice");
+    assert_eq!(distinct, 20, "the broker dropped the 10 expired retries");
+}
+
+/// A message that comes back unacked `delivery_limit` times (a consumer
+/// that crashes on it, a connection that keeps dropping) ends in
+/// `<queue>.dlq` with the broker's reason; the consumer sees how often it
+/// came back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_keeps_coming_back_ends_in_the_dead_letter_queue() {
+    let mut env = Env::new().await;
+    let queue = format!("{}_limit", env.queue);
+    let mut topology = TopologyConfig::new(&queue, &env.exchange, "limit.#");
+    topology.delivery_limit = 3;
+    declare_topology(&env.amqp, &topology).await.unwrap();
+    env.delete_on_teardown(&queue);
+    let poison = format!("p-{}", common::id());
+    publish(&env, std::slice::from_ref(&poison), "limit.x").await;
+    // Delivered and returned unacked until the broker gives up on it.
+    let mut deliveries = 0;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let got = env
+            .channel
+            .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
+            .await
+            .unwrap();
+        match got {
+            Some(m) => {
+                deliveries += 1;
+                requeue(m).await;
+            }
+            None if depth(&env, &format!("{queue}.dlq")).await == 1 => break,
+            None => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "never dead-lettered"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+    assert_eq!(
+        deliveries, 4,
+        "delivered once, then again up to the limit of 3 redeliveries"
+    );
+    let dead = env.take(&format!("{queue}.dlq"), 1).await.remove(0);
+    let death = dead
+        .delivery
+        .properties
+        .headers()
+        .clone()
+        .unwrap_or_default();
+    let reason = match death.inner().get("x-death") {
+        Some(AMQPValue::FieldArray(deaths)) => match deaths.as_slice().first() {
+            Some(AMQPValue::FieldTable(t)) => match t.inner().get("reason") {
+                Some(AMQPValue::LongString(r)) => {
+                    String::from_utf8_lossy(r.as_bytes()).into_owned()
+                }
+                other => format!("{other:?}"),
+            },
+            other => format!("{other:?}"),
+        },
+        other => format!("{other:?}"),
+    };
+    assert_eq!(reason, "delivery_limit");
+
+    // The consumer reads how often a message came back.
+    let second = format!("s-{}", common::id());
+    publish(&env, std::slice::from_ref(&second), "limit.x").await;
+    for _ in 0..2 {
+        let got = loop {
+            if let Some(m) = env
+                .channel
+                .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
+                .await
+                .unwrap()
+            {
+                break m;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        requeue(got).await;
+    }
+    let handler = RetryOnce {
+        sql: format!("INSERT INTO {}.effects (event_id) VALUES ($1)", env.schema),
+        delivery_counts: Arc::default(),
+    };
+    let mut cfg = env.config("svc");
+    cfg.queue = queue.clone();
+    let running = Running::start(Consumer::new(cfg, env.pool.clone(), handler.clone()).unwrap());
+    wait_until("the second message applied", || async {
+        env.count("{s}.effects").await == 1
+    })
+    .await;
+    running.stop().await;
+    assert_eq!(
+        handler.delivery_counts.lock().unwrap().get(&second),
+        Some(&2)
+    );
+    env.teardown().await;
+}
+
+/// A queue that exists as classic, declared as quorum (the default): one
+/// error naming the queue and the argument, from the topology helper and
+/// from a consumer's start-up, never retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_of_another_type_is_one_clear_error() {
+    let mut env = Env::new().await;
+    let queue = format!("{}_old", env.queue);
+    let mut classic = TopologyConfig::new(&queue, &env.exchange, "old.#");
+    classic.queue_type = QueueType::Classic;
+    declare_topology(&env.amqp, &classic).await.unwrap();
+    env.delete_on_teardown(&queue);
+    // The helper's channel closed with the error; a fresh connection.
+    let conn = lapin::Connection::connect(&common::amqp_url(), Default::default())
+        .await
+        .unwrap();
+    let e = declare_topology(&conn, &TopologyConfig::new(&queue, &env.exchange, "old.#"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::QueueMismatch { queue: q, .. } if *q == queue),
+        "{e:?}"
+    );
+    assert!(!e.is_transient());
+    let text = e.to_string();
+    assert!(text.contains("inequivalent arg 'x-"), "{text}");
+    assert!(text.contains("QueueType::Classic"), "{text}");
+    let _ = conn.close(200, "bye".into()).await;
+
+    let mut cfg = env.config("svc");
+    cfg.queue = queue.clone();
+    let consumer = Consumer::new(
+        cfg,
+        env.pool.clone(),
+        RetryOnce {
+            sql: String::new(),
+            delivery_counts: Arc::default(),
+        },
+    )
+    .unwrap();
+    let ended = tokio::time::timeout(DEADLINE, consumer.run(Default::default()))
+        .await
+        .expect("a mismatch is not retried");
+    assert!(
+        matches!(&ended, Err(Error::QueueMismatch { queue: q, .. }) if *q == format!("{queue}.retry")),
+        "{ended:?}"
+    );
+    assert_eq!(consumer.stats().connections, 0);
+    env.teardown().await;
+}
