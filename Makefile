@@ -44,11 +44,11 @@ fmt: ## format the code
 demo: services ## the whole story on this machine: migrate, produce, relay, consume, report
 	$(CARGO) run --release -q -p demo
 
-bench: services ## benchmark against the local services (a few minutes); writes target/bench/results.json
+bench: services cluster ## benchmark against the local services (a few minutes); writes target/bench/results.json
 	$(CARGO) build --release -q -p relay-bin -p bench
 	$(TARGET_DIR)/release/bench --out target/bench/results.json
 
-bench-smoke: ## the benchmark with tiny counts (CI runs this so it cannot rot)
+bench-smoke: cluster ## the benchmark with tiny counts (CI runs this so it cannot rot)
 	$(CARGO) build -q -p relay-bin -p bench
 	$(TARGET_DIR)/debug/bench --smoke --out target/bench/smoke.json
 

@@ -303,6 +303,27 @@ async fn bad_configuration_gets_one_line_and_a_non_zero_exit_and_no_password_is_
             "amqp:// or amqps://",
             vec![("AMQP_URL", "http://guest:mq-S3cret-pw@x/")],
         ),
+        // Several nodes: none answers (each password stays hidden), or
+        // the second of the list is malformed (named by position).
+        (
+            vec!["run"],
+            "cannot connect to the broker",
+            vec![(
+                "AMQP_URL",
+                "amqp://guest:mq-S3cret-pw@127.0.0.1:1/%2f,amqp://guest:mq-S3cret-pw@127.0.0.1:2/%2f",
+            )],
+        ),
+        (
+            vec![
+                "run",
+                "--amqp-url",
+                "amqp://guest:mq-S3cret-pw@127.0.0.1:1/%2f",
+                "--amqp-url",
+                "amqp:guest:mq-S3cret-pw@127.0.0.1:5672/%2f",
+            ],
+            "AMQP URL 2 of 2 is malformed",
+            vec![],
+        ),
         // Malformed URLs, from the environment and from flags: the
         // password sits where no parser looks for one.
         (

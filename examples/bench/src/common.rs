@@ -23,8 +23,38 @@ pub(crate) fn payload() -> Value {
     json!({ "pad": "x".repeat(PAYLOAD_BYTES - 10) })
 }
 
+/// A connection to `url`, or to the first that answers of several
+/// comma-separated URLs (a cluster).
 pub(crate) async fn connect(url: &str) -> Result<Connection> {
-    Ok(Connection::connect(url, ConnectionProperties::default()).await?)
+    let mut last = None;
+    for u in outbox::redact::split_urls(url) {
+        match Connection::connect(u, ConnectionProperties::default()).await {
+            Ok(c) => return Ok(c),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.map_or_else(|| anyhow::anyhow!("no AMQP URL"), Into::into))
+}
+
+/// Whether the queues the harness declares are quorum queues (the quorum
+/// section sets it for its duration; sections run one after another).
+static QUORUM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Declares quorum queues from now on (`true`) or classic ones.
+pub(crate) fn use_quorum_queues(on: bool) {
+    QUORUM.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The arguments of a queue the harness declares.
+pub(crate) fn queue_args() -> FieldTable {
+    let mut args = FieldTable::default();
+    if QUORUM.load(std::sync::atomic::Ordering::Relaxed) {
+        args.insert(
+            "x-queue-type".into(),
+            lapin::types::AMQPValue::LongString("quorum".into()),
+        );
+    }
+    args
 }
 
 /// A durable topic exchange `name` and durable queue `name` bound with `#`.
@@ -51,8 +81,7 @@ pub(crate) async fn bind_queue(conn: &Connection, exchange: &str, queue: &str) -
         durable: true,
         ..Default::default()
     };
-    ch.queue_declare(queue.into(), q, FieldTable::default())
-        .await?;
+    ch.queue_declare(queue.into(), q, queue_args()).await?;
     ch.queue_bind(
         queue.into(),
         exchange.into(),

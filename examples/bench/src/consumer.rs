@@ -508,7 +508,7 @@ async fn loaded_queue(conn: &Connection, n: usize, preload: PublishTuning) -> Re
             durable: true,
             ..Default::default()
         },
-        FieldTable::default(),
+        queue_args(),
     )
     .await?;
     publish(conn, "", &queue, n, preload).await?;
@@ -656,4 +656,38 @@ pub(crate) async fn child_consumer(pool: &PgPool, url: &str, queue: &str, n: usi
     let mut sink = String::new();
     let _ = std::io::stdin().read_line(&mut sink);
     Ok(())
+}
+
+/// The library consumer's effects per second on the queues the harness
+/// declares now (quorum, in the quorum section): `rounds` runs of the
+/// batch handler and of the per-event handler, alternating.
+pub(crate) async fn library_rates(
+    pool: &PgPool,
+    url: &str,
+    n: usize,
+    rounds: usize,
+    preload: PublishTuning,
+) -> Result<(Stats, Stats)> {
+    let (mut batch, mut per_event) = (Stats::default(), Stats::default());
+    for round in 0..rounds {
+        for k in 0..2 {
+            if (k + round) % 2 == 0 {
+                let rate = measured(pool, url, n, Contender::LibraryBatch, preload).await?;
+                eprintln!(
+                    "bench:   round {} batch handler ({n}): {rate:.0}/s",
+                    round + 1
+                );
+                batch.push(rate);
+            } else {
+                let m = (n / 4).max(1_000);
+                let rate = measured(pool, url, m, Contender::LibraryPerEvent, preload).await?;
+                eprintln!(
+                    "bench:   round {} per-event handler ({m}): {rate:.0}/s",
+                    round + 1
+                );
+                per_event.push(rate);
+            }
+        }
+    }
+    Ok((batch, per_event))
 }

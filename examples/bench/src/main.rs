@@ -39,6 +39,16 @@ struct Args {
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     amqp_url: String,
+    /// The three nodes of the local cluster (`make cluster`), for the
+    /// quorum section.
+    #[arg(
+        long,
+        env = "CLUSTER_AMQP_URLS",
+        hide_env_values = true,
+        hide_default_value = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5701/%2f,amqp://guest:guest@127.0.0.1:5702/%2f,amqp://guest:guest@127.0.0.1:5703/%2f"
+    )]
+    cluster_amqp_urls: String,
     /// Tiny counts, to prove the benchmark still runs.
     #[arg(long)]
     smoke: bool,
@@ -46,7 +56,7 @@ struct Args {
     #[arg(long, default_value = "target/bench/results.json")]
     out: std::path::PathBuf,
     /// Run only these sections (relay, growth, ordered, write, latency,
-    /// consumer); all by default.
+    /// consumer, quorum); all by default.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Internal: run a consumer for the memory measurement (queue, count).
@@ -54,7 +64,9 @@ struct Args {
     child_consumer: Option<Vec<String>>,
 }
 
-const SECTIONS: [&str; 6] = ["relay", "growth", "ordered", "write", "latency", "consumer"];
+const SECTIONS: [&str; 7] = [
+    "relay", "growth", "ordered", "write", "latency", "consumer", "quorum",
+];
 
 /// Counts and durations; `--smoke` shrinks all of them.
 struct Sizes {
@@ -155,6 +167,19 @@ async fn main() -> Result<()> {
     if run("consumer") {
         consumer_section(&mut r, &pool, &args.database_url, url, &sizes, best_publish).await?;
     }
+    if run("quorum") {
+        common::use_quorum_queues(true);
+        let done = quorum_section(
+            &mut r,
+            &pool,
+            &args.database_url,
+            &args.cluster_amqp_urls,
+            &sizes,
+        )
+        .await;
+        common::use_quorum_queues(false);
+        done?;
+    }
     r.tuning("load_average_at_end", load_average());
     r.print();
     r.write(&args.out, args.smoke)?;
@@ -172,49 +197,16 @@ async fn relay_section(
     sizes: &Sizes,
 ) -> Result<PublishTuning> {
     eprintln!("bench: raw publisher sweep ({} each)", sizes.sweep_n);
-    let mut best = (PUBLISH_SWEEP[0], 0.0);
-    for t in PUBLISH_SWEEP {
-        let (rate, _) = attempt("raw publish sweep", || {
-            publish::raw_publish_rate(url, sizes.sweep_n, t)
-        })
-        .await?;
-        eprintln!("bench:   {t}: {rate:.0}/s");
-        if rate > best.1 {
-            best = (t, rate);
-        }
-    }
+    let best = publish_sweep(url, sizes).await?;
     let n = ((best.1 * sizes.run_secs) as usize).clamp(1_000, 400_000);
-    let (mut raw, mut drain, mut ratio) = (Stats::default(), Stats::default(), Stats::default());
-    let (mut raw_cpu, mut drain_cpu) = ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0));
-    let mut rss = 0f64;
-    for round in 0..sizes.rounds {
-        let mut pair = (0.0, 0.0);
-        for k in 0..2 {
-            if (k + round) % 2 == 0 {
-                let (rate, cpu) =
-                    attempt("raw publish", || publish::raw_publish_rate(url, n, best.0)).await?;
-                pair.0 = rate;
-                raw_cpu = add3(raw_cpu, cpu);
-            } else {
-                let (rate, peak, cpu) = attempt("relay drain", || {
-                    relay::drain_process(pool, database_url, url, n)
-                })
-                .await?;
-                pair.1 = rate;
-                rss = rss.max(peak);
-                drain_cpu = add3(drain_cpu, cpu);
-            }
-        }
-        eprintln!(
-            "bench:   round {}: raw {:.0}/s, relay {:.0}/s ({n} each)",
-            round + 1,
-            pair.0,
-            pair.1
-        );
-        raw.push(pair.0);
-        drain.push(pair.1);
-        ratio.push(pair.1 / pair.0);
-    }
+    let DrainRounds {
+        raw,
+        drain,
+        ratio,
+        rss,
+        raw_cpu,
+        drain_cpu,
+    } = drain_rounds(pool, database_url, url, url, n, best.0, sizes.rounds).await?;
     r.tuning("raw_publish", best.0.to_string());
     // Where the time goes: CPU seconds per 10,000 events, per process.
     let per10k = |cpu: f64| cpu * 10_000.0 / (n * sizes.rounds) as f64;
@@ -268,6 +260,154 @@ async fn relay_section(
     );
     r.add("relay_peak_rss_mib", rss, "relay peak RSS MiB", "<= 64");
     Ok(best.0)
+}
+
+/// On the three-node cluster with quorum queues: the relay binary (given
+/// every node's URL) draining into a quorum queue against the best raw
+/// confirmed publisher into the same kind of queue, interleaved; then the
+/// library consumer's effects/s from a quorum queue. The queues are
+/// declared through the first node, so their leader is where both
+/// publishers connect.
+async fn quorum_section(
+    r: &mut Report,
+    pool: &sqlx::PgPool,
+    database_url: &str,
+    urls: &str,
+    sizes: &Sizes,
+) -> Result<()> {
+    let first = outbox::redact::split_urls(urls)
+        .first()
+        .map(|u| (*u).to_owned())
+        .context("no cluster URL")?;
+    eprintln!(
+        "bench: quorum queues on the cluster: raw publisher sweep ({} each)",
+        sizes.sweep_n
+    );
+    let best = publish_sweep(&first, sizes).await?;
+    let n = ((best.1 * sizes.run_secs) as usize).clamp(1_000, 400_000);
+    let DrainRounds {
+        raw, drain, ratio, ..
+    } = drain_rounds(pool, database_url, &first, urls, n, best.0, sizes.rounds).await?;
+    r.tuning("raw_quorum_publish", best.0.to_string());
+    r.stats(
+        "raw_quorum_publish_per_s",
+        &raw,
+        "raw confirmed publishes/s, quorum (3 nodes)",
+        "",
+    );
+    r.stats(
+        "relay_quorum_per_s",
+        &drain,
+        "relay drain events/s, quorum (3 nodes)",
+        "",
+    );
+    r.ceiling(
+        "relay_quorum_ratio",
+        &ratio,
+        "relay_quorum_ratio (relay / raw, quorum)",
+        ">= 0.9",
+    );
+    eprintln!(
+        "bench: consumer on a quorum queue ({} rounds)",
+        sizes.rounds
+    );
+    let m = ((best.1 * sizes.run_secs) as usize).clamp(1_000, 200_000);
+    let (batch, per_event) = consumer::library_rates(pool, &first, m, sizes.rounds, best.0).await?;
+    r.stats(
+        "consumer_quorum_batch_per_s",
+        &batch,
+        "library batch handler effects/s, quorum",
+        "",
+    );
+    r.stats(
+        "consumer_quorum_effects_per_s",
+        &per_event,
+        "per-event handler effects/s, quorum",
+        "",
+    );
+    Ok(())
+}
+
+/// The raw confirmed publisher's tunings, each over `sweep_n` messages
+/// into a fresh queue at `url`; the fastest and its rate.
+async fn publish_sweep(url: &str, sizes: &Sizes) -> Result<(PublishTuning, f64)> {
+    let mut best = (PUBLISH_SWEEP[0], 0.0);
+    for t in PUBLISH_SWEEP {
+        let (rate, _) = attempt("raw publish sweep", || {
+            publish::raw_publish_rate(url, sizes.sweep_n, t)
+        })
+        .await?;
+        eprintln!("bench:   {t}: {rate:.0}/s");
+        if rate > best.1 {
+            best = (t, rate);
+        }
+    }
+    Ok(best)
+}
+
+/// What [`drain_rounds`] measured.
+struct DrainRounds {
+    raw: Stats,
+    drain: Stats,
+    ratio: Stats,
+    /// The relay's largest peak RSS, MiB.
+    rss: f64,
+    /// CPU seconds (broker, database, publisher) summed over the rounds.
+    raw_cpu: (f64, f64, f64),
+    drain_cpu: (f64, f64, f64),
+}
+
+/// `rounds` rounds of the raw publisher (`tuning`, at `raw_url`) against
+/// the relay binary (at `relay_url`, one URL or several) draining a backlog
+/// of the same `n`, the order alternating.
+async fn drain_rounds(
+    pool: &sqlx::PgPool,
+    database_url: &str,
+    raw_url: &str,
+    relay_url: &str,
+    n: usize,
+    tuning: PublishTuning,
+    rounds: usize,
+) -> Result<DrainRounds> {
+    let mut d = DrainRounds {
+        raw: Stats::default(),
+        drain: Stats::default(),
+        ratio: Stats::default(),
+        rss: 0.0,
+        raw_cpu: (0.0, 0.0, 0.0),
+        drain_cpu: (0.0, 0.0, 0.0),
+    };
+    for round in 0..rounds {
+        let mut pair = (0.0, 0.0);
+        for k in 0..2 {
+            if (k + round) % 2 == 0 {
+                let (rate, cpu) = attempt("raw publish", || {
+                    publish::raw_publish_rate(raw_url, n, tuning)
+                })
+                .await?;
+                pair.0 = rate;
+                d.raw_cpu = add3(d.raw_cpu, cpu);
+            } else {
+                let (rate, peak, cpu) = attempt("relay drain", || {
+                    relay::drain_process(pool, database_url, relay_url, n)
+                })
+                .await?;
+                pair.1 = rate;
+                d.rss = d.rss.max(peak);
+                d.drain_cpu = add3(d.drain_cpu, cpu);
+            }
+        }
+        eprintln!(
+            "bench:   round {}: raw {:.0}/s, relay {:.0}/s ({n} each)",
+            round + 1,
+            pair.0,
+            pair.1
+        );
+        d.raw.push(pair.0);
+        d.drain.push(pair.1);
+        d.ratio.push(pair.1 / pair.0);
+    }
+    Ok(d)
 }
 
 fn add3(a: (f64, f64, f64), b: (f64, f64, f64)) -> (f64, f64, f64) {
