@@ -69,4 +69,18 @@ if ! as_root rabbitmq-plugins -q is_enabled rabbitmq_consistent_hash_exchange >/
     as_root rabbitmq-plugins -q enable rabbitmq_consistent_hash_exchange >/dev/null
     say "rabbitmq: enabled rabbitmq_consistent_hash_exchange"
 fi
+# At-least-once dead-lettering (the consumer's retry path on quorum queues)
+# re-sends what a full or missing target refused after this long; RabbitMQ's
+# default is 3 minutes. In the config for restarts, and at once.
+DLX_RESEND_MS=5000
+adv=/etc/rabbitmq/advanced.config
+if ! as_root grep -qs dead_letter_worker_publisher_confirm_timeout "$adv"; then
+    if as_root test -s "$adv"; then
+        say "rabbitmq: $adv exists: add {rabbit, [{dead_letter_worker_publisher_confirm_timeout, $DLX_RESEND_MS}]} to it by hand" >&2
+    else
+        echo "[{rabbit, [{dead_letter_worker_publisher_confirm_timeout, $DLX_RESEND_MS}]}]." | as_root tee "$adv" >/dev/null
+        say "rabbitmq: dead-letter resend after $DLX_RESEND_MS ms ($adv)"
+    fi
+fi
+as_root rabbitmqctl -q eval "application:set_env(rabbit, dead_letter_worker_publisher_confirm_timeout, $DLX_RESEND_MS)." >/dev/null
 say "ready: postgres://postgres@$PG_HOST:$PG_PORT/test and amqp://guest:***@127.0.0.1:$AMQP_PORT/%2f"

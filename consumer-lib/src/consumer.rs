@@ -243,19 +243,25 @@ impl Consumer {
             .with_connection_name(format!("outbox-consumer {}", cfg.consumer_name).into());
         let conn = self.connect(props).await?;
         let result = self.consume(&conn, shutdown, backoff).await;
+        // Disconnected: the node's gauge drops to 0 until a connection.
+        if let Some(node) = self.broker_node() {
+            metrics::gauge!("outbox_consumer_broker_connected", "consumer" => cfg.consumer_name.clone(), "node" => node).set(0.0);
+        }
         let _ = tokio::time::timeout(t, conn.close(200, "consumer stopping".into())).await;
         result
     }
 
     /// Connects to the first broker URL that answers, trying them in turn
-    /// from the one after the node used last. A refusal (a wrong password,
-    /// a missing virtual host) is the cluster's answer: it ends the round.
+    /// from the one after the node used last. Once every URL failed: a
+    /// refusal (a wrong password, a missing virtual host) when every node
+    /// refused, else the last failure (retryable); a restarting node alone
+    /// says its virtual host is down for a moment.
     async fn connect(&self, props: ConnectionProperties) -> Result<Connection> {
         let me = &self.inner;
         let t = me.config.broker_timeout;
         let urls = outbox::redact::split_urls(&me.config.amqp_url);
         let start = me.next_url.load(Ordering::Relaxed);
-        let mut last = None;
+        let (mut refusal, mut last) = (None, None);
         for k in 0..urls.len() {
             let i = (start + k) % urls.len();
             let node = outbox::redact::host_port(urls[i]);
@@ -275,16 +281,21 @@ impl Consumer {
                     tracing::info!(consumer = %me.config.consumer_name, broker = %node, "connected to the broker");
                     return Ok(conn);
                 }
-                Err(e) if !e.is_transient() => return Err(e),
                 Err(e) => {
-                    if urls.len() > 1 {
-                        tracing::warn!(consumer = %me.config.consumer_name, broker = %node, error = %e, "broker node did not answer; trying the next");
+                    // The supervisor logs the outage once; each node's
+                    // answer is detail.
+                    tracing::debug!(consumer = %me.config.consumer_name, broker = %node, error = %e, "broker node did not answer");
+                    if e.is_transient() {
+                        last = Some(e);
+                    } else {
+                        refusal = Some(e);
                     }
-                    last = Some(e);
                 }
             }
         }
-        Err(last.unwrap_or_else(|| Error::Config("no AMQP URL configured".to_owned())))
+        Err(last
+            .or(refusal)
+            .unwrap_or_else(|| Error::Config("no AMQP URL configured".to_owned())))
     }
 
     /// `host:port` of the broker node this consumer is connected to, or

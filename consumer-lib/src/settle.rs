@@ -82,6 +82,15 @@ pub(crate) async fn settle(
                 ),
             ),
         };
+        // A retry goes back into `<queue>` through a dead-lettering hop; a
+        // death history naming `<queue>` (a message the broker moved to the
+        // DLQ at its delivery limit, replayed from there) would make
+        // RabbitMQ take that hop for a cycle and hold or drop the retry.
+        let props = if matches!(item.action, Action::Retry { .. } | Action::Defer { .. }) {
+            without(props, DEATH_HISTORY)
+        } else {
+            props
+        };
         let props = add_header(
             props,
             "x-dead-letter-consumer",
@@ -150,13 +159,78 @@ fn with_header(props: &BasicProperties, name: &str, value: AMQPValue) -> BasicPr
 }
 
 fn add_header(props: BasicProperties, name: &str, value: AMQPValue) -> BasicProperties {
-    let mut headers = props.headers().clone().unwrap_or_default();
     // The broker's count belongs to this delivery, not to the copy.
-    if headers.contains_key(HEADER_DELIVERY_COUNT) {
-        let mut map = headers.inner().clone();
-        map.remove(HEADER_DELIVERY_COUNT);
-        headers = map.into();
-    }
+    let props = without(props, &[HEADER_DELIVERY_COUNT]);
+    let mut headers = props.headers().clone().unwrap_or_default();
     headers.insert(name.into(), value);
     props.with_headers(headers)
+}
+
+/// The headers RabbitMQ writes when it dead-letters a message.
+const DEATH_HISTORY: &[&str] = &[
+    "x-death",
+    "x-first-death-exchange",
+    "x-first-death-queue",
+    "x-first-death-reason",
+    "x-last-death-exchange",
+    "x-last-death-queue",
+    "x-last-death-reason",
+];
+
+/// `props` without the headers `names`.
+fn without(props: BasicProperties, names: &[&str]) -> BasicProperties {
+    match props.headers() {
+        Some(h) if names.iter().any(|n| h.contains_key(n)) => {
+            let mut map = h.inner().clone();
+            for n in names {
+                map.remove(*n);
+            }
+            props.with_headers(map.into())
+        }
+        _ => props,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lapin::types::FieldTable;
+
+    use super::*;
+
+    #[test]
+    fn copies_drop_the_brokers_counts_and_retries_their_death_history() {
+        let mut h = FieldTable::default();
+        for name in [
+            "x-death",
+            "x-last-death-queue",
+            HEADER_DELIVERY_COUNT,
+            "x-aggregate-id",
+        ] {
+            h.insert(name.into(), AMQPValue::LongString("v".into()));
+        }
+        let props = BasicProperties::default().with_headers(h);
+        let copy = add_header(props.clone(), "x-retry-count", AMQPValue::LongLongInt(1));
+        let names = |p: &BasicProperties| -> Vec<String> {
+            p.headers()
+                .clone()
+                .unwrap_or_default()
+                .inner()
+                .keys()
+                .map(|k| k.to_string())
+                .collect()
+        };
+        assert_eq!(
+            names(&copy),
+            [
+                "x-aggregate-id",
+                "x-death",
+                "x-last-death-queue",
+                "x-retry-count"
+            ]
+        );
+        assert_eq!(
+            names(&without(copy, DEATH_HISTORY)),
+            ["x-aggregate-id", "x-retry-count"]
+        );
+    }
 }

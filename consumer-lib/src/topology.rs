@@ -49,16 +49,24 @@ pub struct TopologyConfig {
     /// [`QueueType::Quorum`]. [`ConsumerConfig::queue_type`](crate::ConsumerConfig::queue_type)
     /// must say the same.
     pub queue_type: QueueType,
-    /// Quorum queues: deliveries of one message before the broker moves it
-    /// to `<queue>.dlq` (a message that crashes every consumer that takes
-    /// it, or keeps losing its connection). Redeliveries count; the
-    /// consumer's own retries do not (they are new messages). Default
-    /// [`DEFAULT_DELIVERY_LIMIT`]. Ignored for classic queues.
+    /// Quorum queues: how many times a message may come back unacked
+    /// before the broker moves it to `<queue>.dlq` (it is delivered at most
+    /// `delivery_limit + 1` times). Every unacked delivery a consumer holds
+    /// when its channel closes comes back and counts, prefetched ones
+    /// included, and in RabbitMQ 3.x a graceful stop too: a message that
+    /// crashes the consumer takes the rest of its prefetch window to the
+    /// DLQ with it after this many crashes (replay them; the inbox keeps
+    /// them from applying twice). The consumer's own retries do not count
+    /// (each is a new message). Default [`DEFAULT_DELIVERY_LIMIT`]. Ignored
+    /// for classic queues.
     pub delivery_limit: u32,
     /// Most messages the work queue holds; publishes beyond it are refused
-    /// (`x-overflow=reject-publish`), so the relay keeps the events in the
-    /// outbox and retries, and expired retries wait in the retry queue
-    /// (quorum). `None` (default): no bound.
+    /// (`x-overflow=reject-publish`): the relay counts a failed attempt and
+    /// retries with backoff, and after its `max_attempts` moves the event
+    /// to the outbox's dead letters (`outbox-relay dead-letters replay`),
+    /// so size it for the longest consumer outage. RabbitMQ 3.10's quorum
+    /// queues admit dead-lettered retries past the bound. `None` (default):
+    /// no bound.
     pub max_length: Option<u32>,
     /// Bound on each broker round trip. Default 10 s.
     pub timeout: Duration,
@@ -109,9 +117,10 @@ struct QueueArgs {
 /// [`delivery_limit`](TopologyConfig::delivery_limit) times to
 /// `<queue>.dlq`, and both the work and the retry queue dead-letter
 /// at-least-once (`x-dead-letter-strategy=at-least-once`,
-/// `x-overflow=reject-publish`): an expired retry stays in the retry queue
-/// until the work queue has confirmed it, however long the work queue is
-/// full or its leader is down.
+/// `x-overflow=reject-publish`; needs every node on 3.10 or later with the
+/// `stream_queue` feature flag enabled): an expired retry stays in the
+/// retry queue until the work queue has confirmed it, however long the
+/// work queue is missing, refuses it or has no leader.
 ///
 /// Declaring an existing queue with other arguments or another type fails
 /// with [`Error::QueueMismatch`], naming the argument.

@@ -75,10 +75,11 @@ async fn depth(env: &Env, queue: &str) -> u32 {
 
 /// Retries wait in the retry queue for their delay, then go back to the
 /// work queue. Here the work queue is full when they expire (max-length
-/// with reject-publish, the consumer stopped): a classic retry queue
-/// dead-letters without confirms and the broker drops them; a quorum
-/// retry queue (at-least-once dead-lettering) keeps them until the work
-/// queue takes them. Every event is applied once.
+/// with reject-publish, the consumer stopped). Classic: the broker drops
+/// them. Quorum: none is lost; RabbitMQ 3.10's quorum work queue takes the
+/// dead-lettered retries past its bound (its limit is soft), so this run
+/// does not isolate the retry queue's at-least-once strategy: the
+/// missing-work-queue tests below do.
 /// Waits until `expected` effects are applied, then until everything is
 /// quiet; returns (applied, distinct).
 async fn retries_expiring_into_a_full_work_queue(
@@ -205,6 +206,127 @@ async fn classic_retries_expiring_into_a_full_work_queue_are_lost() {
     let (applied, distinct) = retries_expiring_into_a_full_work_queue(QueueType::Classic, 20).await;
     assert_eq!(applied, distinct, "none applied twice");
     assert_eq!(distinct, 20, "the broker dropped the 10 expired retries");
+}
+
+/// Every message of `queue` on the default broker, ready or not: a quorum
+/// queue's messages waiting to be dead-lettered at-least-once are not
+/// counted by an AMQP passive declare, `rabbitmqctl` counts them.
+fn all_messages(queue: &str) -> u64 {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args([
+            "-q",
+            "list_queues",
+            "name",
+            "messages",
+            "--formatter",
+            "json",
+        ])
+        .output()
+        .expect("rabbitmqctl");
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_slice(&out.stdout).expect("rabbitmqctl's JSON");
+    rows.iter()
+        .find(|r| r["name"] == queue)
+        .and_then(|r| r["messages"].as_u64())
+        .unwrap_or_else(|| panic!("no queue {queue}"))
+}
+
+/// Retries expire while the work queue does not exist (deleted, or not
+/// yet declared again after a migration): the hop back has no route.
+/// Waits until the retry queue holds `expect_held` messages, none ready;
+/// returns (applied, distinct).
+async fn retries_expiring_while_the_work_queue_is_missing(
+    queue_type: QueueType,
+    expect_held: u64,
+    expected: i64,
+) -> (i64, i64) {
+    let mut env = Env::new().await;
+    let queue = format!("{}_gone", env.queue);
+    let mut topology = TopologyConfig::new(&queue, &env.exchange, "gone.#");
+    topology.queue_type = queue_type;
+    declare_topology(&env.amqp, &topology).await.unwrap();
+    env.delete_on_teardown(&queue);
+    let handler = RetryOnce {
+        sql: format!("INSERT INTO {}.effects (event_id) VALUES ($1)", env.schema),
+        delivery_counts: Arc::default(),
+    };
+    let mut cfg = env.config("svc");
+    cfg.queue = queue.clone();
+    cfg.queue_type = queue_type;
+    cfg.retry_delay = Duration::from_secs(2);
+    let running =
+        Running::start(Consumer::new(cfg.clone(), env.pool.clone(), handler.clone()).unwrap());
+    let ids: Vec<String> = (0..10).map(|i| format!("r-{i}-{}", common::id())).collect();
+    publish(&env, &ids, "gone.retried").await;
+    wait_until("every event sent to the retry queue", || async {
+        running.consumer.stats().retried == 10
+    })
+    .await;
+    let expired_by = tokio::time::Instant::now() + Duration::from_secs(2);
+    running.stop().await;
+    env.channel
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    assert!(
+        tokio::time::Instant::now() < expired_by,
+        "the work queue was deleted after a retry expired"
+    );
+    // Every retry's TTL (a clock) runs out with no work queue to go to.
+    tokio::time::sleep_until(expired_by + Duration::from_millis(500)).await;
+    // Quorum: the expired retries are no longer ready but still in the
+    // queue, waiting to be dead-lettered (rabbitmqctl's counts lag by a
+    // few seconds). Classic: nothing waits.
+    let retry_queue = format!("{queue}.retry");
+    wait_until("the retry queue to hold what expired", || async {
+        all_messages(&retry_queue) == expect_held && depth(&env, &retry_queue).await == 0
+    })
+    .await;
+    // The work queue comes back (a redeploy declares it).
+    declare_topology(&env.amqp, &topology).await.unwrap();
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let running =
+            Running::start(Consumer::new(cfg.clone(), env.pool.clone(), handler.clone()).unwrap());
+        wait_until(
+            "every expected effect applied, both queues empty",
+            || async {
+                depth(&env, &queue).await == 0
+                    && all_messages(&format!("{queue}.retry")) == 0
+                    && env.count("{s}.effects").await >= expected
+            },
+        )
+        .await;
+        running.stop().await;
+        if depth(&env, &queue).await == 0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never quiet");
+    }
+    let applied = env.count("{s}.effects").await;
+    let distinct = env
+        .count("(SELECT DISTINCT event_id FROM {s}.effects) d")
+        .await;
+    env.teardown().await;
+    (applied, distinct)
+}
+
+/// What makes the retry path loss-free: a quorum retry queue dead-letters
+/// at-least-once, so retries with nowhere to go stay in it (counted by
+/// `rabbitmqctl`, not ready) and reach the work queue once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_retries_are_held_while_the_work_queue_is_missing() {
+    let (applied, distinct) =
+        retries_expiring_while_the_work_queue_is_missing(QueueType::Quorum, 10, 10).await;
+    assert_eq!((distinct, applied), (10, 10), "each applied once");
+}
+
+/// The same on classic queues: the broker drops the expired retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn classic_retries_are_dropped_while_the_work_queue_is_missing() {
+    let (applied, distinct) =
+        retries_expiring_while_the_work_queue_is_missing(QueueType::Classic, 0, 0).await;
+    assert_eq!((distinct, applied), (0, 0), "all 10 lost");
 }
 
 /// A message that comes back unacked `delivery_limit` times (a consumer

@@ -214,8 +214,10 @@ impl Relay {
     /// Connects to the broker, declaring the default exchange if configured.
     pub async fn connect(&self) -> Result<BrokerSession> {
         let cfg = &self.inner.config;
+        let urls = cfg.amqp_urls();
         let start = inner_next(&self.inner);
-        let (conn, _) = publish::connect_any(&cfg.amqp_urls(), start, cfg.broker_timeout).await?;
+        let (conn, i) = publish::connect_any(&urls, start, cfg.broker_timeout).await?;
+        self.using_node(&urls, i);
         let conn = Arc::new(conn);
         if let Some(kind) = &cfg.declare_exchange {
             publish::declare_exchange(&conn, &cfg.default_exchange, kind, cfg.broker_timeout)
@@ -553,6 +555,7 @@ impl Relay {
                 .await;
             }
             inner.health.broker.store(false, Ordering::Relaxed);
+            self.node_gone();
             match broker_error {
                 Some(e) if e.is_refusal() => return self.give_up(e, listener).await,
                 Some(e) => self.broker_down(&e, &mut failures, &shutdown).await,
@@ -602,6 +605,13 @@ impl Relay {
             .broker_next
             .store((i + 1) % urls.len(), Ordering::Relaxed);
         tracing::info!(broker = %node, "connected to the broker");
+    }
+
+    /// The connection to the node in use is gone: its gauge drops to 0.
+    fn node_gone(&self) {
+        if let Some(node) = lock(&self.inner.health.node).clone() {
+            metrics::gauge!("outbox_relay_broker_connected", "node" => node).set(0.0);
+        }
     }
 
     async fn broker_down(&self, e: &Error, failures: &mut u32, shutdown: &CancellationToken) {

@@ -105,30 +105,36 @@ impl Outcome {
 }
 
 /// Connects to the first of `urls` that answers, trying them in turn from
-/// `start`; returns the connection and the index of its URL. A refusal
-/// (a wrong password, a missing virtual host) ends the round at once: it
-/// is the cluster's answer, not one node's. Otherwise the last failure is
-/// returned once every URL failed.
+/// `start`; returns the connection and the index of its URL. Once every
+/// URL failed: a refusal (a wrong password, a missing virtual host) when
+/// every node refused, else the last failure (retryable). One node's
+/// refusal alone is not the cluster's answer: a restarting node says its
+/// virtual host is down (530 `NOT_ALLOWED`) for a moment.
 pub(crate) async fn connect_any(
     urls: &[String],
     start: usize,
     timeout: Duration,
 ) -> Result<(Connection, usize)> {
-    let mut last = None;
+    let (mut refusal, mut last) = (None, None);
     for k in 0..urls.len() {
         let i = (start + k) % urls.len();
         match connect(&urls[i], timeout).await {
             Ok(c) => return Ok((c, i)),
-            Err(e) if e.is_refusal() => return Err(e),
             Err(e) => {
-                if urls.len() > 1 {
-                    tracing::warn!(broker = %outbox::redact::host_port(&urls[i]), error = %e, "broker node did not answer; trying the next");
+                // The supervisor logs the outage once; each node's answer
+                // is detail.
+                tracing::debug!(broker = %outbox::redact::host_port(&urls[i]), error = %e, "broker node did not answer");
+                if e.is_refusal() {
+                    refusal = Some(e);
+                } else {
+                    last = Some(e);
                 }
-                last = Some(e);
             }
         }
     }
-    Err(last.unwrap_or_else(|| Error::Config("no AMQP URL configured".to_owned())))
+    Err(last
+        .or(refusal)
+        .unwrap_or_else(|| Error::Config("no AMQP URL configured".to_owned())))
 }
 
 /// Opens a connection, bounded by `timeout`. lapin's own recovery is not
