@@ -86,77 +86,126 @@ async fn retries_expiring_into_a_full_work_queue(
     queue_type: QueueType,
     expected: i64,
 ) -> (i64, i64) {
-    let mut env = Env::new().await;
-    let queue = format!("{}_full", env.queue);
-    let mut topology = TopologyConfig::new(&queue, &env.exchange, "full.#");
-    topology.queue_type = queue_type;
-    topology.max_length = Some(20);
-    declare_topology(&env.amqp, &topology).await.unwrap();
-    env.delete_on_teardown(&queue);
-    let handler = RetryOnce {
-        sql: format!("INSERT INTO {}.effects (event_id) VALUES ($1)", env.schema),
-        delivery_counts: Arc::default(),
-    };
-    let mut cfg = env.config("svc");
-    cfg.queue = queue.clone();
-    cfg.queue_type = queue_type;
-    cfg.retry_delay = Duration::from_secs(2);
-    let consumer = Consumer::new(cfg.clone(), env.pool.clone(), handler.clone()).unwrap();
-    let running = Running::start(consumer);
-    let retried: Vec<String> = (0..10).map(|i| format!("r-{i}-{}", common::id())).collect();
-    publish(&env, &retried, "full.retried").await;
-    wait_until("every event sent to the retry queue", || async {
-        running.consumer.stats().retried == 10
-    })
-    .await;
-    // The latest retry expires at most `retry_delay` from now.
-    let expired_by = tokio::time::Instant::now() + Duration::from_secs(2);
-    running.stop().await;
-    assert_eq!(depth(&env, &queue).await, 0);
+    let r = RetryPath::new("full", queue_type, Some(20)).await;
+    let expired_by = r.retry_ten().await;
+    assert_eq!(depth(&r.env, &r.queue).await, 0);
     // Fill the work queue to its bound before any retry expires.
     let fillers: Vec<String> = (0..20).map(|i| format!("f-{i}-{}", common::id())).collect();
-    publish(&env, &fillers, "full.filler").await;
+    publish(&r.env, &fillers, "full.filler").await;
     assert!(
         tokio::time::Instant::now() < expired_by,
         "the work queue was filled too late to be full when the retries expired"
     );
-    assert_eq!(depth(&env, &queue).await, 20, "the work queue is full");
+    assert_eq!(depth(&r.env, &r.queue).await, 20, "the work queue is full");
     // Every retry has expired (their per-message TTL is a clock) while the
     // work queue stayed full: nothing consumed it meanwhile.
     tokio::time::sleep_until(expired_by + Duration::from_millis(500)).await;
     // Classic: the expired retries were dropped (20 left). Quorum: RabbitMQ
-    // 3.10 lets confirmed dead letters into a queue at its bound (30); had
-    // it refused them, they would wait in the retry queue.
-    let after = depth(&env, &queue).await + depth(&env, &format!("{queue}.retry")).await;
+    // 3.10 lets confirmed dead letters into a queue at its bound (30).
+    let after = depth(&r.env, &r.queue).await + depth(&r.env, &r.retry_queue()).await;
     assert!(after >= 20, "the fillers are still there: {after}");
-    // Consume again: the fillers, then whatever the retry path kept.
-    // Quiet means: both queues empty with the consumer stopped (so no
-    // delivery is unacked anywhere); then nothing more can arrive.
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    loop {
-        let running =
-            Running::start(Consumer::new(cfg.clone(), env.pool.clone(), handler.clone()).unwrap());
-        wait_until(
-            "every expected effect applied, both queues empty",
-            || async {
-                depth(&env, &queue).await == 0
-                    && depth(&env, &format!("{queue}.retry")).await == 0
-                    && env.count("{s}.effects").await >= expected
-            },
-        )
-        .await;
-        running.stop().await;
-        if depth(&env, &queue).await == 0 && depth(&env, &format!("{queue}.retry")).await == 0 {
-            break;
+    r.consume_until_quiet(expected).await
+}
+
+/// One retry-path scenario: a topology of its own, a consumer that asks
+/// for one retry (2 s) of every `r-` event.
+struct RetryPath {
+    env: Env,
+    queue: String,
+    key: String,
+    topology: TopologyConfig,
+    config: outbox_consumer::ConsumerConfig,
+    handler: RetryOnce,
+}
+
+impl RetryPath {
+    async fn new(name: &str, queue_type: QueueType, max_length: Option<u32>) -> Self {
+        let mut env = Env::new().await;
+        let queue = format!("{}_{name}", env.queue);
+        let mut topology = TopologyConfig::new(&queue, &env.exchange, format!("{name}.#"));
+        topology.queue_type = queue_type;
+        topology.max_length = max_length;
+        declare_topology(&env.amqp, &topology).await.unwrap();
+        env.delete_on_teardown(&queue);
+        let handler = RetryOnce {
+            sql: format!("INSERT INTO {}.effects (event_id) VALUES ($1)", env.schema),
+            delivery_counts: Arc::default(),
+        };
+        let mut config = env.config("svc");
+        config.queue = queue.clone();
+        config.queue_type = queue_type;
+        config.retry_delay = Duration::from_secs(2);
+        Self {
+            env,
+            queue,
+            key: name.to_owned(),
+            topology,
+            config,
+            handler,
         }
-        assert!(tokio::time::Instant::now() < deadline, "never quiet");
     }
-    let applied = env.count("{s}.effects").await;
-    let distinct = env
-        .count("(SELECT DISTINCT event_id FROM {s}.effects) d")
+
+    fn retry_queue(&self) -> String {
+        format!("{}.retry", self.queue)
+    }
+
+    fn consumer(&self) -> Running {
+        Running::start(
+            Consumer::new(
+                self.config.clone(),
+                self.env.pool.clone(),
+                self.handler.clone(),
+            )
+            .unwrap(),
+        )
+    }
+
+    /// Ten events, each sent to the retry queue once; the consumer is
+    /// stopped. Returns when the last retry expires at the latest.
+    async fn retry_ten(&self) -> tokio::time::Instant {
+        let running = self.consumer();
+        let ids: Vec<String> = (0..10).map(|i| format!("r-{i}-{}", common::id())).collect();
+        publish(&self.env, &ids, &format!("{}.retried", self.key)).await;
+        wait_until("every event sent to the retry queue", || async {
+            running.consumer.stats().retried == 10
+        })
         .await;
-    env.teardown().await;
-    (applied, distinct)
+        let expired_by = tokio::time::Instant::now() + self.config.retry_delay;
+        running.stop().await;
+        expired_by
+    }
+
+    /// Consumes until `expected` effects are applied and everything is
+    /// quiet (both queues empty, counting retries waiting to be
+    /// dead-lettered, with the consumer stopped: nothing unacked anywhere);
+    /// returns (applied, distinct).
+    async fn consume_until_quiet(self, expected: i64) -> (i64, i64) {
+        let (env, queue, retry_queue) = (&self.env, &self.queue, self.retry_queue());
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            let running = self.consumer();
+            wait_until(
+                "every expected effect applied, both queues empty",
+                || async {
+                    depth(env, queue).await == 0
+                        && all_messages(&retry_queue) == 0
+                        && env.count("{s}.effects").await >= expected
+                },
+            )
+            .await;
+            running.stop().await;
+            if depth(env, queue).await == 0 && all_messages(&retry_queue) == 0 {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "never quiet");
+        }
+        let applied = env.count("{s}.effects").await;
+        let distinct = env
+            .count("(SELECT DISTINCT event_id FROM {s}.effects) d")
+            .await;
+        self.env.teardown().await;
+        (applied, distinct)
+    }
 }
 
 async fn publish(env: &Env, ids: &[String], routing_key: &str) {
@@ -240,32 +289,11 @@ async fn retries_expiring_while_the_work_queue_is_missing(
     expect_held: u64,
     expected: i64,
 ) -> (i64, i64) {
-    let mut env = Env::new().await;
-    let queue = format!("{}_gone", env.queue);
-    let mut topology = TopologyConfig::new(&queue, &env.exchange, "gone.#");
-    topology.queue_type = queue_type;
-    declare_topology(&env.amqp, &topology).await.unwrap();
-    env.delete_on_teardown(&queue);
-    let handler = RetryOnce {
-        sql: format!("INSERT INTO {}.effects (event_id) VALUES ($1)", env.schema),
-        delivery_counts: Arc::default(),
-    };
-    let mut cfg = env.config("svc");
-    cfg.queue = queue.clone();
-    cfg.queue_type = queue_type;
-    cfg.retry_delay = Duration::from_secs(2);
-    let running =
-        Running::start(Consumer::new(cfg.clone(), env.pool.clone(), handler.clone()).unwrap());
-    let ids: Vec<String> = (0..10).map(|i| format!("r-{i}-{}", common::id())).collect();
-    publish(&env, &ids, "gone.retried").await;
-    wait_until("every event sent to the retry queue", || async {
-        running.consumer.stats().retried == 10
-    })
-    .await;
-    let expired_by = tokio::time::Instant::now() + Duration::from_secs(2);
-    running.stop().await;
-    env.channel
-        .queue_delete(queue.as_str().into(), Default::default())
+    let r = RetryPath::new("gone", queue_type, None).await;
+    let expired_by = r.retry_ten().await;
+    r.env
+        .channel
+        .queue_delete(r.queue.as_str().into(), Default::default())
         .await
         .unwrap();
     assert!(
@@ -277,38 +305,14 @@ async fn retries_expiring_while_the_work_queue_is_missing(
     // Quorum: the expired retries are no longer ready but still in the
     // queue, waiting to be dead-lettered (rabbitmqctl's counts lag by a
     // few seconds). Classic: nothing waits.
-    let retry_queue = format!("{queue}.retry");
+    let retry_queue = r.retry_queue();
     wait_until("the retry queue to hold what expired", || async {
-        all_messages(&retry_queue) == expect_held && depth(&env, &retry_queue).await == 0
+        all_messages(&retry_queue) == expect_held && depth(&r.env, &retry_queue).await == 0
     })
     .await;
     // The work queue comes back (a redeploy declares it).
-    declare_topology(&env.amqp, &topology).await.unwrap();
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    loop {
-        let running =
-            Running::start(Consumer::new(cfg.clone(), env.pool.clone(), handler.clone()).unwrap());
-        wait_until(
-            "every expected effect applied, both queues empty",
-            || async {
-                depth(&env, &queue).await == 0
-                    && all_messages(&format!("{queue}.retry")) == 0
-                    && env.count("{s}.effects").await >= expected
-            },
-        )
-        .await;
-        running.stop().await;
-        if depth(&env, &queue).await == 0 {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "never quiet");
-    }
-    let applied = env.count("{s}.effects").await;
-    let distinct = env
-        .count("(SELECT DISTINCT event_id FROM {s}.effects) d")
-        .await;
-    env.teardown().await;
-    (applied, distinct)
+    declare_topology(&r.env.amqp, &r.topology).await.unwrap();
+    r.consume_until_quiet(expected).await
 }
 
 /// What makes the retry path loss-free: a quorum retry queue dead-letters
