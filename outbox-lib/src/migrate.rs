@@ -83,6 +83,11 @@ pub const PRODUCER: MigrationSet = MigrationSet {
             name: "failed_ordered_idx",
             sql: include_str!("../../migrations/producer/0007_failed_ordered_idx.sql"),
         },
+        Migration {
+            version: 8,
+            name: "relay_broker",
+            sql: include_str!("../../migrations/producer/0008_relay_broker.sql"),
+        },
     ],
 };
 

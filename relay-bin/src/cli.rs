@@ -440,10 +440,11 @@ fn print_status(s: &status::Status) -> Result<()> {
     say!("{:<24}{}", "unleased partitions", s.unleased_partitions);
     for r in &s.relays {
         say!(
-            "  relay {:<30} {:>2} partitions, heartbeat {:.1}s ago",
+            "  relay {:<30} {:>2} partitions, heartbeat {:.1}s ago, broker {}",
             r.name,
             r.partitions,
-            r.heartbeat_age_s
+            r.heartbeat_age_s,
+            r.broker.as_deref().unwrap_or("unknown")
         );
     }
     if !s.blocked.is_empty() {

@@ -110,6 +110,8 @@ struct Inner {
     broker_next: std::sync::atomic::AtomicUsize,
     /// Events confirmed by the broker and settled, since start.
     published: std::sync::atomic::AtomicU64,
+    /// The broker node last written to `outbox_relays`.
+    recorded_node: std::sync::Mutex<Option<String>>,
     /// This relay's identity in `outbox_relays` and `outbox_leases`.
     id: Uuid,
     /// The batch transaction's BEGIN with its settings.
@@ -189,6 +191,7 @@ impl Relay {
                 broker_outage: Outage::new("broker", "outbox-relay"),
                 broker_next: Default::default(),
                 published: Default::default(),
+                recorded_node: Default::default(),
                 db_outage: Outage::new("database", "outbox-relay"),
                 id: Uuid::new_v4(),
                 last_lease_tick: tokio::sync::Mutex::new(None),
@@ -262,6 +265,7 @@ impl Relay {
         match held {
             Ok(held) => {
                 *last = Some(Instant::now());
+                self.record_broker_node().await;
                 metrics::gauge!("outbox_relay_partitions_leased").set(held.len() as f64);
                 if inner.partitions.swap(held.len(), Ordering::Relaxed) != held.len() {
                     tracing::info!(
@@ -275,6 +279,25 @@ impl Relay {
                 *last = Some(Instant::now());
                 tracing::warn!(error = %e, "lease round failed; retrying at the next round");
             }
+        }
+    }
+
+    /// Writes the broker node in use to this relay's `outbox_relays` row
+    /// (for `outbox-relay status`) when it changed since last written.
+    async fn record_broker_node(&self) {
+        let inner = &self.inner;
+        let node = lock(&inner.health.node).clone();
+        if node.is_none() || *lock(&inner.recorded_node) == node {
+            return;
+        }
+        let written = sqlx::query(inner.queries.record_broker.clone())
+            .bind(inner.id)
+            .bind(node.as_deref())
+            .execute(&inner.pool)
+            .await;
+        match written {
+            Ok(_) => *lock(&inner.recorded_node) = node,
+            Err(e) => tracing::debug!(error = %e, "could not record the broker node; next round"),
         }
     }
 

@@ -30,6 +30,8 @@ pub(crate) struct Queries {
     pub(crate) lease_tick: SqlStr,
     /// Give up every lease of relay `$1` and leave the relay list.
     pub(crate) lease_release: SqlStr,
+    /// Record relay `$1`'s broker node `$2` in the relay list.
+    pub(crate) record_broker: SqlStr,
     /// Remove delivered events. `$1` ids.
     pub(crate) delete: SqlStr,
     /// Move delivered events to `outbox_published`. `$1` ids.
@@ -90,6 +92,9 @@ impl Queries {
             )),
             lease_tick: sql(format!(
                 "SELECT p FROM {s}.outbox_lease_tick($1, $2, $3 * interval '1 millisecond') AS p"
+            )),
+            record_broker: sql(format!(
+                "UPDATE {s}.outbox_relays SET broker = $2 WHERE id = $1"
             )),
             lease_release: sql(format!(
                 "WITH r AS (DELETE FROM {s}.outbox_relays WHERE id = $1)

@@ -66,6 +66,8 @@ pub struct RelayLeases {
     pub partitions: i64,
     /// Seconds since its last heartbeat.
     pub heartbeat_age_s: f64,
+    /// The broker node it publishes to (`host:port`), as it last recorded.
+    pub broker: Option<String>,
 }
 
 /// An event being retried.
@@ -176,10 +178,11 @@ pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
     .await?;
     let relays = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT r.name, count(l.partition) AS partitions,
-                extract(epoch FROM now() - r.heartbeat_at)::float8 AS heartbeat_age_s
+                extract(epoch FROM now() - r.heartbeat_at)::float8 AS heartbeat_age_s,
+                r.broker
          FROM {s}.outbox_relays r
          LEFT JOIN {s}.outbox_leases l ON l.owner = r.id AND l.expires_at > now()
-         GROUP BY r.id, r.name, r.heartbeat_at ORDER BY r.name"
+         GROUP BY r.id, r.name, r.heartbeat_at, r.broker ORDER BY r.name"
     )))
     .fetch_all(pool)
     .await?;

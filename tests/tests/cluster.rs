@@ -337,6 +337,17 @@ async fn cluster_node_failures_lose_nothing() {
     .await;
     let moved = relay.health().broker_node().unwrap();
     assert_ne!(node_index(&moved), node, "the relay moved to another node");
+    // `outbox-relay status` says so too (written at the next lease round).
+    let schema = outbox::Ident::new("schema", &w.db.schema).unwrap();
+    wait_until(DEADLINE, "status to name the relay's new node", || async {
+        outbox_relay::status::status(&w.db.pool, &schema)
+            .await
+            .unwrap()
+            .relays
+            .iter()
+            .any(|r| r.broker.as_deref() == Some(moved.as_str()))
+    })
+    .await;
     report.push(format!(
         "relay's node {node} SIGKILLed: publishing resumed after {:.2} s (now on {moved})",
         t.as_secs_f64()

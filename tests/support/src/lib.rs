@@ -199,16 +199,20 @@ pub async fn connect() -> Connection {
         .expect("test broker reachable (run `make services`)")
 }
 
-/// A connection to the first of `urls` (comma-separated) that answers.
+/// A connection to the first of `urls` (comma-separated) that answers
+/// within 5 s (a node that is booting or stopping may accept the TCP
+/// connection and never answer the handshake).
 pub async fn connect_any(urls: &str) -> anyhow::Result<Connection> {
-    let mut last = None;
+    let mut last = anyhow::anyhow!("no URL");
     for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
-        match Connection::connect(url, ConnectionProperties::default()).await {
-            Ok(c) => return Ok(c),
-            Err(e) => last = Some(e),
+        let connect = Connection::connect(url, ConnectionProperties::default());
+        match tokio::time::timeout(Duration::from_secs(5), connect).await {
+            Ok(Ok(c)) => return Ok(c),
+            Ok(Err(e)) => last = e.into(),
+            Err(_) => last = anyhow::anyhow!("no AMQP handshake within 5 s"),
         }
     }
-    Err(last.map_or_else(|| anyhow::anyhow!("no URL"), Into::into))
+    Err(last)
 }
 
 /// What a [`Collector`] received, keyed by message id.
