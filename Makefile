@@ -9,7 +9,7 @@ export TEST_AMQP_URL ?= $(AMQP_URL)
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 
-.PHONY: help services cluster test-cluster build test lint fmt demo bench bench-smoke soak clean-test-schemas
+.PHONY: help services cluster test-cluster package build test lint fmt demo bench bench-smoke soak clean-test-schemas
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-20s %s\n", $$1, $$2}'
@@ -33,6 +33,9 @@ test: ## run every test (unit, database, broker, end-to-end, the cluster suite) 
 
 test-cluster: cluster ## the fault suite on the three-node cluster with quorum queues (stops and starts its nodes; runs alone)
 	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^cluster_/)'
+
+package: ## cargo publish --dry-run of the three libraries: their packaged sources (migrations included) build on their own
+	$(CARGO) publish --dry-run -p outbox-lib -p consumer-lib -p relay-bin
 
 lint: ## rustfmt and clippy, warnings are errors
 	$(CARGO) fmt --all --check

@@ -9,12 +9,12 @@ pub(crate) const CONSUMER: MigrationSet = MigrationSet {
         Migration {
             version: 1,
             name: "inbox",
-            sql: include_str!("../../migrations/consumer/0001_inbox.sql"),
+            sql: include_str!("../migrations/0001_inbox.sql"),
         },
         Migration {
             version: 2,
             name: "inbox_sequences",
-            sql: include_str!("../../migrations/consumer/0002_inbox_sequences.sql"),
+            sql: include_str!("../migrations/0002_inbox_sequences.sql"),
         },
     ],
 };

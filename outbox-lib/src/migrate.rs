@@ -51,42 +51,42 @@ pub const PRODUCER: MigrationSet = MigrationSet {
         Migration {
             version: 1,
             name: "outbox",
-            sql: include_str!("../../migrations/producer/0001_outbox.sql"),
+            sql: include_str!("../migrations/0001_outbox.sql"),
         },
         Migration {
             version: 2,
             name: "idempotency_keys",
-            sql: include_str!("../../migrations/producer/0002_idempotency_keys.sql"),
+            sql: include_str!("../migrations/0002_idempotency_keys.sql"),
         },
         Migration {
             version: 3,
             name: "ordering",
-            sql: include_str!("../../migrations/producer/0003_ordering.sql"),
+            sql: include_str!("../migrations/0003_ordering.sql"),
         },
         Migration {
             version: 4,
             name: "publishable",
-            sql: include_str!("../../migrations/producer/0004_publishable.sql"),
+            sql: include_str!("../migrations/0004_publishable.sql"),
         },
         Migration {
             version: 5,
             name: "lease_renewal",
-            sql: include_str!("../../migrations/producer/0005_lease_renewal.sql"),
+            sql: include_str!("../migrations/0005_lease_renewal.sql"),
         },
         Migration {
             version: 6,
             name: "ordered_types",
-            sql: include_str!("../../migrations/producer/0006_ordered_types.sql"),
+            sql: include_str!("../migrations/0006_ordered_types.sql"),
         },
         Migration {
             version: 7,
             name: "failed_ordered_idx",
-            sql: include_str!("../../migrations/producer/0007_failed_ordered_idx.sql"),
+            sql: include_str!("../migrations/0007_failed_ordered_idx.sql"),
         },
         Migration {
             version: 8,
             name: "relay_broker",
-            sql: include_str!("../../migrations/producer/0008_relay_broker.sql"),
+            sql: include_str!("../migrations/0008_relay_broker.sql"),
         },
     ],
 };
