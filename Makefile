@@ -35,7 +35,7 @@ test-cluster: cluster ## the fault suite on the three-node cluster with quorum q
 	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^cluster_/)'
 
 package: ## cargo publish --dry-run of the three libraries: their packaged sources (migrations included) build on their own
-	$(CARGO) publish --dry-run -p outbox-lib -p consumer-lib -p relay-bin
+	$(CARGO) publish --dry-run -p outbox-core -p outbox-lib -p consumer-lib -p relay-bin
 
 lint: ## rustfmt and clippy, warnings are errors
 	$(CARGO) fmt --all --check

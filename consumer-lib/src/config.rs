@@ -1,6 +1,7 @@
 use std::time::Duration;
 
 use outbox::Ident;
+use outbox::redact::SecretUrl;
 
 use crate::error::{Error, Result};
 
@@ -72,7 +73,7 @@ impl Ordering {
 /// Build it with [`ConsumerConfig::new`] and change the public fields you
 /// need; [`Consumer::new`](crate::Consumer::new) validates it. Its `Debug`
 /// output redacts the passwords of `amqp_url`.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ConsumerConfig {
     /// AMQP URL of the broker (`amqp://user:pass@host:5672/%2f`), or the
@@ -80,7 +81,7 @@ pub struct ConsumerConfig {
     /// consumer connects to the first that answers and, on every
     /// reconnect, starts with the next one. A comma in a password is
     /// written `%2C`.
-    pub amqp_url: String,
+    pub amqp_url: SecretUrl,
     /// The queue to consume. Retries go through `<queue>.retry`, dead
     /// letters to `<queue>.dlq`.
     pub queue: String,
@@ -159,33 +160,6 @@ pub struct ConsumerConfig {
     pub max_batch_attempts: u32,
 }
 
-impl std::fmt::Debug for ConsumerConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ConsumerConfig")
-            .field("amqp_url", &outbox::redact::redact_urls(&self.amqp_url))
-            .field("queue", &self.queue)
-            .field("consumer_name", &self.consumer_name)
-            .field("schema", &self.schema)
-            .field("prefetch", &self.prefetch)
-            .field("batch_size", &self.batch_size)
-            .field("batch_max_wait", &self.batch_max_wait)
-            .field("max_retries", &self.max_retries)
-            .field("retry_delay", &self.retry_delay)
-            .field("max_retry_delay", &self.max_retry_delay)
-            .field("max_deferrals", &self.max_deferrals)
-            .field("dedup_key", &self.dedup_key)
-            .field("broker_timeout", &self.broker_timeout)
-            .field("max_reconnect_delay", &self.max_reconnect_delay)
-            .field("declare_retry_queues", &self.declare_retry_queues)
-            .field("queue_type", &self.queue_type)
-            .field("ordering", &self.ordering)
-            .field("handler_timeout", &self.handler_timeout)
-            .field("lock_timeout", &self.lock_timeout)
-            .field("max_batch_attempts", &self.max_batch_attempts)
-            .finish_non_exhaustive()
-    }
-}
-
 impl ConsumerConfig {
     /// A configuration with the defaults and schema `public`.
     pub fn new(
@@ -194,7 +168,7 @@ impl ConsumerConfig {
         consumer_name: impl Into<String>,
     ) -> Self {
         Self {
-            amqp_url: amqp_url.into(),
+            amqp_url: SecretUrl::new(amqp_url),
             queue: queue.into(),
             consumer_name: consumer_name.into(),
             schema: "public".to_owned(),
@@ -239,9 +213,9 @@ impl ConsumerConfig {
     pub(crate) fn validate(&self) -> Result<Ident> {
         let schema = Ident::new("schema", &self.schema)?;
         let fail = |m: &str| Err(Error::Config(m.to_owned()));
-        outbox::redact::check_urls(&self.amqp_url, "AMQP URL", &["amqp", "amqps"])
+        outbox::redact::check_urls(self.amqp_url.expose(), "AMQP URL", &["amqp", "amqps"])
             .map_err(Error::Config)?;
-        if outbox::redact::split_urls(&self.amqp_url)
+        if outbox::redact::split_urls(self.amqp_url.expose())
             .iter()
             .any(|u| u.parse::<lapin::uri::AMQPUri>().is_err())
         {
@@ -316,10 +290,7 @@ impl ConsumerConfig {
     /// Delay before the retry number `attempt` (1 for the first retry), or
     /// before the deferral number `attempt`.
     pub(crate) fn retry_backoff(&self, attempt: u32) -> Duration {
-        let factor = 2u32.saturating_pow(attempt.saturating_sub(1).min(20));
-        self.retry_delay
-            .saturating_mul(factor)
-            .min(self.max_retry_delay)
+        outbox_core::backoff::capped(self.retry_delay, self.max_retry_delay, attempt)
     }
 }
 

@@ -28,7 +28,8 @@ use crate::sequence::{Deferral, Sequences, position};
 use crate::settle::{Action, Settle, settle};
 use crate::telemetry::{ConsumerStats, Counters};
 use crate::topology::declare_retry_queues;
-use outbox::__private::Outage;
+use outbox_core::backoff::Backoff;
+use outbox_core::outage::Outage;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -165,19 +166,20 @@ impl Consumer {
     pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
         let me = &self.inner;
         let name = me.config.consumer_name.as_str();
-        let mut backoff = FIRST_BACKOFF;
+        let mut backoff = Backoff::new(FIRST_BACKOFF, me.config.max_reconnect_delay);
         loop {
-            match outbox::__private::ensure_migrated(
+            match outbox_core::migrate::ensure_migrated(
                 &me.pool,
                 &crate::migrate::CONSUMER,
                 &me.schema,
             )
             .await
+            .map_err(outbox::Error::from)
             {
                 Ok(()) => break,
                 Err(e) if e.is_transient() => {
                     me.database.failed(&Error::Outbox(e));
-                    if !pause(&shutdown, &mut backoff, me.config.max_reconnect_delay).await {
+                    if !pause(&shutdown, &mut backoff).await {
                         return Ok(());
                     }
                 }
@@ -185,7 +187,7 @@ impl Consumer {
             }
         }
         me.database.ok();
-        let mut backoff = FIRST_BACKOFF;
+        let mut backoff = Backoff::new(FIRST_BACKOFF, me.config.max_reconnect_delay);
         loop {
             if shutdown.is_cancelled() {
                 return Ok(());
@@ -201,7 +203,7 @@ impl Consumer {
                     me.counters.broker_errors.fetch_add(1, Ordering::Relaxed);
                     metrics::counter!("outbox_consumer_broker_errors_total", "consumer" => name.to_owned())
                         .increment(1);
-                    if !pause(&shutdown, &mut backoff, me.config.max_reconnect_delay).await {
+                    if !pause(&shutdown, &mut backoff).await {
                         return Ok(());
                     }
                 }
@@ -235,7 +237,7 @@ impl Consumer {
     }
 
     /// One broker connection, from connect to close.
-    async fn session(&self, shutdown: &CancellationToken, backoff: &mut Duration) -> Result<End> {
+    async fn session(&self, shutdown: &CancellationToken, backoff: &mut Backoff) -> Result<End> {
         let cfg = &self.inner.config;
         let t = cfg.broker_timeout;
         // lapin's auto-recovery stays off: `run` supervises and reconnects.
@@ -251,51 +253,28 @@ impl Consumer {
         result
     }
 
-    /// Connects to the first broker URL that answers, trying them in turn
-    /// from the one after the node used last. Once every URL failed: a
-    /// refusal (a wrong password, a missing virtual host) when every node
-    /// refused, else the last failure (retryable); a restarting node alone
-    /// says its virtual host is down for a moment.
+    /// Connects to the first broker URL that answers, from the one after
+    /// the node used last ([`outbox_core::amqp::connect_any`]).
     async fn connect(&self, props: ConnectionProperties) -> Result<Connection> {
         let me = &self.inner;
-        let t = me.config.broker_timeout;
-        let urls = outbox::redact::split_urls(&me.config.amqp_url);
+        let urls = outbox::redact::split_urls(me.config.amqp_url.expose());
         let start = me.next_url.load(Ordering::Relaxed);
-        let (mut refusal, mut last) = (None, None);
-        for k in 0..urls.len() {
-            let i = (start + k) % urls.len();
-            let node = outbox::redact::host_port(urls[i]);
-            match bounded("connect", t, Connection::connect(urls[i], props.clone())).await {
-                Ok(conn) => {
-                    me.next_url.store((i + 1) % urls.len(), Ordering::Relaxed);
-                    let name = me.config.consumer_name.clone();
-                    let previous = me
-                        .node
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .replace(node.clone());
-                    if let Some(p) = previous.filter(|p| *p != node) {
-                        metrics::gauge!("outbox_consumer_broker_connected", "consumer" => name.clone(), "node" => p).set(0.0);
-                    }
-                    metrics::gauge!("outbox_consumer_broker_connected", "consumer" => name, "node" => node.clone()).set(1.0);
-                    tracing::info!(consumer = %me.config.consumer_name, broker = %node, "connected to the broker");
-                    return Ok(conn);
-                }
-                Err(e) => {
-                    // The supervisor logs the outage once; each node's
-                    // answer is detail.
-                    tracing::debug!(consumer = %me.config.consumer_name, broker = %node, error = %e, "broker node did not answer");
-                    if e.is_transient() {
-                        last = Some(e);
-                    } else {
-                        refusal = Some(e);
-                    }
-                }
-            }
+        let (conn, i) =
+            outbox_core::amqp::connect_any(&urls, start, me.config.broker_timeout, props).await?;
+        me.next_url.store((i + 1) % urls.len(), Ordering::Relaxed);
+        let node = outbox::redact::host_port(urls[i]);
+        let name = me.config.consumer_name.clone();
+        let previous = me
+            .node
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .replace(node.clone());
+        if let Some(p) = previous.filter(|p| *p != node) {
+            metrics::gauge!("outbox_consumer_broker_connected", "consumer" => name.clone(), "node" => p).set(0.0);
         }
-        Err(last
-            .or(refusal)
-            .unwrap_or_else(|| Error::Config("no AMQP URL configured".to_owned())))
+        metrics::gauge!("outbox_consumer_broker_connected", "consumer" => name, "node" => node.clone()).set(1.0);
+        tracing::info!(consumer = %me.config.consumer_name, broker = %node, "connected to the broker");
+        Ok(conn)
     }
 
     /// `host:port` of the broker node this consumer is connected to, or
@@ -312,7 +291,7 @@ impl Consumer {
         &self,
         conn: &Connection,
         shutdown: &CancellationToken,
-        backoff: &mut Duration,
+        backoff: &mut Backoff,
     ) -> Result<End> {
         let me = &self.inner;
         let cfg = &me.config;
@@ -348,7 +327,7 @@ impl Consumer {
         .await?;
         me.broker.ok();
         me.counters.connections.fetch_add(1, Ordering::Relaxed);
-        *backoff = FIRST_BACKOFF;
+        backoff.reset();
         tracing::info!(consumer = %cfg.consumer_name, queue = %cfg.queue, "consuming");
 
         loop {
@@ -467,7 +446,7 @@ impl Consumer {
         let verdicts = if events.is_empty() {
             Vec::new()
         } else {
-            let mut backoff = FIRST_BACKOFF;
+            let mut backoff = Backoff::new(FIRST_BACKOFF, cfg.max_reconnect_delay);
             let mut failures = 0u32;
             let batch = Batch {
                 events: &events,
@@ -485,7 +464,7 @@ impl Consumer {
                     // deliveries once the database is back.
                     Err(e) if database_unreachable(&e) => {
                         me.database.failed(&Error::Database(e));
-                        if !pause(shutdown, &mut backoff, cfg.max_reconnect_delay).await {
+                        if !pause(shutdown, &mut backoff).await {
                             return Ok(Some(End::Shutdown));
                         }
                     }
@@ -501,7 +480,7 @@ impl Consumer {
                             break self.one_by_one(&batch).await;
                         }
                         tracing::warn!(consumer = name, error = %e, attempt = failures, "batch transaction failed; retrying it");
-                        if !pause(shutdown, &mut backoff, cfg.max_reconnect_delay).await {
+                        if !pause(shutdown, &mut backoff).await {
                             return Ok(Some(End::Shutdown));
                         }
                     }
@@ -675,7 +654,6 @@ fn next_delivery(d: Option<lapin::Result<Delivery>>, queue: &str) -> Result<Deli
     }
 }
 
-/// Sleeps `backoff` (doubling it up to `max`); false when shut down first.
 impl Consumer {
     /// `batch` in one transaction, committed (see [`batch::process`]).
     async fn transact(&self, batch: &Batch<'_>) -> sqlx::Result<Vec<Verdict>> {
@@ -733,16 +711,12 @@ fn database_unreachable(e: &sqlx::Error) -> bool {
     }
 }
 
-/// Sleeps for the current backoff with full jitter (a random delay in
-/// `[d/2, d]`, so instances that lost the broker together do not all come
-/// back at the same instant), then doubles it up to `max`. False when
-/// `shutdown` fired first.
-async fn pause(shutdown: &CancellationToken, backoff: &mut Duration, max: Duration) -> bool {
-    let half = *backoff / 2;
-    let wait = half + backoff.saturating_sub(half).mul_f64(rand::random::<f64>());
-    *backoff = (*backoff * 2).min(max);
+/// Sleeps for the backoff's next delay (jittered, so instances that lost
+/// the broker together do not all come back at the same instant); false
+/// when `shutdown` fired first.
+async fn pause(shutdown: &CancellationToken, backoff: &mut Backoff) -> bool {
     tokio::select! {
         _ = shutdown.cancelled() => false,
-        _ = tokio::time::sleep(wait) => true,
+        _ = tokio::time::sleep(backoff.next_delay()) => true,
     }
 }

@@ -1,5 +1,6 @@
 use std::time::Duration;
 
+use outbox_core::amqp::{BrokerError, is_refusal};
 use thiserror::Error;
 
 /// Everything that can go wrong in `consumer-lib`.
@@ -96,7 +97,7 @@ impl Error {
     /// serialisation failures and pool timeouts.
     pub fn is_transient(&self) -> bool {
         match self {
-            Error::Database(e) => outbox::__private::is_transient_db(e),
+            Error::Database(e) => outbox_core::db::is_transient(e),
             Error::Broker { what, source } => !is_refusal(what, source),
             Error::BrokerTimeout { .. }
             | Error::ConsumerCancelled { .. }
@@ -108,23 +109,28 @@ impl Error {
     }
 }
 
-/// The broker refused `what` in a way no retry can fix: a login or
-/// permission refused (403 `ACCESS_REFUSED`), a missing virtual host (530
-/// `NOT_ALLOWED`), a declaration at odds with what exists (406
-/// `PRECONDITION_FAILED` on a declare: another queue type or other
-/// arguments). A 406 elsewhere is routine and retried (RabbitMQ's
-/// `consumer_timeout` on a delivery held through a long database outage,
-/// an unknown delivery tag); a missing queue (404) may be declared later.
-pub(crate) fn is_refusal(what: &str, e: &lapin::Error) -> bool {
-    use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
-    let lapin::ErrorKind::ProtocolError(amqp) = e.kind() else {
-        return false;
-    };
-    match amqp.kind() {
-        AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
-        | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED) => true,
-        AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED) => what.contains("declare"),
-        _ => false,
+impl From<BrokerError> for Error {
+    fn from(e: BrokerError) -> Self {
+        match e {
+            BrokerError::Failed { what, source } => Error::Broker { what, source },
+            BrokerError::Connect { source, .. } => Error::Broker {
+                what: "connect",
+                source,
+            },
+            BrokerError::TimedOut { what, timeout } => Error::BrokerTimeout { what, timeout },
+        }
+    }
+}
+
+impl From<outbox_core::InvalidIdentifier> for Error {
+    fn from(e: outbox_core::InvalidIdentifier) -> Self {
+        Error::Outbox(e.into())
+    }
+}
+
+impl From<outbox_core::migrate::MigrateError> for Error {
+    fn from(e: outbox_core::migrate::MigrateError) -> Self {
+        Error::Outbox(e.into())
     }
 }
 
@@ -137,9 +143,5 @@ pub(crate) async fn bounded<T>(
     timeout: Duration,
     f: impl Future<Output = lapin::Result<T>>,
 ) -> Result<T> {
-    match tokio::time::timeout(timeout, f).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(source)) => Err(Error::Broker { what, source }),
-        Err(_) => Err(Error::BrokerTimeout { what, timeout }),
-    }
+    Ok(outbox_core::amqp::bounded(what, timeout, f).await?)
 }

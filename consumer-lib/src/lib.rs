@@ -90,5 +90,9 @@ pub use crate::version::apply_if_newer;
 /// repeatedly. Returns the versions applied (empty: nothing to do).
 pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>> {
     let schema = outbox::Ident::new("schema", schema)?;
-    Ok(outbox::__private::apply(pool, &migrate::CONSUMER, &schema).await?)
+    Ok(
+        outbox_core::migrate::apply(pool, &migrate::CONSUMER, &schema)
+            .await
+            .map_err(outbox::Error::from)?,
+    )
 }

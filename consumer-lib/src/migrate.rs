@@ -1,4 +1,4 @@
-use outbox::__private::{Migration, MigrationSet};
+use outbox_core::migrate::{Migration, MigrationSet};
 
 /// The consumer's migration set: the inbox, version and sequence records.
 pub(crate) const CONSUMER: MigrationSet = MigrationSet {

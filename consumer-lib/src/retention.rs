@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use outbox::Ident;
-use sqlx::{AssertSqlSafe, PgPool};
+use sqlx::{AssertSqlSafe, PgPool, SqlSafeStr};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
@@ -37,20 +37,14 @@ pub async fn cleanup_inbox(
                AND ($2::text IS NULL OR consumer = $2)
              LIMIT $3))"
     );
-    let mut total = 0;
-    loop {
-        let n = sqlx::query(AssertSqlSafe(sql.clone()))
+    let sql = AssertSqlSafe(sql).into_sql_str();
+    let total = outbox_core::db::delete_in_chunks(pool, CHUNK, |chunk| {
+        sqlx::query(sql.clone())
             .bind(older_than.as_secs_f64())
             .bind(consumer)
-            .bind(CHUNK)
-            .execute(pool)
-            .await?
-            .rows_affected();
-        total += n;
-        if n < CHUNK as u64 {
-            break;
-        }
-    }
+            .bind(chunk)
+    })
+    .await?;
     if total > 0 {
         tracing::info!(schema, consumer, deleted = total, "inbox retention cleanup");
     }

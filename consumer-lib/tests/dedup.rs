@@ -271,7 +271,7 @@ async fn ack_lost_after_commit_redelivery_is_a_duplicate() {
     let env = Env::new().await;
     let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
     let mut cfg = env.config("svc");
-    cfg.amqp_url = proxy.url(&cfg.amqp_url);
+    cfg.amqp_url = proxy.url(cfg.amqp_url.expose()).into();
     let gate = std::sync::Arc::new(Gate {
         entered: tokio::sync::Notify::new(),
         release: tokio::sync::Semaphore::new(0),

@@ -190,7 +190,7 @@ async fn refusals_end_run_with_an_error_instead_of_retrying() {
         ("a conflicting declaration", common::amqp_url(), clash),
     ] {
         let mut cfg = env.config("svc");
-        cfg.amqp_url = url;
+        cfg.amqp_url = url.into();
         cfg.queue = queue;
         let consumer = Consumer::new(cfg, env.pool.clone(), Ack).unwrap();
         let ended = tokio::time::timeout(

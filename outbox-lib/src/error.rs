@@ -1,3 +1,4 @@
+pub use outbox_core::migrate::MigrateError;
 use thiserror::Error;
 
 /// Everything that can go wrong in `outbox-lib`.
@@ -55,36 +56,11 @@ pub enum Error {
         /// The longest accepted length.
         max: usize,
     },
-    /// The database has not been migrated (or is behind this library).
-    #[error(
-        "{what} in schema {schema:?} is not migrated (found version {found}, need {needed}); run `{fix}`"
-    )]
-    NotMigrated {
-        /// Which schema set is missing (`"the outbox"`, `"the inbox"`).
-        what: &'static str,
-        /// The schema that was checked.
-        schema: String,
-        /// The migration version found (0 when none).
-        found: i32,
-        /// The version this library needs.
-        needed: i32,
-        /// The command that fixes it.
-        fix: &'static str,
-    },
-    /// The database is at a newer migration version than this library knows.
-    #[error(
-        "schema {schema:?} is at migration version {found} of the {set} set, newer than this library's {known}; upgrade the library"
-    )]
-    SchemaTooNew {
-        /// The schema that was checked.
-        schema: String,
-        /// The migration set.
-        set: &'static str,
-        /// The version found.
-        found: i32,
-        /// The newest version this library knows.
-        known: i32,
-    },
+    /// The schema is not migrated, behind this library
+    /// ([`MigrateError::NotMigrated`], naming the command that fixes it) or
+    /// ahead of it ([`MigrateError::SchemaTooNew`]).
+    #[error(transparent)]
+    Migration(#[from] MigrateError),
     /// An idempotency key is malformed (HTTP 400).
     #[error("invalid idempotency key: it {reason}")]
     InvalidIdempotencyKey {
@@ -138,7 +114,9 @@ impl Error {
     /// loss, serialisation failure, deadlock, pool timeout).
     pub fn is_transient(&self) -> bool {
         match self {
-            Error::Database(e) => is_transient_db(e),
+            Error::Database(e) | Error::Migration(MigrateError::Database(e)) => {
+                outbox_core::db::is_transient(e)
+            }
             _ => false,
         }
     }
@@ -149,17 +127,13 @@ impl Error {
     }
 }
 
-/// Whether a sqlx error is worth retrying.
-pub fn is_transient_db(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => true,
-        sqlx::Error::Database(db) => matches!(
-            db.code().as_deref(),
-            // serialization_failure, deadlock_detected, admin_shutdown,
-            // crash_shutdown, cannot_connect_now, lock_not_available
-            Some("40001" | "40P01" | "57P01" | "57P02" | "57P03" | "55P03")
-        ),
-        _ => false,
+impl From<outbox_core::InvalidIdentifier> for Error {
+    fn from(e: outbox_core::InvalidIdentifier) -> Self {
+        Error::InvalidIdentifier {
+            what: e.what,
+            value: e.value,
+            max: e.max,
+        }
     }
 }
 

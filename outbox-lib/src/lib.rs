@@ -37,40 +37,39 @@
 mod error;
 mod event;
 mod idempotency;
-mod ident;
 mod migrate;
 mod ordered_types;
-mod outage;
 mod outbox;
-pub mod redact;
 mod signal;
 mod wakeup;
 pub mod wire;
 
 use sqlx::PgPool;
 
-pub use crate::error::{Error, Result};
+pub use crate::error::{Error, MigrateError, Result};
 pub use crate::event::{EVENT_ID_NAMESPACE, NewEvent};
 pub use crate::idempotency::*;
-pub use crate::ident::{Ident, wakeup_channel};
 pub use crate::ordered_types::{ALL_TYPES, ordered_types, set_ordered};
 pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, Ordering, Outbox, OutboxConfig};
 pub use crate::signal::shutdown_signal;
 pub use crate::wakeup::Wakeup;
+/// Passwords in URLs never reach a log line, an error or `--help`: the
+/// helpers the toolkit's own binaries use, for yours.
+pub use outbox_core::redact;
+pub use outbox_core::{Ident, wakeup_channel};
 
 /// Applies the producer's migrations (outbox, dead letters, idempotency
 /// keys) to `schema`, creating it if needed. Safe to run concurrently and
 /// repeatedly: re-running is a no-op. Returns the versions applied.
 pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>> {
     let schema = Ident::new("schema", schema)?;
-    migrate::apply(pool, &migrate::PRODUCER, &schema).await
+    Ok(outbox_core::migrate::apply(pool, &migrate::PRODUCER, &schema).await?)
 }
 
-/// Machinery shared with the relay and the consumer crates of this
-/// toolkit. Not a stable API.
-#[doc(hidden)]
-pub mod __private {
-    pub use crate::error::is_transient_db;
-    pub use crate::migrate::{Migration, MigrationSet, PRODUCER, apply, ensure_migrated};
-    pub use crate::outage::{Outage, error_chain};
+/// Fails with [`MigrateError::NotMigrated`] unless `schema` holds every
+/// producer migration this library knows, and with
+/// [`MigrateError::SchemaTooNew`] if it holds newer ones. The relay and [`Outbox::new`] call it at start-up.
+pub async fn check_migrated(pool: &PgPool, schema: &str) -> Result<()> {
+    let schema = Ident::new("schema", schema)?;
+    Ok(outbox_core::migrate::ensure_migrated(pool, &migrate::PRODUCER, &schema).await?)
 }

@@ -5,8 +5,8 @@
 use sqlx::{AssertSqlSafe, PgPool};
 
 use crate::error::{Error, Result};
-use crate::ident::Ident;
 use crate::outbox::Ordering;
+use outbox_core::Ident;
 
 /// The name that orders every aggregate type.
 pub const ALL_TYPES: &str = "*";

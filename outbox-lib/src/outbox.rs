@@ -6,9 +6,10 @@ use uuid::Uuid;
 
 use crate::error::Result;
 use crate::event::NewEvent;
-use crate::ident::{Ident, wakeup_channel};
-use crate::migrate::{PRODUCER, ensure_migrated};
+use crate::migrate::PRODUCER;
 use crate::wakeup::{Notifier, Wakeup};
+use outbox_core::migrate::ensure_migrated;
+use outbox_core::{Ident, wakeup_channel};
 
 /// Default payload limit: 1 MiB, far below RabbitMQ's maximum message size
 /// (128 MiB by default) and small enough that one event never stalls a
@@ -127,7 +128,7 @@ struct Inner {
 
 impl Outbox {
     /// Validates `config`, checks that the schema is migrated
-    /// ([`crate::Error::NotMigrated`] names the command that fixes it) and
+    /// ([`crate::MigrateError::NotMigrated`] names the command that fixes it) and
     /// that the database orders the aggregate types `config` names.
     /// With [`Wakeup::AfterCommit`] it starts the background notifier, so it
     /// must be called inside a Tokio runtime.

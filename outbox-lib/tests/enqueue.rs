@@ -290,7 +290,10 @@ async fn unmigrated_database_names_the_fix() {
         .await
         .unwrap_err();
     assert!(
-        matches!(err, Error::NotMigrated { found: 0, .. }),
+        matches!(
+            err,
+            Error::Migration(outbox::MigrateError::NotMigrated { found: 0, .. })
+        ),
         "{err:?}"
     );
     let message = err.to_string();

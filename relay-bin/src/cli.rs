@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::{Args as ClapArgs, Parser, Subcommand, ValueEnum};
 use outbox::Ident;
-use outbox_relay::redact::{redact_url, redact_urls, scrub};
+use outbox::redact::{redact_url, redact_urls, scrub};
 use outbox_relay::status::{self, Selection};
 use outbox_relay::{Relay, RelayConfig};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -355,7 +355,7 @@ async fn connect_db(url: &str, max: u32) -> Result<PgPool> {
 
 async fn run_relay(url: &str, schema: &Ident, r: &RunArgs) -> Result<ExitCode> {
     let config = RelayConfig {
-        amqp_url: r.amqp_url.join(","),
+        amqp_url: r.amqp_url.join(",").into(),
         schema: schema.to_string(),
         default_exchange: r.exchange.clone(),
         declare_exchange: (r.declare_exchange != "none").then(|| r.declare_exchange.clone()),

@@ -1,19 +1,20 @@
 use std::time::Duration;
 
 use outbox::Ident;
+use outbox::redact::SecretUrl;
 
 use crate::error::{Error, Result};
 
 /// Everything the relay engine needs, validated. The CLI builds one from
 /// flags and environment; an embedding service builds one in code. Its
 /// `Debug` output redacts the passwords of `amqp_url`.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct RelayConfig {
     /// AMQP URL (`amqp://` or `amqps://`), or the URLs of several nodes
     /// of one cluster separated by commas: the relay connects to the
     /// first that answers, and on every reconnect starts with the next
     /// one. A comma in a password is written `%2C`.
-    pub amqp_url: String,
+    pub amqp_url: SecretUrl,
     /// Schema holding the outbox tables.
     pub schema: String,
     /// Exchange for events whose `exchange` column is NULL.
@@ -67,7 +68,7 @@ pub struct RelayConfig {
 impl Default for RelayConfig {
     fn default() -> Self {
         Self {
-            amqp_url: "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned(),
+            amqp_url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
             schema: "public".to_owned(),
             default_exchange: "outbox.events".to_owned(),
             declare_exchange: Some("topic".to_owned()),
@@ -101,37 +102,10 @@ fn default_name() -> String {
     format!("{host}-{}", std::process::id())
 }
 
-impl std::fmt::Debug for RelayConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RelayConfig")
-            .field("amqp_url", &outbox::redact::redact_urls(&self.amqp_url))
-            .field("schema", &self.schema)
-            .field("default_exchange", &self.default_exchange)
-            .field("declare_exchange", &self.declare_exchange)
-            .field("batch_size", &self.batch_size)
-            .field("workers", &self.workers)
-            .field("poll_interval", &self.poll_interval)
-            .field("listen", &self.listen)
-            .field("max_attempts", &self.max_attempts)
-            .field("retry_base", &self.retry_base)
-            .field("retry_max", &self.retry_max)
-            .field("confirm_timeout", &self.confirm_timeout)
-            .field("broker_timeout", &self.broker_timeout)
-            .field("max_payload_bytes", &self.max_payload_bytes)
-            .field("archive", &self.archive)
-            .field("drain_timeout", &self.drain_timeout)
-            .field("reconnect_min", &self.reconnect_min)
-            .field("reconnect_max", &self.reconnect_max)
-            .field("lease_ttl", &self.lease_ttl)
-            .field("name", &self.name)
-            .finish()
-    }
-}
-
 impl RelayConfig {
     /// The broker URLs of [`amqp_url`](Self::amqp_url), in the order tried.
     pub fn amqp_urls(&self) -> Vec<String> {
-        outbox::redact::split_urls(&self.amqp_url)
+        outbox::redact::split_urls(self.amqp_url.expose())
             .into_iter()
             .map(str::to_owned)
             .collect()
@@ -141,7 +115,7 @@ impl RelayConfig {
     pub fn validate(&self) -> Result<Ident> {
         let schema = Ident::new("schema", &self.schema)?;
         let bad = |m: String| Err(Error::Config(m));
-        outbox::redact::check_urls(&self.amqp_url, "AMQP URL", &["amqp", "amqps"])
+        outbox::redact::check_urls(self.amqp_url.expose(), "AMQP URL", &["amqp", "amqps"])
             .map_err(Error::Config)?;
         if self
             .amqp_urls()
@@ -198,18 +172,6 @@ impl RelayConfig {
         }
         Ok(schema)
     }
-}
-
-/// Exponential backoff with full jitter: a random delay in
-/// `[d/2, d]` where `d = min(max, base * 2^(attempt-1))`.
-pub(crate) fn backoff(base: Duration, max: Duration, attempt: u32) -> Duration {
-    let exp = base.saturating_mul(
-        1u32.checked_shl(attempt.saturating_sub(1).min(30))
-            .unwrap_or(u32::MAX),
-    );
-    let d = exp.min(max);
-    let half = d / 2;
-    half + d.saturating_sub(half).mul_f64(rand::random::<f64>())
 }
 
 #[cfg(test)]
@@ -294,23 +256,5 @@ mod tests {
             let err = cfg.validate().unwrap_err().to_string();
             assert!(err.contains(needle), "{err:?} should mention {needle:?}");
         }
-    }
-
-    #[test]
-    fn backoff_grows_is_capped_and_jittered() {
-        let base = Duration::from_secs(1);
-        let max = Duration::from_secs(60);
-        for attempt in 1..40 {
-            let d = backoff(base, max, attempt);
-            let cap = (base * 2u32.pow((attempt - 1).min(10))).min(max);
-            assert!(
-                d >= cap / 2 && d <= cap,
-                "attempt {attempt}: {d:?} not in [{:?}, {cap:?}]",
-                cap / 2
-            );
-        }
-        let samples: std::collections::HashSet<_> =
-            (0..20).map(|_| backoff(base, max, 5)).collect();
-        assert!(samples.len() > 1, "jitter varies the delay");
     }
 }

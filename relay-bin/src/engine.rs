@@ -16,14 +16,15 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::config::{RelayConfig, backoff};
+use crate::config::RelayConfig;
 use crate::error::{Error, Result};
 use crate::message::ClaimedEvent;
 use crate::publish::{self, Outcome, Publisher};
 use crate::queries::Queries;
 use crate::settle::{Settled, settle};
 use crate::wake::{listen, sleep_or_cancel};
-use outbox::__private::Outage;
+use outbox_core::backoff::jittered;
+use outbox_core::outage::Outage;
 
 /// One round trip: a transaction whose commit does not wait for the flush,
 /// with bounds on every statement and on idling inside it, whatever pool
@@ -177,7 +178,7 @@ impl Relay {
     /// Validates `config` and checks the outbox schema is migrated.
     pub async fn new(pool: PgPool, config: RelayConfig) -> Result<Self> {
         let schema = config.validate()?;
-        outbox::__private::ensure_migrated(&pool, &outbox::__private::PRODUCER, &schema).await?;
+        outbox::check_migrated(&pool, schema.as_str()).await?;
         let (wake, _) = watch::channel(0);
         Ok(Self {
             inner: Arc::new(Inner {
@@ -585,7 +586,7 @@ impl Relay {
                 None if worker_bug && !shutdown.is_cancelled() => {
                     failures = failures.saturating_add(1);
                     sleep_or_cancel(
-                        backoff(cfg.reconnect_min, cfg.reconnect_max, failures),
+                        jittered(cfg.reconnect_min, cfg.reconnect_max, failures),
                         &shutdown,
                     )
                     .await;
@@ -643,7 +644,7 @@ impl Relay {
         *failures = failures.saturating_add(1);
         let cfg = &self.inner.config;
         sleep_or_cancel(
-            backoff(cfg.reconnect_min, cfg.reconnect_max, *failures),
+            jittered(cfg.reconnect_min, cfg.reconnect_max, *failures),
             shutdown,
         )
         .await;
@@ -716,7 +717,7 @@ impl Relay {
                     inner.db_outage.failed(&e);
                     db_failures = db_failures.saturating_add(1);
                     sleep_or_cancel(
-                        backoff(cfg.reconnect_min, cfg.reconnect_max, db_failures),
+                        jittered(cfg.reconnect_min, cfg.reconnect_max, db_failures),
                         &stop,
                     )
                     .await;
@@ -786,7 +787,7 @@ impl Relay {
             }
             Some(Some(_)) => {
                 let cfg = &inner.config;
-                let delay = backoff(cfg.retry_base, cfg.retry_max, 1).as_millis() as i64;
+                let delay = jittered(cfg.retry_base, cfg.retry_max, 1).as_millis() as i64;
                 sqlx::query(inner.queries.reschedule.clone())
                     .bind([id])
                     .bind([delay])

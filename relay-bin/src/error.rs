@@ -1,3 +1,4 @@
+use outbox_core::amqp::{BrokerError, is_refusal};
 use thiserror::Error;
 
 /// Errors of the relay engine.
@@ -18,17 +19,23 @@ pub enum Error {
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
     /// Connecting to the broker failed.
-    #[error("cannot connect to the broker at {url}")]
+    #[error("cannot connect to the broker at {node}")]
     BrokerConnect {
-        /// The broker URL, password redacted.
-        url: String,
+        /// `host:port` of the node (never its password).
+        node: String,
         /// What lapin reported.
         #[source]
         source: lapin::Error,
     },
     /// The broker connection or channel was lost or refused an operation.
-    #[error("broker: {0}")]
-    Broker(#[from] lapin::Error),
+    #[error("broker error during {what}: {source}")]
+    Broker {
+        /// The AMQP operation that failed.
+        what: &'static str,
+        /// lapin's error.
+        #[source]
+        source: lapin::Error,
+    },
     /// The broker closed a publishing channel (the batch was settled; the
     /// channel is replaced).
     #[error("broker closed the channel: {0}")]
@@ -56,7 +63,7 @@ impl Error {
     pub fn is_broker(&self) -> bool {
         matches!(
             self,
-            Error::Broker(_)
+            Error::Broker { .. }
                 | Error::BrokerConnect { .. }
                 | Error::BrokerTimeout { .. }
                 | Error::ChannelClosed(_)
@@ -66,7 +73,11 @@ impl Error {
     /// True when the broker refused in a way no retry can fix (see
     /// [`Error::is_transient`]): `Relay::run` returns such an error.
     pub fn is_refusal(&self) -> bool {
-        matches!(self, Error::BrokerConnect { source, .. } | Error::Broker(source) if is_refusal(source))
+        match self {
+            Error::BrokerConnect { source, .. } => is_refusal("connect", source),
+            Error::Broker { what, source } => is_refusal(what, source),
+            _ => false,
+        }
     }
 
     /// True when a later retry of the same operation may succeed.
@@ -74,25 +85,36 @@ impl Error {
         match self {
             Error::Config(_) | Error::DrainTimedOut(_) => false,
             Error::Outbox(e) => e.is_transient(),
-            Error::Database(e) => outbox::__private::is_transient_db(e),
-            Error::BrokerConnect { source, .. } | Error::Broker(source) => !is_refusal(source),
+            Error::Database(e) => outbox_core::db::is_transient(e),
+            Error::BrokerConnect { .. } | Error::Broker { .. } => !self.is_refusal(),
             Error::BrokerTimeout { .. } | Error::ChannelClosed(_) => true,
         }
     }
 }
 
-/// The broker refused in a way no retry can fix: a login or permission
-/// refused (403 `ACCESS_REFUSED`), a missing virtual host (530
-/// `NOT_ALLOWED`), a declaration at odds with what exists (406
-/// `PRECONDITION_FAILED`, such as `--declare-exchange` of another type).
-/// (The same rule as the consumer's; one shared home is issue 15's.)
-fn is_refusal(e: &lapin::Error) -> bool {
-    use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
-    matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp) if matches!(
-        amqp.kind(),
-        AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED | AMQPSoftError::PRECONDITIONFAILED)
-            | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
-    ))
+impl From<lapin::Error> for Error {
+    fn from(source: lapin::Error) -> Self {
+        Error::Broker {
+            what: "a broker operation",
+            source,
+        }
+    }
+}
+
+impl From<BrokerError> for Error {
+    fn from(e: BrokerError) -> Self {
+        match e {
+            BrokerError::Failed { what, source } => Error::Broker { what, source },
+            BrokerError::Connect { node, source } => Error::BrokerConnect { node, source },
+            BrokerError::TimedOut { what, timeout } => Error::BrokerTimeout { what, timeout },
+        }
+    }
+}
+
+impl From<outbox_core::InvalidIdentifier> for Error {
+    fn from(e: outbox_core::InvalidIdentifier) -> Self {
+        Error::Outbox(e.into())
+    }
 }
 
 /// The result type of the relay engine.

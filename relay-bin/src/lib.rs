@@ -45,10 +45,6 @@ mod error;
 mod message;
 mod publish;
 mod queries;
-/// Password redaction for URLs (shared with the other crates).
-pub mod redact {
-    pub use outbox::redact::{host_port, redact_url, redact_urls, scrub};
-}
 mod settle;
 pub mod status;
 mod wake;

@@ -13,7 +13,7 @@ use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKin
 
 use crate::error::{Error, Result};
 use crate::message::{ClaimedEvent, Message};
-use outbox::redact::redact_url;
+use outbox_core::amqp::bounded;
 
 /// What the broker said about one event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -104,65 +104,16 @@ impl Outcome {
     }
 }
 
-/// Connects to the first of `urls` that answers, trying them in turn from
-/// `start`; returns the connection and the index of its URL. Once every
-/// URL failed: a refusal (a wrong password, a missing virtual host) when
-/// every node refused, else the last failure (retryable). One node's
-/// refusal alone is not the cluster's answer: a restarting node says its
-/// virtual host is down (530 `NOT_ALLOWED`) for a moment.
+/// Connects to the first of `urls` that answers, from `start`
+/// ([`outbox_core::amqp::connect_any`]); returns the connection and the
+/// index of its URL.
 pub(crate) async fn connect_any(
     urls: &[String],
     start: usize,
     timeout: Duration,
 ) -> Result<(Connection, usize)> {
-    let (mut refusal, mut last) = (None, None);
-    for k in 0..urls.len() {
-        let i = (start + k) % urls.len();
-        match connect(&urls[i], timeout).await {
-            Ok(c) => return Ok((c, i)),
-            Err(e) => {
-                // The supervisor logs the outage once; each node's answer
-                // is detail.
-                tracing::debug!(broker = %outbox::redact::host_port(&urls[i]), error = %e, "broker node did not answer");
-                if e.is_refusal() {
-                    refusal = Some(e);
-                } else {
-                    last = Some(e);
-                }
-            }
-        }
-    }
-    Err(last
-        .or(refusal)
-        .unwrap_or_else(|| Error::Config("no AMQP URL configured".to_owned())))
-}
-
-/// Opens a connection, bounded by `timeout`. lapin's own recovery is not
-/// used: the relay's supervisor reconnects.
-pub(crate) async fn connect(url: &str, timeout: Duration) -> Result<Connection> {
     let props = ConnectionProperties::default().with_connection_name("outbox-relay".into());
-    match tokio::time::timeout(timeout, Connection::connect(url, props)).await {
-        Ok(Ok(c)) => Ok(c),
-        Ok(Err(source)) => Err(Error::BrokerConnect {
-            url: redact_url(url),
-            source,
-        }),
-        Err(_) => Err(Error::BrokerTimeout {
-            what: "connect",
-            timeout,
-        }),
-    }
-}
-
-pub(crate) async fn bounded<T>(
-    what: &'static str,
-    timeout: Duration,
-    f: impl Future<Output = lapin::Result<T>>,
-) -> Result<T> {
-    match tokio::time::timeout(timeout, f).await {
-        Ok(r) => Ok(r?),
-        Err(_) => Err(Error::BrokerTimeout { what, timeout }),
-    }
+    Ok(outbox_core::amqp::connect_any(urls, start, timeout, props).await?)
 }
 
 /// Declares `name` durable with `kind`, idempotently.
@@ -282,13 +233,13 @@ impl Publisher {
                     let by = deadline.min(Instant::now() + self.broker_timeout);
                     let _ = tokio::time::timeout_at(by, ch.close(200, "OK".into())).await;
                 }
-                Err(Error::Broker(e)) if is_not_found(&e) => {
+                Err(Error::Broker { source: e, .. }) if is_not_found(&e) => {
                     refused.insert(
                         name.to_string(),
                         Outcome::ExchangeNotFound(name.to_string()),
                     );
                 }
-                Err(Error::Broker(e)) if self.conn.status().connected() => {
+                Err(Error::Broker { source: e, .. }) if self.conn.status().connected() => {
                     refused.insert(
                         name.to_string(),
                         Outcome::ExchangeRefused {
@@ -436,7 +387,10 @@ impl Publisher {
                 }
                 Err(_) => Outcome::TimedOut,
                 Ok(Err(err)) => {
-                    let err = Error::Broker(err);
+                    let err = Error::Broker {
+                        what: "publisher confirm",
+                        source: err,
+                    };
                     match self.channel_failure(&err) {
                         Some(outcome) => outcome,
                         None => return Err(err),
@@ -505,7 +459,7 @@ async fn within<T>(
 ) -> Result<T> {
     let by = deadline.min(Instant::now() + timeout);
     match tokio::time::timeout_at(by, f).await {
-        Ok(r) => Ok(r?),
+        Ok(r) => r.map_err(|source| Error::Broker { what, source }),
         Err(_) => Err(Error::BrokerTimeout { what, timeout }),
     }
 }

@@ -2,11 +2,12 @@
 
 use std::collections::HashSet;
 
-use crate::config::{RelayConfig, backoff};
+use crate::config::RelayConfig;
 use crate::error::Result;
 use crate::message::ClaimedEvent;
 use crate::publish::Outcome;
 use crate::queries::Queries;
+use outbox_core::backoff::jittered;
 use sqlx::PgConnection;
 
 /// Counts of one settled batch.
@@ -78,7 +79,7 @@ pub(crate) async fn settle(
             dead_errors.push(error);
         } else {
             let delay =
-                backoff(config.retry_base, config.retry_max, attempt as u32).as_millis() as i64;
+                jittered(config.retry_base, config.retry_max, attempt as u32).as_millis() as i64;
             retry_ids.push(e.id);
             retry_delays.push(delay);
             retry_errors.push(error);

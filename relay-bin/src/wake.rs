@@ -10,7 +10,7 @@ use sqlx::postgres::PgListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::backoff;
+use outbox_core::backoff::jittered;
 
 pub(crate) async fn listen(
     pool: PgPool,
@@ -34,7 +34,7 @@ pub(crate) async fn listen(
                 }
                 failures += 1;
                 sleep_or_cancel(
-                    backoff(
+                    jittered(
                         Duration::from_millis(200),
                         Duration::from_secs(10),
                         failures,

@@ -92,7 +92,7 @@ fn unpublishable_by_name() -> Vec<Row> {
 
 fn relay_config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
     RelayConfig {
-        amqp_url: amqp_url(),
+        amqp_url: amqp_url().into(),
         schema: db.schema.clone(),
         default_exchange: broker.exchange.clone(),
         declare_exchange: None,

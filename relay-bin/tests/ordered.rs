@@ -15,7 +15,7 @@ const DEADLINE: Duration = Duration::from_secs(60);
 
 fn config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
     RelayConfig {
-        amqp_url: amqp_url(),
+        amqp_url: amqp_url().into(),
         schema: db.schema.clone(),
         default_exchange: broker.exchange.clone(),
         declare_exchange: None,

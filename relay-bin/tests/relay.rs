@@ -14,7 +14,7 @@ const DEADLINE: Duration = Duration::from_secs(60);
 
 fn config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
     RelayConfig {
-        amqp_url: amqp_url(),
+        amqp_url: amqp_url().into(),
         schema: db.schema.clone(),
         default_exchange: broker.exchange.clone(),
         declare_exchange: None,
@@ -555,7 +555,7 @@ async fn connected_through_proxy(
     let relay = Relay::new(
         pool,
         RelayConfig {
-            amqp_url: proxy.url(&amqp_url()),
+            amqp_url: proxy.url(&amqp_url()).into(),
             workers: 1,
             ..cfg
         },
@@ -720,14 +720,16 @@ async fn refusals_end_run_with_an_error_instead_of_retrying() {
         (
             "a refused login",
             RelayConfig {
-                amqp_url: amqp_url().replace("guest:guest", "guest:S3cret-wrong"),
+                amqp_url: amqp_url()
+                    .replace("guest:guest", "guest:S3cret-wrong")
+                    .into(),
                 ..config(&db, &broker)
             },
         ),
         (
             "a missing vhost",
             RelayConfig {
-                amqp_url: amqp_url().replace("%2f", "no-such-vhost"),
+                amqp_url: amqp_url().replace("%2f", "no-such-vhost").into(),
                 ..config(&db, &broker)
             },
         ),

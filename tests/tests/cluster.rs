@@ -112,7 +112,7 @@ impl World {
     async fn relay(&self) -> (Relay, CancellationToken, tokio::task::JoinHandle<()>) {
         let pool = e2e::pool(&format!("relay-{}", suffix()), 4).await;
         let config = RelayConfig {
-            amqp_url: self.urls_from(0),
+            amqp_url: self.urls_from(0).into(),
             schema: self.db.schema.clone(),
             default_exchange: self.exchange.clone(),
             declare_exchange: None,

@@ -117,7 +117,7 @@ impl World {
 
     fn relay_config(&self, amqp: String) -> RelayConfig {
         RelayConfig {
-            amqp_url: amqp,
+            amqp_url: amqp.into(),
             schema: self.db.schema.clone(),
             default_exchange: self.broker.exchange.clone(),
             declare_exchange: None,

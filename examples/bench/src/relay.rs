@@ -20,7 +20,7 @@ const STALL: Duration = Duration::from_secs(60);
 
 fn relay_config(url: &str, schema: &str, exchange: &str) -> RelayConfig {
     RelayConfig {
-        amqp_url: url.to_owned(),
+        amqp_url: url.to_owned().into(),
         schema: schema.to_owned(),
         default_exchange: exchange.to_owned(),
         declare_exchange: None,

@@ -19,7 +19,7 @@ pub(crate) struct RunningRelay {
 /// flight.
 pub(crate) fn config(amqp_url: &str) -> RelayConfig {
     RelayConfig {
-        amqp_url: amqp_url.to_owned(),
+        amqp_url: amqp_url.to_owned().into(),
         schema: SCHEMA.to_owned(),
         default_exchange: EXCHANGE.to_owned(),
         batch_size: 50,

@@ -10,8 +10,9 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::IdempotencyKey;
-use crate::ident::Ident;
-use crate::migrate::{PRODUCER, ensure_migrated};
+use crate::migrate::PRODUCER;
+use outbox_core::Ident;
+use outbox_core::migrate::ensure_migrated;
 
 /// Default retention of a key: 24 hours. A client may retry with the same
 /// key for this long and get the recorded response; after it, the key
@@ -178,21 +179,14 @@ pub async fn cleanup_idempotency_keys(pool: &PgPool, schema: &str) -> Result<u64
     let schema = Ident::new("schema", schema)?;
     let sql = AssertSqlSafe(format!(
         "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
-             SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT 10000))",
+             SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1))",
         t = table(&schema)
     ))
     .into_sql_str();
-    let mut deleted = 0;
-    loop {
-        let n = sqlx::query(sql.clone())
-            .execute(pool)
-            .await?
-            .rows_affected();
-        deleted += n;
-        if n < 10_000 {
-            return Ok(deleted);
-        }
-    }
+    Ok(outbox_core::db::delete_in_chunks(pool, 10_000, |chunk| {
+        sqlx::query(sql.clone()).bind(chunk)
+    })
+    .await?)
 }
 
 /// The service's handle on its idempotency keys. Cheap to clone; create

@@ -29,7 +29,7 @@ async fn main() -> Result<()> {
         .connect_with(options)
         .await?;
     let config = RelayConfig {
-        amqp_url: env("AMQP_URL")?,
+        amqp_url: env("AMQP_URL")?.into(),
         schema,
         default_exchange: env("EXCHANGE")?,
         declare_exchange: None,

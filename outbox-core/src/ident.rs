@@ -1,8 +1,20 @@
-use crate::error::{Error, Result};
+/// A schema or table name that is not a plain SQL identifier.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid {what} {value:?}: use 1 to {max} characters of a-z, 0-9 and _, not starting with a digit"
+)]
+pub struct InvalidIdentifier {
+    /// What the identifier names (`"schema"`, ...).
+    pub what: &'static str,
+    /// The rejected value.
+    pub value: String,
+    /// The longest accepted length.
+    pub max: usize,
+}
 
 /// Longest schema name accepted. The wake-up channel is `outbox_<schema>`,
 /// and PostgreSQL truncates identifiers (channel names too) at 63 bytes.
-pub(crate) const MAX_SCHEMA_LEN: usize = 56;
+pub const MAX_SCHEMA_LEN: usize = 56;
 
 /// A validated SQL identifier: `[a-z_][a-z0-9_]*`, so it never needs
 /// escaping and means the same quoted or not.
@@ -11,7 +23,7 @@ pub struct Ident(String);
 
 impl Ident {
     /// Validates `value` as the identifier named `what` (used in the error).
-    pub fn new(what: &'static str, value: &str) -> Result<Self> {
+    pub fn new(what: &'static str, value: &str) -> Result<Self, InvalidIdentifier> {
         let mut chars = value.chars();
         let ok = value.len() <= MAX_SCHEMA_LEN
             && matches!(chars.next(), Some('a'..='z' | '_'))
@@ -19,7 +31,7 @@ impl Ident {
         if ok {
             Ok(Self(value.to_owned()))
         } else {
-            Err(Error::InvalidIdentifier {
+            Err(InvalidIdentifier {
                 what,
                 value: value.to_owned(),
                 max: MAX_SCHEMA_LEN,
@@ -73,10 +85,7 @@ mod tests {
             &"a".repeat(MAX_SCHEMA_LEN + 1),
         ] {
             assert!(
-                matches!(
-                    Ident::new("schema", bad),
-                    Err(Error::InvalidIdentifier { .. })
-                ),
+                matches!(Ident::new("schema", bad), Err(InvalidIdentifier { .. })),
                 "{bad:?} accepted"
             );
         }

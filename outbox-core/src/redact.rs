@@ -200,6 +200,56 @@ fn percent_decode(s: &str) -> String {
         .unwrap_or_else(|| s.to_owned())
 }
 
+/// A broker or database URL, or a comma-separated list of them, that may
+/// hold passwords. `Debug` and `Display` show it redacted
+/// ([`redact_urls`]), so a configuration holding one can derive `Debug`
+/// and be logged whole; [`SecretUrl::expose`] gives the real text to the
+/// code that connects.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct SecretUrl(String);
+
+impl SecretUrl {
+    /// Wraps `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self(url.into())
+    }
+
+    /// The URL as given, password and all: only for connecting.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for SecretUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&redact_urls(&self.0), f)
+    }
+}
+
+impl std::fmt::Display for SecretUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&redact_urls(&self.0))
+    }
+}
+
+impl From<String> for SecretUrl {
+    fn from(url: String) -> Self {
+        Self(url)
+    }
+}
+
+impl From<&str> for SecretUrl {
+    fn from(url: &str) -> Self {
+        Self(url.to_owned())
+    }
+}
+
+impl From<&String> for SecretUrl {
+    fn from(url: &String) -> Self {
+        Self(url.clone())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -319,5 +369,19 @@ mod tests {
             .is_ok()
         );
         assert!(check_url("postgres:shop", "database URL", &pg).is_err());
+    }
+
+    #[test]
+    fn secret_urls_never_show_their_password() {
+        let url =
+            SecretUrl::from("amqp://relay:hunter2@a:5672/%2f,amqp://relay:hunter2@b:5672/%2f");
+        for shown in [format!("{url:?}"), format!("{url}")] {
+            assert!(!shown.contains("hunter2"), "{shown}");
+            assert!(
+                shown.contains("a:5672") && shown.contains("b:5672"),
+                "{shown}"
+            );
+        }
+        assert!(url.expose().contains("hunter2"));
     }
 }

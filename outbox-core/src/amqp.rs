@@ -1,0 +1,132 @@
+//! Broker calls bounded by a timeout, the one rule for which broker errors
+//! no retry can fix, and connecting to the first of several nodes that
+//! answers.
+
+use std::future::Future;
+use std::time::Duration;
+
+use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+use lapin::{Connection, ConnectionProperties};
+
+use crate::redact::host_port;
+
+/// A broker call that failed or did not finish in time.
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    /// The broker (or the connection to it) failed the operation.
+    #[error("broker error during {what}: {source}")]
+    Failed {
+        /// The AMQP operation (`"connect"`, `"queue declare"`, ...).
+        what: &'static str,
+        /// lapin's error.
+        #[source]
+        source: lapin::Error,
+    },
+    /// Connecting to a node failed.
+    #[error("cannot connect to the broker at {node}")]
+    Connect {
+        /// `host:port` of the node (never its password).
+        node: String,
+        /// lapin's error.
+        #[source]
+        source: lapin::Error,
+    },
+    /// The operation did not finish within its bound.
+    #[error("broker did not answer {what} within {timeout:?}")]
+    TimedOut {
+        /// The AMQP operation.
+        what: &'static str,
+        /// The bound that was exceeded.
+        timeout: Duration,
+    },
+}
+
+impl BrokerError {
+    /// True when no retry can fix it ([`is_refusal`]).
+    pub fn is_refusal(&self) -> bool {
+        match self {
+            BrokerError::Failed { what, source } => is_refusal(what, source),
+            BrokerError::Connect { source, .. } => is_refusal("connect", source),
+            BrokerError::TimedOut { .. } => false,
+        }
+    }
+}
+
+/// Awaits a broker operation named `what`, bounded by `timeout`.
+pub async fn bounded<T>(
+    what: &'static str,
+    timeout: Duration,
+    f: impl Future<Output = lapin::Result<T>>,
+) -> Result<T, BrokerError> {
+    match tokio::time::timeout(timeout, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(source)) => Err(BrokerError::Failed { what, source }),
+        Err(_) => Err(BrokerError::TimedOut { what, timeout }),
+    }
+}
+
+/// The broker refused `what` in a way no retry can fix: a login or
+/// permission refused (403 `ACCESS_REFUSED`), a missing virtual host (530
+/// `NOT_ALLOWED`), a declaration at odds with what exists (406
+/// `PRECONDITION_FAILED` on a declare: another exchange or queue type,
+/// other arguments). A 406 elsewhere is routine and retried (RabbitMQ's
+/// `consumer_timeout` on a delivery held through a long database outage,
+/// an unknown delivery tag); a missing queue (404) may be declared later.
+pub fn is_refusal(what: &str, e: &lapin::Error) -> bool {
+    let lapin::ErrorKind::ProtocolError(amqp) = e.kind() else {
+        return false;
+    };
+    match amqp.kind() {
+        AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+        | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED) => true,
+        AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED) => what.contains("declare"),
+        _ => false,
+    }
+}
+
+/// Connects to the first of `urls` that answers, trying them in turn from
+/// index `start` (the one after the node used last, so a client moves on
+/// from a node that failed), each bounded by `timeout`; returns the
+/// connection and the index of its URL.
+///
+/// Once every URL failed: a refusal when every node refused (a wrong
+/// password, a missing virtual host), else the last failure (worth
+/// retrying). One node's refusal alone is not the cluster's answer: a
+/// restarting node says its virtual host is down (530 `NOT_ALLOWED`) for a
+/// moment. lapin's own recovery is not used: callers supervise and
+/// reconnect.
+pub async fn connect_any<S: AsRef<str>>(
+    urls: &[S],
+    start: usize,
+    timeout: Duration,
+    props: ConnectionProperties,
+) -> Result<(Connection, usize), BrokerError> {
+    let (mut refusal, mut last) = (None, None);
+    for k in 0..urls.len() {
+        let i = (start + k) % urls.len();
+        let url = urls[i].as_ref();
+        let node = host_port(url);
+        let connected =
+            match tokio::time::timeout(timeout, Connection::connect(url, props.clone())).await {
+                Ok(Ok(conn)) => return Ok((conn, i)),
+                Ok(Err(source)) => BrokerError::Connect { node, source },
+                Err(_) => BrokerError::TimedOut {
+                    what: "connect",
+                    timeout,
+                },
+            };
+        // The caller logs the outage once; each node's answer is detail.
+        tracing::debug!(broker = %host_port(url), error = %connected, "broker node did not answer");
+        if connected.is_refusal() {
+            refusal = Some(connected);
+        } else {
+            last = Some(connected);
+        }
+    }
+    // `urls` is never empty where callers validated their configuration;
+    // an empty list is a timeout of nothing rather than a panic.
+    Err(last.or(refusal).unwrap_or(BrokerError::TimedOut {
+        what: "connect (no broker URL configured)",
+        timeout,
+    }))
+}

@@ -1,0 +1,27 @@
+//! Internals shared by the crates of the outbox toolkit: `outbox-lib` (the
+//! producer), `consumer-lib` and `relay-bin`.
+//!
+//! **No stable API.** Each of those crates depends on one exact version of
+//! this crate (`=x.y.z`), so anything here may change in any release.
+//! Depend on them, not on this crate; the parts meant for users are
+//! re-exported there (`outbox::Ident`, `outbox::redact`).
+//!
+//! One home per helper: SQL identifiers ([`Ident`]), the migration runner
+//! ([`migrate`]), which database errors are worth retrying ([`db`]),
+//! exponential backoff with jitter ([`backoff`]), one log line per outage
+//! ([`outage`]), passwords kept out of logs ([`redact`]) and, with the
+//! `amqp` feature, bounded broker calls and connecting with failover
+//! ([`amqp`]).
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+#[cfg(feature = "amqp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
+pub mod amqp;
+pub mod backoff;
+pub mod db;
+mod ident;
+pub mod migrate;
+pub mod outage;
+pub mod redact;
+
+pub use crate::ident::{Ident, InvalidIdentifier, MAX_SCHEMA_LEN, wakeup_channel};
