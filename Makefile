@@ -9,7 +9,7 @@ export TEST_AMQP_URL ?= $(AMQP_URL)
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 
-.PHONY: help services cluster test-cluster package build test lint fmt demo bench bench-smoke soak clean-test-schemas
+.PHONY: help services cluster test-cluster package doc build test lint fmt demo bench bench-smoke soak clean-test-schemas
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-20s %s\n", $$1, $$2}'
@@ -34,12 +34,16 @@ test: ## run every test (unit, database, broker, end-to-end, the cluster suite) 
 test-cluster: cluster ## the fault suite on the three-node cluster with quorum queues (stops and starts its nodes; runs alone)
 	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^cluster_/)'
 
-package: ## cargo publish --dry-run of the three libraries: their packaged sources (migrations included) build on their own
+package: ## cargo publish --dry-run of the published crates: their packaged sources (migrations included) build on their own
 	$(CARGO) publish --dry-run -p outbox-core -p outbox-lib -p consumer-lib -p relay-bin
 
-lint: ## rustfmt and clippy, warnings are errors
+lint: ## rustfmt and clippy, warnings are errors; make targets share one feature set
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	./scripts/check-feature-sets.sh
+
+doc: ## API docs of the published crates as docs.rs builds them (all features); rustdoc warnings are errors
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --all-features -p outbox-core -p outbox-lib -p consumer-lib -p relay-bin
 
 fmt: ## format the code
 	$(CARGO) fmt --all

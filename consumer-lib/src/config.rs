@@ -26,7 +26,7 @@ pub enum DedupKey {
 const DEFAULT_MAX_DEFERRALS: u32 = 100;
 
 /// Whether a consumer applies sequenced events in per-aggregate order
-/// (`docs/CONSUMER.md`, "Ordered consumption").
+/// ([`docs/CONSUMER.md`](https://github.com/outbox-rs/outbox/blob/main/docs/CONSUMER.md), "Ordered consumption").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Ordering {

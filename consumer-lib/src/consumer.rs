@@ -211,6 +211,8 @@ impl Consumer {
         }
     }
 
+    #[cfg(feature = "signal")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "signal")))]
     /// [`Consumer::run`] until the process receives SIGTERM (what
     /// Kubernetes, systemd and `docker stop` send) or SIGINT (Ctrl-C): then
     /// it stops taking deliveries, commits and acks the batch in hand, and

@@ -20,7 +20,7 @@ pub const HEADER_DEFERRAL_COUNT: &str = "x-deferral-count";
 /// of the message were not acked ([`Event::delivery_count`]).
 pub const HEADER_DELIVERY_COUNT: &str = "x-delivery-count";
 
-/// One received event, decoded from its AMQP message (`docs/AMQP_MESSAGE.md`).
+/// One received event, decoded from its AMQP message ([`docs/AMQP_MESSAGE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/AMQP_MESSAGE.md)).
 #[derive(Debug, Clone)]
 pub struct Event {
     pub(crate) id: String,

@@ -49,8 +49,9 @@
 //! each aggregate on one single-active-consumer queue (optionally
 //! partitioned by a consistent-hash exchange).
 //!
-//! Contracts: `docs/CONSUMER.md` (guarantees, retries, dead letters,
-//! metrics) and `docs/INBOX_TABLE.md` (the inbox table and retention).
+//! Contracts: [`docs/CONSUMER.md`](https://github.com/outbox-rs/outbox/blob/main/docs/CONSUMER.md) (guarantees, retries, dead letters,
+//! metrics) and [`docs/INBOX_TABLE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/INBOX_TABLE.md) (the inbox table and retention).
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
 mod batch;

@@ -9,7 +9,7 @@ use outbox::wire;
 
 use crate::error::{Error, Result, bounded};
 
-/// The type of the queues the topology helpers declare (`docs/OPERATIONS.md`,
+/// The type of the queues the topology helpers declare ([`docs/OPERATIONS.md`](https://github.com/outbox-rs/outbox/blob/main/docs/OPERATIONS.md),
 /// "Production RabbitMQ").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -156,7 +156,7 @@ pub async fn declare_topology(conn: &Connection, topology: &TopologyConfig) -> R
 pub const MAX_PARTITIONS: u16 = 64;
 
 /// What [`declare_ordered_topology`] declares: the routing scheme for
-/// ordered consumption (`docs/CONSUMER.md`, "Ordered consumption").
+/// ordered consumption ([`docs/CONSUMER.md`](https://github.com/outbox-rs/outbox/blob/main/docs/CONSUMER.md), "Ordered consumption").
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct OrderedTopology {

@@ -57,7 +57,7 @@ impl TraceContext {
 
 fn new_span_id() -> String {
     loop {
-        let id: u64 = rand::random();
+        let id = outbox_core::random_u64();
         if id != 0 {
             return format!("{id:016x}");
         }

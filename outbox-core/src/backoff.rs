@@ -22,7 +22,9 @@ pub fn capped(base: Duration, max: Duration, attempt: u32) -> Duration {
 /// A random delay in `[d/2, d]`.
 pub fn jitter(d: Duration) -> Duration {
     let half = d / 2;
-    half + d.saturating_sub(half).mul_f64(rand::random::<f64>())
+    // 53 random bits: a fraction in [0, 1).
+    let fraction = (crate::random_u64() >> 11) as f64 / (1u64 << 53) as f64;
+    half + d.saturating_sub(half).mul_f64(fraction)
 }
 
 /// Counts the failures of one outage: [`Backoff::next_delay`] gives the

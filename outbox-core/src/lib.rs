@@ -25,3 +25,13 @@ pub mod outage;
 pub mod redact;
 
 pub use crate::ident::{Ident, InvalidIdentifier, MAX_SCHEMA_LEN, wakeup_channel};
+
+/// 64 random bits, different at every call: good for jitter and trace
+/// ids, not for secrets. (The standard library's per-process random hash
+/// keys, advanced at every call, so no RNG crate is needed.)
+pub fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
+}

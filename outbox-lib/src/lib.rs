@@ -23,7 +23,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The outbox table is a public contract (`docs/OUTBOX_TABLE.md`): services
+//! The outbox table is a public contract ([`docs/OUTBOX_TABLE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/OUTBOX_TABLE.md)): services
 //! in other languages may insert into it directly.
 //!
 //! Per-aggregate ordering is opt-in and a property of the data: once an
@@ -31,8 +31,9 @@
 //! `outbox-relay ordering add order`), every event of an `order` aggregate,
 //! whoever writes it, gets the aggregate's next sequence number in commit
 //! order, and relays and ordered consumers keep that order
-//! (`docs/ORDERING.md`). `OutboxConfig::ordering` makes a service check at
+//! ([`docs/ORDERING.md`](https://github.com/outbox-rs/outbox/blob/main/docs/ORDERING.md)). `OutboxConfig::ordering` makes a service check at
 //! start-up that the types it relies on are ordered.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod error;
 mod event;
@@ -40,6 +41,7 @@ mod idempotency;
 mod migrate;
 mod ordered_types;
 mod outbox;
+#[cfg(feature = "signal")]
 mod signal;
 mod wakeup;
 pub mod wire;
@@ -51,6 +53,8 @@ pub use crate::event::{EVENT_ID_NAMESPACE, NewEvent};
 pub use crate::idempotency::*;
 pub use crate::ordered_types::{ALL_TYPES, ordered_types, set_ordered};
 pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, Ordering, Outbox, OutboxConfig};
+#[cfg(feature = "signal")]
+#[cfg_attr(docsrs, doc(cfg(feature = "signal")))]
 pub use crate::signal::shutdown_signal;
 pub use crate::wakeup::Wakeup;
 /// Passwords in URLs never reach a log line, an error or `--help`: the

@@ -1,6 +1,6 @@
 //! Which aggregate types are ordered: a property of the data, kept in
 //! `<schema>.outbox_ordered_types` and enforced by the database for every
-//! writer (`docs/ORDERING.md`).
+//! writer ([`docs/ORDERING.md`](https://github.com/outbox-rs/outbox/blob/main/docs/ORDERING.md)).
 
 use sqlx::{AssertSqlSafe, PgPool};
 

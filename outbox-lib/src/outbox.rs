@@ -17,7 +17,7 @@ use outbox_core::{Ident, wakeup_channel};
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 
 /// Which events are published in per-aggregate commit order
-/// (`docs/ORDERING.md`).
+/// ([`docs/ORDERING.md`](https://github.com/outbox-rs/outbox/blob/main/docs/ORDERING.md)).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Ordering {
@@ -101,7 +101,7 @@ impl OutboxConfig {
     /// fails with [`crate::Error::OrderingNotRegistered`] otherwise. An ordered event takes the next number of its aggregate
     /// (`outbox_sequences`), holding that row's lock until the transaction
     /// ends: transactions writing events of the same aggregate commit one
-    /// after the other. See `docs/ORDERING.md`.
+    /// after the other. See [`docs/ORDERING.md`](https://github.com/outbox-rs/outbox/blob/main/docs/ORDERING.md).
     pub fn ordering(mut self, ordering: Ordering) -> Self {
         self.ordering = ordering;
         self

@@ -8,7 +8,7 @@ use tokio::sync::mpsc;
 
 /// How relays learn that new events were committed. Whatever the mode, the
 /// relay also polls, so a lost signal only delays an event by one poll
-/// interval; it never loses it. See `docs/WAKEUP.md` for measurements.
+/// interval; it never loses it. See [`docs/WAKEUP.md`](https://github.com/outbox-rs/outbox/blob/main/docs/WAKEUP.md) for measurements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Wakeup {

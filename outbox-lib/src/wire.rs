@@ -1,5 +1,5 @@
 //! The AMQP message contract shared by the relay and the consumer. See
-//! `docs/AMQP_MESSAGE.md`.
+//! [`docs/AMQP_MESSAGE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/AMQP_MESSAGE.md).
 //!
 //! One published event is one AMQP message:
 //!

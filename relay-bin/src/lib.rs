@@ -9,7 +9,7 @@
 //! jitter, then dead-lettered. A crash anywhere re-runs work; nothing is
 //! lost, and the only duplicates are publishes whose settle did not commit.
 //!
-//! Ordered events (`aggregate_seq` set by the producer, `docs/ORDERING.md`)
+//! Ordered events (`aggregate_seq` set by the producer, [`docs/ORDERING.md`](https://github.com/outbox-rs/outbox/blob/main/docs/ORDERING.md))
 //! are published per aggregate in sequence: relays lease the 64 partitions
 //! of the aggregate key space (fair shares, handed over when a relay dies
 //! or stops), claim each aggregate from its head only, and never
@@ -38,6 +38,7 @@
 //! relay.run(shutdown).await?;
 //! # Ok(()) }
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
 mod engine;

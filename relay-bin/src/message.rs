@@ -1,5 +1,5 @@
 //! Turning an outbox row into the AMQP message of the contract
-//! (`docs/AMQP_MESSAGE.md`, constants in `outbox::wire`).
+//! ([`docs/AMQP_MESSAGE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/AMQP_MESSAGE.md), constants in `outbox::wire`).
 
 use chrono::{DateTime, Utc};
 use lapin::BasicProperties;
@@ -62,7 +62,7 @@ impl ClaimedEvent {
             .unwrap_or_else(|| wire::default_routing_key(&self.aggregate_type, &self.event_type))
     }
 
-    /// The AMQP properties of the contract (`docs/AMQP_MESSAGE.md`), or why
+    /// The AMQP properties of the contract ([`docs/AMQP_MESSAGE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/AMQP_MESSAGE.md)), or why
     /// this event can never be published as it is: an AMQP short string
     /// (the `type`, a header name) over 255 bytes, or headers that are not
     /// a JSON object. Never panics, whatever the row holds.

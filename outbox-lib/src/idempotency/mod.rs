@@ -1,6 +1,6 @@
 //! HTTP Idempotency-Key handling: a retried request executes once, in the
 //! same transaction as the business write and its events. The contract is
-//! in `docs/IDEMPOTENCY.md`.
+//! in [`docs/IDEMPOTENCY.md`](https://github.com/outbox-rs/outbox/blob/main/docs/IDEMPOTENCY.md).
 
 mod atomic;
 #[cfg(feature = "axum")]
@@ -12,6 +12,7 @@ mod two_phase;
 
 pub use self::atomic::{Claim, ClaimedKey};
 #[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use self::axum::{
     IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotent, IdempotentRoute, require_finish,
 };

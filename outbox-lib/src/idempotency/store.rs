@@ -31,7 +31,7 @@ pub const DOWNSTREAM_KEY_NAMESPACE: Uuid =
     Uuid::from_u128(0x2f6b_0d3e_8a41_4c7a_b5e2_91d0_6c3f_7a18);
 
 /// Settings of an [`Idempotency`] handle. Every duration is a contract
-/// with clients or operators; see `docs/IDEMPOTENCY.md`.
+/// with clients or operators; see [`docs/IDEMPOTENCY.md`](https://github.com/outbox-rs/outbox/blob/main/docs/IDEMPOTENCY.md).
 #[derive(Debug, Clone)]
 pub struct IdempotencyConfig {
     schema: String,

@@ -323,33 +323,51 @@ async fn tap(
     record: &Record,
     stopped: &mut watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
+    // Every broker await is bounded, and a lost connection is noticed
+    // within a second: lapin may not wake a consumer whose node was
+    // SIGKILLed or stopped, and a tap stuck on a dead connection would
+    // leave its queue undrained (seen once in the cluster suite).
+    let t = Duration::from_secs(5);
     let conn = connect_any(urls).await?;
-    let ch = conn.create_channel().await?;
-    ch.basic_qos(500, Default::default()).await?;
-    let mut consumer = ch
-        .basic_consume(
+    let ch = tokio::time::timeout(t, conn.create_channel()).await??;
+    tokio::time::timeout(t, ch.basic_qos(500, Default::default())).await??;
+    let mut consumer = tokio::time::timeout(
+        t,
+        ch.basic_consume(
             queue.into(),
             "tap".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
-        )
-        .await?;
-    loop {
+        ),
+    )
+    .await??;
+    let result = loop {
         // Stops only between messages: a recorded message is always acked
         // (or its connection is lost, and its redelivery is a real copy).
         let d = tokio::select! {
-            _ = stopped.changed() => break,
+            _ = stopped.changed() => break Ok(()),
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                if conn.status().connected() && ch.status().connected() {
+                    continue;
+                }
+                break Err(anyhow::anyhow!("tap connection lost"));
+            }
             d = consumer.next() => match d {
-                Some(d) => d?,
-                None => break,
+                Some(Ok(d)) => d,
+                Some(Err(e)) => break Err(e.into()),
+                None => break Ok(()),
             },
         };
         let acker = d.acker.clone();
         record(d);
-        acker.ack(BasicAckOptions::default()).await?;
-    }
-    let _ = conn.close(200, "ok".into()).await;
-    Ok(())
+        match tokio::time::timeout(t, acker.ack(BasicAckOptions::default())).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => break Err(e.into()),
+            Err(e) => break Err(e.into()),
+        }
+    };
+    let _ = tokio::time::timeout(t, conn.close(200, "ok".into())).await;
+    result
 }
 
 /// Consumes a queue in the background, recording every message by its

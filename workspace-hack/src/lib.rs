@@ -1,0 +1,1 @@
+//! Feature unification only: see `Cargo.toml`.
