@@ -118,6 +118,7 @@ impl From<BrokerError> for Error {
                 source,
             },
             BrokerError::TimedOut { what, timeout } => Error::BrokerTimeout { what, timeout },
+            BrokerError::NoUrl => Error::Config(e.to_string()),
         }
     }
 }

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{DEADLINE, Env, Running, wait_until};
-use lapin::options::{BasicGetOptions, BasicNackOptions, QueueDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::options::{BasicGetOptions, BasicNackOptions};
+use lapin::types::AMQPValue;
 use outbox_consumer::{
     Consumer, Error, Event, Handler, Outcome, QueueType, TopologyConfig, declare_topology,
 };
@@ -57,20 +57,9 @@ async fn requeue(m: lapin::message::BasicGetMessage) {
         .unwrap();
 }
 
-/// Messages ready in `queue` (passive declare).
+/// Messages ready in `queue` (u32::MAX while it cannot be read).
 async fn depth(env: &Env, queue: &str) -> u32 {
-    env.channel
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap()
-        .message_count()
+    e2e::depth(&env.amqp, queue).await.0
 }
 
 /// Retries wait in the retry queue for their delay, then go back to the

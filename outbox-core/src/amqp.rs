@@ -31,6 +31,9 @@ pub enum BrokerError {
         #[source]
         source: lapin::Error,
     },
+    /// [`connect_any`] was given no URL.
+    #[error("no AMQP URL configured")]
+    NoUrl,
     /// The operation did not finish within its bound.
     #[error("broker did not answer {what} within {timeout:?}")]
     TimedOut {
@@ -47,6 +50,7 @@ impl BrokerError {
         match self {
             BrokerError::Failed { what, source } => is_refusal(what, source),
             BrokerError::Connect { source, .. } => is_refusal("connect", source),
+            BrokerError::NoUrl => true,
             BrokerError::TimedOut { .. } => false,
         }
     }
@@ -109,24 +113,57 @@ pub async fn connect_any<S: AsRef<str>>(
         let connected =
             match tokio::time::timeout(timeout, Connection::connect(url, props.clone())).await {
                 Ok(Ok(conn)) => return Ok((conn, i)),
-                Ok(Err(source)) => BrokerError::Connect { node, source },
+                Ok(Err(source)) => BrokerError::Connect {
+                    node: node.clone(),
+                    source,
+                },
                 Err(_) => BrokerError::TimedOut {
                     what: "connect",
                     timeout,
                 },
             };
         // The caller logs the outage once; each node's answer is detail.
-        tracing::debug!(broker = %host_port(url), error = %connected, "broker node did not answer");
+        tracing::debug!(broker = %node, error = %connected, "broker node did not answer");
         if connected.is_refusal() {
             refusal = Some(connected);
         } else {
             last = Some(connected);
         }
     }
-    // `urls` is never empty where callers validated their configuration;
-    // an empty list is a timeout of nothing rather than a panic.
-    Err(last.or(refusal).unwrap_or(BrokerError::TimedOut {
-        what: "connect (no broker URL configured)",
-        timeout,
-    }))
+    Err(last.or(refusal).unwrap_or(BrokerError::NoUrl))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn no_url_is_a_refusal_not_a_timeout() {
+        let urls: [&str; 0] = [];
+        let err = connect_any(
+            &urls,
+            0,
+            Duration::from_secs(1),
+            ConnectionProperties::default(),
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(err, BrokerError::NoUrl), "{err:?}");
+        assert!(err.is_refusal(), "retrying cannot conjure a URL");
+    }
+
+    #[tokio::test]
+    async fn an_unanswering_node_is_worth_retrying() {
+        // A port nothing listens on: the connection is refused at once.
+        let err = connect_any(
+            &["amqp://guest:guest@127.0.0.1:1/%2f"],
+            0,
+            Duration::from_secs(5),
+            ConnectionProperties::default(),
+        )
+        .await
+        .unwrap_err();
+        assert!(!err.is_refusal(), "{err:?}");
+        assert!(!err.to_string().contains("guest:guest"), "{err}");
+    }
 }

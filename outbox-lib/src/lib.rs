@@ -72,7 +72,7 @@ pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>> {
 
 /// Fails with [`MigrateError::NotMigrated`] unless `schema` holds every
 /// producer migration this library knows, and with
-/// [`MigrateError::SchemaTooNew`] if it holds newer ones. The relay and [`Outbox::new`] call it at start-up.
+/// [`MigrateError::SchemaTooNew`] if it holds newer ones. The relay calls it at start-up; [`Outbox::new`] makes the same check.
 pub async fn check_migrated(pool: &PgPool, schema: &str) -> Result<()> {
     let schema = Ident::new("schema", schema)?;
     Ok(outbox_core::migrate::ensure_migrated(pool, &migrate::PRODUCER, &schema).await?)

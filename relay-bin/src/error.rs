@@ -107,6 +107,7 @@ impl From<BrokerError> for Error {
             BrokerError::Failed { what, source } => Error::Broker { what, source },
             BrokerError::Connect { node, source } => Error::BrokerConnect { node, source },
             BrokerError::TimedOut { what, timeout } => Error::BrokerTimeout { what, timeout },
+            BrokerError::NoUrl => Error::Config(e.to_string()),
         }
     }
 }

@@ -636,21 +636,8 @@ async fn a_slow_broker_cannot_stretch_a_batch_past_its_idle_bound() {
     stop.cancel();
     task.await.unwrap().unwrap();
     // Quiet: the relay has stopped; anything still in flight has landed.
-    let queued = async || {
-        ch.queue_declare(
-            broker.queue.as_str().into(),
-            lapin::options::QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap()
-        .message_count()
-    };
     wait_until(DEADLINE, "the queue drained", || async {
-        queued().await == 0
+        e2e::depth(&conn, &broker.queue).await.0 == 0
     })
     .await;
     let dups = collector.received.lock().unwrap().duplicates();

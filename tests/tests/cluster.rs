@@ -17,7 +17,6 @@ use e2e::cluster::Cluster;
 use e2e::{
     Collector, KillOnDrop, TestDb, connect_any, database_url, settled_depth, suffix, wait_until,
 };
-use lapin::options::{QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use nix::sys::signal::Signal;
 use outbox_consumer::{TopologyConfig, declare_topology};
@@ -62,31 +61,12 @@ impl World {
         declare_topology(&conn, &t).await.unwrap();
         // A quorum queue of its own counts what reached the wire.
         let wire_queue = format!("{queue}.wire");
-        let ch = conn.create_channel().await.unwrap();
         let mut args = FieldTable::default();
         args.insert(
             "x-queue-type".into(),
             AMQPValue::LongString("quorum".into()),
         );
-        ch.queue_declare(
-            wire_queue.as_str().into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            args,
-        )
-        .await
-        .unwrap();
-        ch.queue_bind(
-            wire_queue.as_str().into(),
-            exchange.as_str().into(),
-            "#".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+        e2e::declare_tap_queue(&conn, &exchange, &wire_queue, "#", args).await;
         let _ = conn.close(200, "ok".into()).await;
         let wire = Collector::start_on(&cluster.urls().join(","), &wire_queue);
         Self {

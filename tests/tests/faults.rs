@@ -22,7 +22,6 @@ use e2e::{
     Collector, KillOnDrop, Mode, Proxy, TestBroker, TestDb, amqp_url, database_url,
     freeze_mid_batch, kill_now, settled_depth, stop_child, suffix, wait_until,
 };
-use lapin::options::{QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use nix::sys::signal::Signal;
 use outbox::{NewEvent, Outbox, OutboxConfig};
@@ -84,26 +83,14 @@ impl World {
         // the wire, duplicates included.
         let wire_queue = format!("{}.wire", broker.queue);
         let conn = e2e::connect().await;
-        let ch = conn.create_channel().await.unwrap();
-        ch.queue_declare(
-            wire_queue.as_str().into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
+        e2e::declare_tap_queue(
+            &conn,
+            &broker.exchange,
+            &wire_queue,
+            "#",
             FieldTable::default(),
         )
-        .await
-        .unwrap();
-        ch.queue_bind(
-            wire_queue.as_str().into(),
-            broker.exchange.as_str().into(),
-            "#".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+        .await;
         let _ = conn.close(200, "ok".into()).await;
         let wire = Collector::start(&wire_queue);
         Self {

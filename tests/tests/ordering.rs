@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use e2e::{
     KillOnDrop, SeqLog, TestBroker, TestDb, amqp_url, database_url, kill_now, suffix, wait_until,
 };
-use lapin::options::{QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -143,23 +142,7 @@ async fn produce(db: &TestDb, n: usize, pace: Duration) {
 /// Declares `queue` bound to the relays' exchange for every account event,
 /// and records what arrives there: the wire as the relays wrote it.
 async fn watch_wire(conn: &lapin::Connection, exchange: &str, queue: &str) -> SeqLog {
-    let ch = conn.create_channel().await.unwrap();
-    let durable = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    ch.queue_declare(queue.into(), durable, FieldTable::default())
-        .await
-        .unwrap();
-    ch.queue_bind(
-        queue.into(),
-        exchange.into(),
-        "account.*".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    e2e::declare_tap_queue(conn, exchange, queue, "account.*", FieldTable::default()).await;
     SeqLog::start(queue)
 }
 

@@ -436,6 +436,34 @@ impl Collector {
     }
 }
 
+/// Declares the durable `queue` (with `args`, such as a quorum type) bound
+/// to `exchange` with `pattern`: a queue that sees what the relays put on
+/// the wire, for a [`Collector`] or a [`SeqLog`] to record.
+pub async fn declare_tap_queue(
+    conn: &Connection,
+    exchange: &str,
+    queue: &str,
+    pattern: &str,
+    args: FieldTable,
+) {
+    let ch = conn.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(queue.into(), durable, args).await.unwrap();
+    ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        pattern.into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let _ = ch.close(200, "ok".into()).await;
+}
+
 /// (ready messages, consumers) of `queue`, from a passive declare on a
 /// channel of its own; (u32::MAX, 0) while the queue cannot be read.
 pub async fn depth(conn: &Connection, queue: &str) -> (u32, u32) {
