@@ -35,6 +35,10 @@ test-cluster: cluster ## the fault suite on the three-node cluster with quorum q
 	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^cluster_/)'
 
 package: ## cargo publish --dry-run of the published crates: their packaged sources (migrations included) build on their own
+	@# Cargo's local overlay registry reuses the sources it unpacked for the
+	@# same version in an earlier dry run (stale code, or a false failure):
+	@# drop those copies so the packages verified are this tree's.
+	rm -rf $${CARGO_HOME:-$$HOME/.cargo}/registry/src/-*/{outbox-core,outbox-lib,consumer-lib,relay-bin}-[0-9]*
 	$(CARGO) publish --dry-run -p outbox-core -p outbox-lib -p consumer-lib -p relay-bin
 
 lint: ## rustfmt and clippy, warnings are errors; make targets share one feature set
