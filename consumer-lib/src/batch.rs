@@ -12,7 +12,7 @@ use tracing::{Instrument as _, Span};
 use crate::dedup::Inbox;
 use crate::event::Event;
 use crate::handler::{BatchOutcome, Handlers, Outcome};
-use crate::sequence::{Decision, Deferral, Position, Sequencer, Sequences};
+use crate::sequence::{Deferral, Position, Sequencer, Sequences, Turn};
 
 /// The decoded deliveries of one batch.
 pub(crate) struct Batch<'a> {
@@ -82,7 +82,7 @@ pub(crate) async fn process(
         // Only the first delivery of a fresh key runs; later copies in the
         // same batch are duplicates.
         let mut first = HashSet::new();
-        let runs: Vec<usize> = (0..events.len())
+        let to_handle: Vec<usize> = (0..events.len())
             .filter(|&i| fresh.contains(events[i].id()) && first.insert(events[i].id()))
             .collect();
         // With ordering, every sequenced copy holds a number of its
@@ -93,9 +93,9 @@ pub(crate) async fn process(
         // number. The handler runs for the copy whose number is next.
         let passes: Vec<usize> = match sequences {
             Some(_) => (0..events.len())
-                .filter(|&i| runs.binary_search(&i).is_ok() || batch.position(i).is_some())
+                .filter(|&i| to_handle.binary_search(&i).is_ok() || batch.position(i).is_some())
                 .collect(),
-            None => runs.clone(),
+            None => to_handle.clone(),
         };
         // After the inbox claim, in every instance: one lock order.
         let mut order = match sequences {
@@ -132,8 +132,15 @@ pub(crate) async fn process(
             }
             Handlers::Batch(h) => {
                 let timeout = batch.handler_timeout;
-                let all_failed =
-                    run_batch(&mut tx, h.as_ref(), events, &runs, timeout, &mut verdicts).await;
+                let all_failed = run_batch(
+                    &mut tx,
+                    h.as_ref(),
+                    events,
+                    &to_handle,
+                    timeout,
+                    &mut verdicts,
+                )
+                .await;
                 if all_failed {
                     // Nothing to keep: the duplicates' inbox rows were
                     // committed before, the fresh ones must not be.
@@ -154,7 +161,7 @@ pub(crate) async fn process(
             .filter(|&i| matches!(verdicts[i], Verdict::Handled(Outcome::Ack)))
             .map(|i| events[i].id())
             .collect();
-        let failed: Vec<&str> = runs
+        let failed: Vec<&str> = to_handle
             .iter()
             .map(|&i| events[i].id())
             .filter(|id| !acked.contains(id))
@@ -166,7 +173,7 @@ pub(crate) async fn process(
             Ok(()) => {}
             Err(e) if isolated_only && in_failed_transaction(&e) => {
                 tx.rollback().await?;
-                for &i in &runs {
+                for &i in &to_handle {
                     verdicts[i] = Verdict::Handled(Outcome::retry(
                         "batch handler returned Ack but one of its statements failed",
                     ));
@@ -206,7 +213,7 @@ struct Pass<'s> {
     isolated: bool,
     /// An event whose (failing) outcome is already decided.
     known: Option<(usize, Outcome)>,
-    /// Ordering on: the sequence state of the batch's aggregates.
+    /// Sequencing on: the sequence state of the batch's aggregates.
     order: Option<&'s mut Sequencer>,
 }
 
@@ -240,26 +247,26 @@ async fn run_each(
     for &i in passes {
         let id = batch.events[i].id();
         let position = batch.position(i);
-        let runs = fresh.contains(id) && !ran.contains(id);
+        let handle = fresh.contains(id) && !ran.contains(id);
         if let (Some(order), Some(p)) = (pass.order.as_deref(), position) {
-            let not_applied = match order.decide(p) {
+            let not_applied = match order.turn(p) {
                 // A copy of an event applied before: its number is passed
                 // over, without running the handler.
-                Decision::Apply if !runs => {
+                Turn::Apply if !handle => {
                     if let Some(order) = pass.order.as_deref_mut() {
                         order.record(p, true);
                     }
                     Some(Verdict::Duplicate)
                 }
-                Decision::Stale { .. } if !runs => Some(Verdict::Duplicate),
-                Decision::Apply => None,
-                Decision::Stale { last } => Some(Verdict::Stale { seq: p.seq, last }),
-                Decision::Gap { expected } => Some(Verdict::Deferred(Deferral {
+                Turn::Stale { .. } if !handle => Some(Verdict::Duplicate),
+                Turn::Apply => None,
+                Turn::Stale { last } => Some(Verdict::Stale { seq: p.seq, last }),
+                Turn::Gap { expected } => Some(Verdict::Deferred(Deferral {
                     expected,
                     got: p.seq,
                     held_back: false,
                 })),
-                Decision::HeldBack { expected } => Some(Verdict::Deferred(Deferral {
+                Turn::HeldBack { expected } => Some(Verdict::Deferred(Deferral {
                     expected,
                     got: p.seq,
                     held_back: true,
@@ -270,7 +277,7 @@ async fn run_each(
                 continue;
             }
         }
-        if !runs {
+        if !handle {
             continue;
         }
         ran.insert(id);
@@ -351,14 +358,14 @@ async fn run_batch(
     tx: &mut PgConnection,
     h: &dyn crate::handler::DynBatchHandler,
     events: &[Event],
-    runs: &[usize],
+    to_handle: &[usize],
     timeout: std::time::Duration,
     verdicts: &mut [Verdict],
 ) -> bool {
-    if runs.is_empty() {
+    if to_handle.is_empty() {
         return false;
     }
-    let fresh: Vec<Event> = runs.iter().map(|&i| events[i].clone()).collect();
+    let fresh: Vec<Event> = to_handle.iter().map(|&i| events[i].clone()).collect();
     let call = std::panic::AssertUnwindSafe(h.handle_batch_dyn(&mut *tx, &fresh)).catch_unwind();
     let outcome = match tokio::time::timeout(timeout, call).await {
         Ok(Ok(outcome)) => outcome,
@@ -368,20 +375,20 @@ async fn run_batch(
         ))),
     };
     let outcomes = match outcome {
-        BatchOutcome::All(o) => vec![o; runs.len()],
-        BatchOutcome::Each(v) if v.len() == runs.len() => v,
+        BatchOutcome::All(o) => vec![o; to_handle.len()],
+        BatchOutcome::Each(v) if v.len() == to_handle.len() => v,
         BatchOutcome::Each(v) => {
             let why = format!(
                 "batch handler returned {} outcomes for {} events",
                 v.len(),
-                runs.len()
+                to_handle.len()
             );
             tracing::error!("{why}");
-            vec![Outcome::Retry(why); runs.len()]
+            vec![Outcome::Retry(why); to_handle.len()]
         }
     };
     let all_failed = outcomes.iter().all(|o| !o.is_ack());
-    for (&i, o) in runs.iter().zip(outcomes) {
+    for (&i, o) in to_handle.iter().zip(outcomes) {
         verdicts[i] = Verdict::Handled(o);
     }
     all_failed

@@ -29,7 +29,7 @@ const DEFAULT_MAX_DEFERRALS: u32 = 100;
 /// ([`docs/CONSUMER.md`](https://github.com/outbox-rs/outbox/blob/main/docs/CONSUMER.md), "Ordered consumption").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
-pub enum Ordering {
+pub enum Sequencing {
     /// Every event is applied when it arrives; the `x-aggregate-seq`
     /// header is ignored.
     #[default]
@@ -55,24 +55,32 @@ pub enum Ordering {
     },
 }
 
-impl Ordering {
+impl Sequencing {
     /// Per-aggregate ordering, every aggregate starting at sequence 1.
     pub const fn by_sequence() -> Self {
-        Ordering::BySequence {
+        Sequencing::BySequence {
             accept_first_seen: false,
         }
     }
 
     pub(crate) fn is_on(&self) -> bool {
-        !matches!(self, Ordering::Off)
+        !matches!(self, Sequencing::Off)
     }
 }
 
 /// Configuration of a [`Consumer`](crate::Consumer).
 ///
-/// Build it with [`ConsumerConfig::new`] and change the public fields you
-/// need; [`Consumer::new`](crate::Consumer::new) validates it. Its `Debug`
-/// output redacts the passwords of `amqp_url`.
+/// Like every configuration of the toolkit: start from
+/// [`ConsumerConfig::new`] (the values that have no default), assign the
+/// fields you change; [`Consumer::new`](crate::Consumer::new) validates the
+/// result. Its `Debug` output redacts the passwords of `amqp_url`.
+///
+/// ```
+/// use outbox_consumer::{ConsumerConfig, Sequencing};
+/// let mut config = ConsumerConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f", "stock.orders", "stock");
+/// config.schema = "stock".into();
+/// config.sequencing = Sequencing::by_sequence();
+/// ```
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ConsumerConfig {
@@ -137,8 +145,8 @@ pub struct ConsumerConfig {
     /// Default [`QueueType::Quorum`](crate::QueueType::Quorum).
     pub queue_type: crate::QueueType,
     /// Per-aggregate ordering of sequenced events. Default
-    /// [`Ordering::Off`].
-    pub ordering: Ordering,
+    /// [`Sequencing::Off`].
+    pub sequencing: Sequencing,
     /// Longest one handler call may take (a per-event handler's call for
     /// one event, a batch handler's call for the batch). A handler that
     /// has not returned by then is abandoned and its event retried
@@ -184,29 +192,11 @@ impl ConsumerConfig {
             max_reconnect_delay: Duration::from_secs(5),
             declare_retry_queues: true,
             queue_type: crate::QueueType::default(),
-            ordering: Ordering::Off,
+            sequencing: Sequencing::Off,
             handler_timeout: Duration::from_secs(30),
             lock_timeout: Duration::from_secs(10),
             max_batch_attempts: 5,
         }
-    }
-
-    /// Sets the schema holding the inbox.
-    pub fn schema(mut self, schema: impl Into<String>) -> Self {
-        self.schema = schema.into();
-        self
-    }
-
-    /// Sets where the dedup key comes from.
-    pub fn dedup_key(mut self, key: DedupKey) -> Self {
-        self.dedup_key = key;
-        self
-    }
-
-    /// Sets the per-aggregate ordering of sequenced events.
-    pub fn ordering(mut self, ordering: Ordering) -> Self {
-        self.ordering = ordering;
-        self
     }
 
     /// Checks the configuration; returns the validated schema name.
@@ -314,11 +304,11 @@ mod tests {
         let mut c = cfg();
         c.batch_size = 1000;
         assert!(matches!(c.validate(), Err(Error::Config(_))));
-        assert!(matches!(
-            cfg().schema("Bad-Name").validate(),
-            Err(Error::Outbox(_))
-        ));
-        let c = cfg().dedup_key(DedupKey::PayloadField("id".into()));
+        let mut c = cfg();
+        c.schema = "Bad-Name".into();
+        assert!(matches!(c.validate(), Err(Error::Outbox(_))));
+        let mut c = cfg();
+        c.dedup_key = DedupKey::PayloadField("id".into());
         assert!(matches!(c.validate(), Err(Error::Config(_))));
     }
 

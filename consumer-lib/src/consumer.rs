@@ -18,14 +18,14 @@ use tokio_util::sync::CancellationToken;
 use tracing::Span;
 use tracing::field::Empty;
 
+use crate::ack::{AckItem, Disposition, acknowledge};
 use crate::batch::{self, Batch, Verdict};
-use crate::config::{ConsumerConfig, Ordering as EventOrdering};
+use crate::config::{ConsumerConfig, Sequencing};
 use crate::dedup::Inbox;
 use crate::error::{Error, Result, bounded};
 use crate::event::{Event, dedup_key};
 use crate::handler::{BatchHandler, Handler, Handlers, Outcome};
 use crate::sequence::{Deferral, Sequences, position};
-use crate::settle::{Action, Settle, settle};
 use crate::telemetry::{ConsumerStats, Counters};
 use crate::topology::declare_retry_queues;
 use outbox_core::backoff::Backoff;
@@ -51,7 +51,7 @@ struct Inner {
     inbox: Inbox,
     /// The batch transaction's BEGIN with its bounds.
     begin: sqlx::SqlStr,
-    /// Ordering on: the `inbox_sequences` statements.
+    /// Sequencing on: the `inbox_sequences` statements.
     sequences: Option<Sequences>,
     counters: Counters,
     broker: Outage,
@@ -89,7 +89,7 @@ impl Consumer {
     /// events, for set-based effects.
     ///
     /// Refuses (with [`Error::Config`]) a configuration with
-    /// [`ordering`](ConsumerConfig::ordering) on: ordered consumption stops
+    /// [`sequencing`](ConsumerConfig::sequencing) on: ordered consumption stops
     /// an aggregate at its first failing event, which a set-based handler
     /// that applies the batch at once cannot honour.
     pub fn with_batch_handler(
@@ -103,9 +103,9 @@ impl Consumer {
     fn build(config: ConsumerConfig, pool: PgPool, handlers: Handlers) -> Result<Self> {
         let schema = config.validate()?;
         let inbox = Inbox::new(&schema, &config.consumer_name);
-        let sequences = match config.ordering {
-            EventOrdering::Off => None,
-            EventOrdering::BySequence { accept_first_seen } => {
+        let sequences = match config.sequencing {
+            Sequencing::Off => None,
+            Sequencing::BySequence { accept_first_seen } => {
                 if matches!(handlers, Handlers::Batch(_)) {
                     return Err(Error::Config(
                         "ordering needs a per-event Handler: a BatchHandler applies its \
@@ -389,7 +389,7 @@ impl Consumer {
         let mut events = Vec::with_capacity(deliveries.len());
         let mut spans = Vec::with_capacity(deliveries.len());
         let mut positions = Vec::new();
-        let ordered = cfg.ordering.is_on();
+        let ordered = cfg.sequencing.is_on();
         let mut slots: Vec<std::result::Result<usize, (String, Span)>> =
             Vec::with_capacity(deliveries.len());
         for d in &mut deliveries {
@@ -501,7 +501,7 @@ impl Consumer {
                             span.record("duplicate", true)
                                 .record("outcome", "duplicate");
                             counts[1] += 1;
-                            Action::Ack
+                            Disposition::Ack
                         }
                         Verdict::Stale { seq, last } => {
                             span.record("duplicate", false).record("outcome", "stale");
@@ -512,7 +512,7 @@ impl Consumer {
                                 last_seq = last,
                                 "stale: at or below the aggregate's last applied sequence number; acked, handler not run"
                             );
-                            Action::Ack
+                            Disposition::Ack
                         }
                         Verdict::Deferred(deferral) => {
                             span.record("duplicate", false)
@@ -538,7 +538,7 @@ impl Consumer {
                         "poison message sent to the dead-letter queue"
                     );
                     (
-                        Action::DeadLetter {
+                        Disposition::DeadLetter {
                             reason: format!("poison message: {reason}"),
                         },
                         &d.properties,
@@ -546,14 +546,14 @@ impl Consumer {
                     )
                 }
             };
-            items.push(Settle {
+            items.push(AckItem {
                 acker: &d.acker,
                 action,
                 properties: props,
                 body,
             });
         }
-        settle(publisher, &cfg.queue, name, &items, cfg.broker_timeout).await?;
+        acknowledge(publisher, &cfg.queue, name, &items, cfg.broker_timeout).await?;
 
         let c = &me.counters;
         for (label, n) in [
@@ -586,7 +586,7 @@ impl Consumer {
         deferral: &Deferral,
         span: &Span,
         counts: &mut [u64; 6],
-    ) -> Action {
+    ) -> Disposition {
         let cfg = &self.inner.config;
         let _enter = span.enter();
         let n = event.deferral_count().saturating_add(1);
@@ -594,12 +594,12 @@ impl Consumer {
             counts[3] += 1;
             let reason = deferral.give_up_reason(cfg.max_deferrals);
             tracing::warn!(reason = %reason, deferrals = cfg.max_deferrals, "sequence gap never closed; sent to the dead-letter queue");
-            Action::DeadLetter { reason }
+            Disposition::DeadLetter { reason }
         } else {
             counts[2] += 1;
             let delay = cfg.retry_backoff(n);
             tracing::debug!(reason = %deferral.reason(), deferral = n, delay_ms = delay.as_millis() as u64, "deferred");
-            Action::Defer { deferral: n, delay }
+            Disposition::Defer { deferral: n, delay }
         }
     }
 
@@ -609,33 +609,33 @@ impl Consumer {
         outcome: &Outcome,
         span: &Span,
         counts: &mut [u64; 6],
-    ) -> Action {
+    ) -> Disposition {
         let cfg = &self.inner.config;
         let _enter = span.enter();
         match outcome {
             Outcome::Ack => {
                 counts[0] += 1;
-                Action::Ack
+                Disposition::Ack
             }
             Outcome::Retry(reason) => {
                 let attempt = event.retry_count().saturating_add(1);
                 if attempt > cfg.max_retries {
                     counts[3] += 1;
                     tracing::warn!(reason = %reason, retries = cfg.max_retries, "out of retries; sent to the dead-letter queue");
-                    Action::DeadLetter {
+                    Disposition::DeadLetter {
                         reason: format!("gave up after {} retries: {reason}", cfg.max_retries),
                     }
                 } else {
                     counts[2] += 1;
                     let delay = cfg.retry_backoff(attempt);
                     tracing::debug!(reason = %reason, attempt, delay_ms = delay.as_millis() as u64, "retry scheduled");
-                    Action::Retry { attempt, delay }
+                    Disposition::Retry { attempt, delay }
                 }
             }
             Outcome::Reject(reason) => {
                 counts[3] += 1;
                 tracing::warn!(reason = %reason, "rejected; sent to the dead-letter queue");
-                Action::DeadLetter {
+                Disposition::DeadLetter {
                     reason: reason.clone(),
                 }
             }

@@ -57,7 +57,7 @@ impl Event {
 
     /// The event's position in its aggregate (header `x-aggregate-seq`):
     /// `Some` for ordered events. See
-    /// [`Ordering`](crate::Ordering) for what the consumer does with it.
+    /// [`Sequencing`](crate::Sequencing) for what the consumer does with it.
     pub fn aggregate_seq(&self) -> Option<i64> {
         match self.header(wire::HEADER_AGGREGATE_SEQ)? {
             AMQPValue::Timestamp(_) => None,

@@ -5,6 +5,7 @@ use crate::event::Event;
 
 /// What a handler decided about one event.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Outcome {
     /// Done: the effect commits with the inbox record, then the message is
     /// acked.
@@ -45,6 +46,7 @@ impl Outcome {
 
 /// What a [`BatchHandler`] decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum BatchOutcome {
     /// One outcome for every event of the batch. Anything but `Ack` rolls
     /// back the handler's whole effect.

@@ -41,7 +41,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! **Ordered consumption** (opt-in, [`ConsumerConfig::ordering`]): events
+//! **Ordered consumption** (opt-in, [`ConsumerConfig::sequencing`]): events
 //! carrying `x-aggregate-seq` are applied per aggregate in sequence order,
 //! tracked in the `inbox_sequences` table in the same transaction as their
 //! effects; stale copies are acked without effect, gaps wait in the retry
@@ -51,9 +51,16 @@
 //!
 //! Contracts: [`docs/CONSUMER.md`](https://github.com/outbox-rs/outbox/blob/main/docs/CONSUMER.md) (guarantees, retries, dead letters,
 //! metrics) and [`docs/INBOX_TABLE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/INBOX_TABLE.md) (the inbox table and retention).
+//!
+//! Words (dedup, sequencing, turn, outcome, verdict, deferral, ack) mean
+//! what the [glossary](outbox#glossary-the-pipeline-and-the-words-for-it)
+//! says; a batch goes `consumer.rs` (deliveries in, reconnects) →
+//! `batch.rs` (one transaction: `dedup.rs`, `sequence.rs`, the handler) →
+//! `ack.rs` (republish, then ack).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
+mod ack;
 mod batch;
 mod config;
 mod consumer;
@@ -64,7 +71,6 @@ mod handler;
 mod migrate;
 mod retention;
 mod sequence;
-mod settle;
 mod telemetry;
 mod topology;
 mod trace;
@@ -72,7 +78,7 @@ mod version;
 
 use sqlx::PgPool;
 
-pub use crate::config::{ConsumerConfig, DedupKey, Ordering};
+pub use crate::config::{ConsumerConfig, DedupKey, Sequencing};
 pub use crate::consumer::Consumer;
 pub use crate::error::{Error, Result};
 pub use crate::event::{Event, HEADER_DEFERRAL_COUNT, HEADER_DELIVERY_COUNT, MAX_DEDUP_KEY_BYTES};

@@ -54,6 +54,7 @@ pub async fn cleanup_inbox(
 
 /// A background service running [`cleanup_inbox`] periodically.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct RetentionTask {
     pool: PgPool,
     schema: String,

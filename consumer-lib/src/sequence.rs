@@ -185,9 +185,10 @@ pub(crate) struct Locked {
     pub(crate) created: bool,
 }
 
-/// What to do with one sequenced event.
+/// Whether it is a sequenced event's turn: where its number stands against
+/// its aggregate's last applied one (see the glossary in the crate docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Decision {
+pub(crate) enum Turn {
     /// Next in sequence: run the handler.
     Apply,
     /// At or below the last applied number: ack, do not run.
@@ -262,27 +263,27 @@ impl Sequencer {
     }
 
     /// Classifies the next event of the batch (in delivery order).
-    pub(crate) fn decide(&self, p: &Position) -> Decision {
+    pub(crate) fn turn(&self, p: &Position) -> Turn {
         let Some(t) = self.tracks.get(&p.aggregate) else {
             // Every aggregate of the batch was locked; never reached.
-            return Decision::HeldBack { expected: p.seq };
+            return Turn::HeldBack { expected: p.seq };
         };
         if p.seq <= t.last {
-            Decision::Stale { last: t.last }
+            Turn::Stale { last: t.last }
         } else if t.blocked {
-            Decision::HeldBack {
+            Turn::HeldBack {
                 expected: t.last + 1,
             }
         } else if p.seq > t.last + 1 {
-            Decision::Gap {
+            Turn::Gap {
                 expected: t.last + 1,
             }
         } else {
-            Decision::Apply
+            Turn::Apply
         }
     }
 
-    /// Records the final outcome of an event decided [`Decision::Apply`].
+    /// Records the final outcome of an event decided [`Turn::Apply`].
     pub(crate) fn record(&mut self, p: &Position, applied: bool) {
         if let Some(t) = self.tracks.get_mut(&p.aggregate) {
             if applied {
@@ -375,12 +376,12 @@ mod tests {
     }
 
     /// Classifies `batch` in order, applying `fails` as handler failures.
-    fn run(seq: &mut Sequencer, batch: &[Position], fails: &[i64]) -> Vec<Decision> {
+    fn run(seq: &mut Sequencer, batch: &[Position], fails: &[i64]) -> Vec<Turn> {
         batch
             .iter()
             .map(|p| {
-                let d = seq.decide(p);
-                if d == Decision::Apply {
+                let d = seq.turn(p);
+                if d == Turn::Apply {
                     seq.record(p, !fails.contains(&p.seq));
                 }
                 d
@@ -401,11 +402,11 @@ mod tests {
         assert_eq!(
             run(&mut s, &batch, &[]),
             [
-                Decision::Apply,
-                Decision::Gap { expected: 2 },
-                Decision::Apply,
-                Decision::Stale { last: 2 },
-                Decision::Stale { last: 2 },
+                Turn::Apply,
+                Turn::Gap { expected: 2 },
+                Turn::Apply,
+                Turn::Stale { last: 2 },
+                Turn::Stale { last: 2 },
             ]
         );
         assert_eq!(s.moved(), [(&agg("a"), 2)]);
@@ -426,14 +427,14 @@ mod tests {
             batch.iter(),
         );
         let d = run(&mut s, &batch[..1], &[2]);
-        assert_eq!(d, [Decision::Apply]);
+        assert_eq!(d, [Turn::Apply]);
         assert_eq!(
             run(&mut s, &batch[1..], &[]),
             [
-                Decision::Apply,
-                Decision::HeldBack { expected: 2 },
-                Decision::Apply,
-                Decision::Stale { last: 1 },
+                Turn::Apply,
+                Turn::HeldBack { expected: 2 },
+                Turn::Apply,
+                Turn::Stale { last: 1 },
             ]
         );
         assert_eq!(s.moved(), [(&agg("b"), 2)], "a did not move");
@@ -446,20 +447,16 @@ mod tests {
         let mut s = Sequencer::new(rows, true, batch.iter());
         assert_eq!(
             run(&mut s, &batch, &[]),
-            [
-                Decision::Apply,
-                Decision::Apply,
-                Decision::Gap { expected: 4 }
-            ]
+            [Turn::Apply, Turn::Apply, Turn::Gap { expected: 4 }]
         );
         // Without the option, a new aggregate starts at 1.
         let rows = [locked("new", 0, true), locked("old", 3, false)];
         let s = Sequencer::new(rows, false, batch.iter());
-        assert_eq!(s.decide(&batch[0]), Decision::Gap { expected: 1 });
+        assert_eq!(s.turn(&batch[0]), Turn::Gap { expected: 1 });
         // The start is recorded even when its first event fails, so the
         // retry of that event is the one expected.
         let mut s = Sequencer::new([locked("new", 0, true)], true, batch[..1].iter());
-        assert_eq!(run(&mut s, &batch[..1], &[7]), [Decision::Apply]);
+        assert_eq!(run(&mut s, &batch[..1], &[7]), [Turn::Apply]);
         assert_eq!(s.moved(), [(&agg("new"), 6)]);
     }
 
@@ -472,11 +469,7 @@ mod tests {
         let mut s = Sequencer::new(rows, true, batch.iter());
         assert_eq!(
             run(&mut s, &batch, &[]),
-            [
-                Decision::Gap { expected: 7 },
-                Decision::Apply,
-                Decision::Apply,
-            ]
+            [Turn::Gap { expected: 7 }, Turn::Apply, Turn::Apply,]
         );
         assert_eq!(s.moved(), [(&agg("new"), 7), (&agg("other"), 3)]);
         // The start is recorded even when the lowest event's handler fails,
@@ -486,16 +479,16 @@ mod tests {
         assert_eq!(
             run(&mut s, &batch, &[7]),
             [
-                Decision::Gap { expected: 7 },
-                Decision::Apply,
-                Decision::HeldBack { expected: 7 },
+                Turn::Gap { expected: 7 },
+                Turn::Apply,
+                Turn::HeldBack { expected: 7 },
             ]
         );
         assert_eq!(s.moved(), [(&agg("new"), 6)]);
         // An aggregate with a row keeps its stored start.
         let batch = [pos("old", 8), pos("old", 7)];
         let s = Sequencer::new([locked("old", 0, false)], true, batch.iter());
-        assert_eq!(s.decide(&batch[1]), Decision::Gap { expected: 1 });
+        assert_eq!(s.turn(&batch[1]), Turn::Gap { expected: 1 });
         assert!(s.moved().is_empty());
     }
 

@@ -30,8 +30,8 @@ pub struct ConsumerStats {
 }
 
 impl ConsumerStats {
-    /// Every delivery settled (acked after its outcome was made durable).
-    pub fn settled(&self) -> u64 {
+    /// Every delivery acked (after its outcome was made durable).
+    pub fn acked(&self) -> u64 {
         self.processed + self.duplicates + self.retried + self.rejected + self.poison + self.stale
     }
 }

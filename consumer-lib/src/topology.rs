@@ -260,7 +260,7 @@ impl OrderedTopology {
 /// arguments.
 ///
 /// ```no_run
-/// use outbox_consumer::{Consumer, ConsumerConfig, OrderedTopology, Ordering};
+/// use outbox_consumer::{Consumer, ConsumerConfig, OrderedTopology, Sequencing};
 /// # async fn demo(pool: sqlx::PgPool, handler: impl outbox_consumer::Handler + Clone)
 /// # -> Result<(), Box<dyn std::error::Error>> {
 /// let url = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -270,7 +270,8 @@ impl OrderedTopology {
 /// let shutdown = tokio_util::sync::CancellationToken::new();
 /// let mut running = Vec::new();
 /// for queue in queues {
-///     let config = ConsumerConfig::new(url, queue, "stock").ordering(Ordering::by_sequence());
+///     let mut config = ConsumerConfig::new(url, queue, "stock");
+///     config.sequencing = Sequencing::by_sequence();
 ///     let consumer = Consumer::new(config, pool.clone(), handler.clone())?;
 ///     let shutdown = shutdown.clone();
 ///     running.push(tokio::spawn(async move { consumer.run(shutdown).await }));

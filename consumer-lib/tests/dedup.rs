@@ -87,7 +87,7 @@ async fn same_message_id_three_times_gives_one_effect() {
         env.publish(Some(&dup), r#"{"sku":"A"}"#).await;
     }
     wait_until("3 deliveries settled", || async {
-        c.consumer.stats().settled() == 3
+        c.consumer.stats().acked() == 3
     })
     .await;
     let s = c.consumer.stats();
@@ -134,7 +134,7 @@ async fn exact_after_10k(batch_handler: bool) {
     let started = Instant::now();
     let c = Running::start(consumer);
     wait_until("10,000 deliveries settled", || async {
-        c.consumer.stats().settled() == 10_000
+        c.consumer.stats().acked() == 10_000
     })
     .await;
     let secs = started.elapsed().as_secs_f64();
@@ -194,7 +194,7 @@ async fn two_instances_racing_on_duplicates_give_one_effect() {
         .collect();
     env.publish_all(&msgs).await;
     wait_until("both instances settled every copy", || async {
-        a.consumer.stats().settled() + b.consumer.stats().settled() == 2 * n
+        a.consumer.stats().acked() + b.consumer.stats().acked() == 2 * n
     })
     .await;
     let (sa, sb) = (a.consumer.stats(), b.consumer.stats());
@@ -307,7 +307,7 @@ async fn ack_lost_after_commit_redelivery_is_a_duplicate() {
         .unwrap(),
     );
     wait_until("the redelivery settled", || async {
-        fresh.consumer.stats().settled() == 1
+        fresh.consumer.stats().acked() == 1
     })
     .await;
     assert_eq!(fresh.consumer.stats().duplicates, 1);

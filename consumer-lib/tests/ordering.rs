@@ -18,7 +18,7 @@ use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use outbox::wire;
 use outbox_consumer::{
     BatchHandler, BatchOutcome, Consumer, ConsumerConfig, Error, Event, Handler, OrderedTopology,
-    Ordering, Outcome, declare_ordered_topology,
+    Outcome, Sequencing, declare_ordered_topology,
 };
 use sqlx::{AssertSqlSafe, PgConnection};
 
@@ -243,9 +243,8 @@ async fn wait_applied(env: &Env, aggregate: &str, n: usize) {
 }
 
 fn ordered(env: &Env, accept_first_seen: bool) -> ConsumerConfig {
-    let mut c = env
-        .config("svc")
-        .ordering(Ordering::BySequence { accept_first_seen });
+    let mut c = env.config("svc");
+    c.sequencing = Sequencing::BySequence { accept_first_seen };
     c.retry_delay = Duration::from_millis(20);
     c.max_retry_delay = Duration::from_millis(200);
     c
@@ -307,10 +306,7 @@ async fn stale_and_duplicate_copies_are_acked_without_effect() {
     publish(&env, &[three]).await;
     let h = Recorder::new(&env).await;
     let c = Running::start(Consumer::new(ordered(&env, false), env.pool.clone(), h).unwrap());
-    wait_until("all settled", || async {
-        c.consumer.stats().settled() == 5
-    })
-    .await;
+    wait_until("all settled", || async { c.consumer.stats().acked() == 5 }).await;
     assert_eq!(applied(&env, "a").await, [1, 2, 3]);
     let s = c.consumer.stats();
     assert_eq!((s.processed, s.stale, s.retried), (3, 2, 0));
@@ -761,13 +757,18 @@ async fn ordering_with_a_batch_handler_is_refused() {
         }
     }
     let pool = sqlx::PgPool::connect_lazy(&db_url()).unwrap();
-    let cfg = ConsumerConfig::new(amqp_url(), "q", "svc").ordering(Ordering::by_sequence());
+    let cfg = {
+        let mut c = ConsumerConfig::new(amqp_url(), "q", "svc");
+        c.sequencing = Sequencing::by_sequence();
+        c
+    };
     let refused = Consumer::with_batch_handler(cfg.clone(), pool.clone(), Batch);
     assert!(
         matches!(&refused, Err(Error::Config(m)) if m.contains("per-event Handler")),
         "{refused:?}"
     );
-    let off = cfg.ordering(Ordering::Off);
+    let mut off = cfg;
+    off.sequencing = Sequencing::Off;
     assert!(Consumer::with_batch_handler(off, pool, Batch).is_ok());
 }
 

@@ -206,7 +206,7 @@ async fn one_failing_event_does_not_undo_its_batch() {
     let c =
         Running::start(Consumer::new(env.config("svc"), env.pool.clone(), RejectOdd(sql)).unwrap());
     wait_until("all settled", || async {
-        c.consumer.stats().settled() == 100
+        c.consumer.stats().acked() == 100
     })
     .await;
     assert_eq!(c.consumer.stats().processed, 50);
@@ -262,19 +262,15 @@ async fn poison_messages_land_in_the_dlq_and_the_consumer_keeps_going() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn payload_field_dedup_key() {
     let env = Env::new().await;
-    let cfg = env
-        .config("svc")
-        .dedup_key(DedupKey::PayloadField("/order_id".into()));
+    let mut cfg = env.config("svc");
+    cfg.dedup_key = DedupKey::PayloadField("/order_id".into());
     let c =
         Running::start(Consumer::new(cfg, env.pool.clone(), Flaky::new(&env.schema, 0)).unwrap());
     // Different message ids, same natural key: one effect.
     env.publish(Some(&id()), r#"{"order_id": 42}"#).await;
     env.publish(Some(&id()), r#"{"order_id": 42}"#).await;
     env.publish(None, r#"{"other": 1}"#).await; // no key: poison
-    wait_until("all settled", || async {
-        c.consumer.stats().settled() == 3
-    })
-    .await;
+    wait_until("all settled", || async { c.consumer.stats().acked() == 3 }).await;
     let s = c.consumer.stats();
     assert_eq!((s.processed, s.duplicates, s.poison), (1, 1, 1));
     assert_eq!(env.count("{s}.inbox WHERE event_id = '42'").await, 1);

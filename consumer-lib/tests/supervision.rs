@@ -45,7 +45,11 @@ async fn resumes_by_itself_once_the_queue_exists() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refuses_to_start_on_an_unmigrated_schema() {
     let env = Env::new().await;
-    let cfg = env.config("svc").schema("t_c_not_migrated");
+    let cfg = {
+        let mut c = env.config("svc");
+        c.schema = "t_c_not_migrated".into();
+        c
+    };
     let err = Consumer::new(cfg, env.pool.clone(), Ack)
         .unwrap()
         .run(Default::default())

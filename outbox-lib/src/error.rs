@@ -89,10 +89,10 @@ pub enum Error {
     ResponseTooLarge {
         /// Size of the body in bytes.
         size: usize,
-        /// The configured limit ([`crate::IdempotencyConfig::max_response_bytes`]).
+        /// The configured limit ([`crate::idempotency::IdempotencyConfig::max_response_bytes`]).
         limit: usize,
     },
-    /// The handle's [`crate::Ordering`] names an aggregate type the
+    /// The handle's [`crate::OrderedAggregates`] names an aggregate type the
     /// database does not order (yet): ordering is the database's, set once
     /// by an operator ([`crate::set_ordered`]).
     #[error(

@@ -5,7 +5,7 @@
 use sqlx::{AssertSqlSafe, PgPool};
 
 use crate::error::{Error, Result};
-use crate::outbox::Ordering;
+use crate::outbox::OrderedAggregates;
 use outbox_core::Ident;
 
 /// The name that orders every aggregate type.
@@ -61,11 +61,15 @@ pub async fn ordered_types(pool: &PgPool, schema: &str) -> Result<Vec<String>> {
 /// producer of the previous version still running would number its events
 /// a second time): ordering a type is an operator's step, once every
 /// producer runs this version.
-pub(crate) async fn ensure(pool: &PgPool, schema: &Ident, ordering: &Ordering) -> Result<()> {
+pub(crate) async fn ensure(
+    pool: &PgPool,
+    schema: &Ident,
+    ordering: &OrderedAggregates,
+) -> Result<()> {
     let wanted: Vec<String> = match ordering {
-        Ordering::None => return Ok(()),
-        Ordering::All => vec![ALL_TYPES.to_owned()],
-        Ordering::Types(t) => t.iter().cloned().collect(),
+        OrderedAggregates::None => return Ok(()),
+        OrderedAggregates::All => vec![ALL_TYPES.to_owned()],
+        OrderedAggregates::Types(t) => t.iter().cloned().collect(),
     };
     let have = ordered_types(pool, schema.as_str()).await?;
     if have.iter().any(|t| t == ALL_TYPES) {

@@ -20,7 +20,7 @@ pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 /// ([`docs/ORDERING.md`](https://github.com/outbox-rs/outbox/blob/main/docs/ORDERING.md)).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Ordering {
+pub enum OrderedAggregates {
     /// No ordering (default): events are published as soon as possible, in
     /// any order, by any relay worker.
     #[default]
@@ -31,7 +31,7 @@ pub enum Ordering {
     Types(BTreeSet<String>),
 }
 
-impl Ordering {
+impl OrderedAggregates {
     /// Ordering for the named aggregate types only.
     pub fn types<I, S>(types: I) -> Self
     where
@@ -52,12 +52,40 @@ impl Ordering {
 }
 
 /// Settings of an [`Outbox`] handle.
+///
+/// Like every configuration of the toolkit: start from
+/// [`OutboxConfig::default()`], assign the fields you change; [`Outbox::new`]
+/// validates the result.
+///
+/// ```
+/// use outbox::{OrderedAggregates, OutboxConfig};
+/// let mut config = OutboxConfig::default();
+/// config.schema = "shop".into();
+/// config.ordering = OrderedAggregates::types(["order"]);
+/// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct OutboxConfig {
-    schema: String,
-    max_payload_bytes: usize,
-    wakeup: Wakeup,
-    ordering: Ordering,
+    /// The schema holding the outbox tables (default `public`). Validated by
+    /// [`Outbox::new`]: `[a-z_][a-z0-9_]*`, at most 56 characters.
+    pub schema: String,
+    /// Largest accepted payload, in bytes of JSON text (default
+    /// [`DEFAULT_MAX_PAYLOAD_BYTES`]).
+    pub max_payload_bytes: usize,
+    /// How relays learn of new events (default [`Wakeup::AfterCommit`]).
+    pub wakeup: Wakeup,
+    /// Aggregate types this service relies on being ordered (default
+    /// [`OrderedAggregates::None`]: whatever the database says). Ordering is a
+    /// property of the data, not of a handle: the database numbers every
+    /// writer's events of an ordered type ([`crate::set_ordered`],
+    /// `outbox-relay ordering add`), with or without this setting;
+    /// [`Outbox::new`] checks that it orders the types named here and
+    /// fails with [`crate::Error::OrderingNotRegistered`] otherwise. An
+    /// ordered event takes the next number of its aggregate
+    /// (`outbox_sequences`), holding that row's lock until the transaction
+    /// ends: transactions writing events of the same aggregate commit one
+    /// after the other. See [`docs/ORDERING.md`](https://github.com/outbox-rs/outbox/blob/main/docs/ORDERING.md).
+    pub ordering: OrderedAggregates,
 }
 
 impl Default for OutboxConfig {
@@ -66,45 +94,8 @@ impl Default for OutboxConfig {
             schema: "public".to_owned(),
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             wakeup: Wakeup::default(),
-            ordering: Ordering::None,
+            ordering: OrderedAggregates::None,
         }
-    }
-}
-
-impl OutboxConfig {
-    /// The schema holding the outbox tables (default `public`). Validated by
-    /// [`Outbox::new`]: `[a-z_][a-z0-9_]*`, at most 56 characters.
-    pub fn schema(mut self, schema: impl Into<String>) -> Self {
-        self.schema = schema.into();
-        self
-    }
-
-    /// Largest accepted payload, in bytes of JSON text (default
-    /// [`DEFAULT_MAX_PAYLOAD_BYTES`]).
-    pub fn max_payload_bytes(mut self, limit: usize) -> Self {
-        self.max_payload_bytes = limit;
-        self
-    }
-
-    /// How relays learn of new events (default [`Wakeup::AfterCommit`]).
-    pub fn wakeup(mut self, wakeup: Wakeup) -> Self {
-        self.wakeup = wakeup;
-        self
-    }
-
-    /// Aggregate types this service relies on being ordered (default
-    /// [`Ordering::None`]: whatever the database says). Ordering is a
-    /// property of the data, not of a handle: the database numbers every
-    /// writer's events of an ordered type ([`crate::set_ordered`],
-    /// `outbox-relay ordering add`), with or without this setting;
-    /// [`Outbox::new`] checks that it orders the types named here and
-    /// fails with [`crate::Error::OrderingNotRegistered`] otherwise. An ordered event takes the next number of its aggregate
-    /// (`outbox_sequences`), holding that row's lock until the transaction
-    /// ends: transactions writing events of the same aggregate commit one
-    /// after the other. See [`docs/ORDERING.md`](https://github.com/outbox-rs/outbox/blob/main/docs/ORDERING.md).
-    pub fn ordering(mut self, ordering: Ordering) -> Self {
-        self.ordering = ordering;
-        self
     }
 }
 

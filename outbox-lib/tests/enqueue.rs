@@ -8,12 +8,12 @@ use serde_json::json;
 use sqlx::Row;
 
 async fn outbox(pool: &sqlx::PgPool, schema: &str) -> Outbox {
-    Outbox::new(
-        pool,
-        OutboxConfig::default()
-            .schema(schema)
-            .wakeup(Wakeup::PollOnly),
-    )
+    Outbox::new(pool, {
+        let mut c = OutboxConfig::default();
+        c.schema = schema.to_string();
+        c.wakeup = Wakeup::PollOnly;
+        c
+    })
     .await
     .expect("outbox")
 }
@@ -179,10 +179,13 @@ async fn deterministic_id_enqueued_twice_yields_one_event() {
 #[tokio::test]
 async fn bad_input_gets_a_typed_error_and_writes_nothing() {
     let (pool, schema) = migrated("bad").await;
-    let config = OutboxConfig::default()
-        .schema(&schema)
-        .wakeup(Wakeup::PollOnly)
-        .max_payload_bytes(64);
+    let config = {
+        let mut c = OutboxConfig::default();
+        c.schema = schema.to_string();
+        c.wakeup = Wakeup::PollOnly;
+        c.max_payload_bytes = 64;
+        c
+    };
     let outbox = Outbox::new(&pool, config).await.unwrap();
     let ok = || NewEvent::new("order", "o-1", "E", &json!({})).unwrap();
     type Case = (NewEvent, fn(&Error) -> bool);
@@ -247,9 +250,13 @@ async fn bad_input_gets_a_typed_error_and_writes_nothing() {
         Err(Error::InvalidJson(_))
     ));
     for bad_schema in ["Bad-Schema", "x; DROP TABLE outbox", ""] {
-        let err = Outbox::new(&pool, OutboxConfig::default().schema(bad_schema))
-            .await
-            .unwrap_err();
+        let err = Outbox::new(&pool, {
+            let mut c = OutboxConfig::default();
+            c.schema = bad_schema.to_string();
+            c
+        })
+        .await
+        .unwrap_err();
         assert!(
             matches!(err, Error::InvalidIdentifier { what: "schema", .. }),
             "{err:?}"
@@ -286,9 +293,13 @@ async fn migrating_twice_is_a_no_op() {
 async fn unmigrated_database_names_the_fix() {
     let pool = pool().await;
     let schema = unique_schema("nomig");
-    let err = Outbox::new(&pool, OutboxConfig::default().schema(&schema))
-        .await
-        .unwrap_err();
+    let err = Outbox::new(&pool, {
+        let mut c = OutboxConfig::default();
+        c.schema = schema.to_string();
+        c
+    })
+    .await
+    .unwrap_err();
     assert!(
         matches!(
             err,
@@ -304,9 +315,13 @@ async fn unmigrated_database_names_the_fix() {
 #[tokio::test]
 async fn wakeup_after_commit_notifies_listeners_outside_the_transaction() {
     let (pool, schema) = migrated("wake").await;
-    let outbox = Outbox::new(&pool, OutboxConfig::default().schema(&schema))
-        .await
-        .unwrap();
+    let outbox = Outbox::new(&pool, {
+        let mut c = OutboxConfig::default();
+        c.schema = schema.to_string();
+        c
+    })
+    .await
+    .unwrap();
     let mut listener = sqlx::postgres::PgListener::connect_with(&pool)
         .await
         .unwrap();
@@ -337,9 +352,12 @@ async fn wakeup_after_commit_notifies_listeners_outside_the_transaction() {
 #[tokio::test]
 async fn wakeup_in_transaction_notifies_on_commit_only() {
     let (pool, schema) = migrated("wakeintx").await;
-    let config = OutboxConfig::default()
-        .schema(&schema)
-        .wakeup(Wakeup::InTransaction);
+    let config = {
+        let mut c = OutboxConfig::default();
+        c.schema = schema.to_string();
+        c.wakeup = Wakeup::InTransaction;
+        c
+    };
     let outbox = Outbox::new(&pool, config).await.unwrap();
     let mut listener = sqlx::postgres::PgListener::connect_with(&pool)
         .await

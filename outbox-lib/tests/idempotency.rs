@@ -9,17 +9,17 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use outbox::{
-    Claim, Error, Fingerprint, Idempotency, IdempotencyConfig, IdempotencyKey,
-    RECOVERY_POINT_STARTED, RecordedResponse, TwoPhaseStart, cleanup_idempotency_keys,
-    downstream_key,
+use outbox::Error;
+use outbox::idempotency::{
+    Claim, Fingerprint, Idempotency, IdempotencyConfig, IdempotencyKey, RECOVERY_POINT_STARTED,
+    RecordedResponse, TwoPhaseStart, cleanup_idempotency_keys, downstream_key,
 };
 use sqlx::PgPool;
 
 async fn idempotency(pool: &PgPool, schema: &str, config: IdempotencyConfig) -> Idempotency {
-    Idempotency::new(pool, config.schema(schema))
-        .await
-        .expect("idempotency")
+    let mut config = config;
+    config.schema = schema.to_owned();
+    Idempotency::new(pool, config).await.expect("idempotency")
 }
 
 fn key(k: &str) -> IdempotencyKey {
@@ -157,15 +157,18 @@ async fn a_concurrent_claim_waits_for_the_first_then_replays() {
 #[tokio::test]
 async fn past_the_wait_bound_or_with_no_wait_a_concurrent_claim_gets_in_use() {
     let (pool, schema) = migrated("idem_busy").await;
-    let bounded = IdempotencyConfig::default()
-        .wait(Duration::from_millis(200))
-        .retry_after(Duration::from_secs(2));
+    let bounded = {
+        let mut c = IdempotencyConfig::default();
+        c.wait = Duration::from_millis(200);
+        c.retry_after = Duration::from_secs(2);
+        c
+    };
     let idem = idempotency(&pool, &schema, bounded).await;
-    let no_wait = idempotency(
-        &pool,
-        &schema,
-        IdempotencyConfig::default().wait(Duration::ZERO),
-    )
+    let no_wait = idempotency(&pool, &schema, {
+        let mut c = IdempotencyConfig::default();
+        c.wait = Duration::ZERO;
+        c
+    })
     .await;
     let mut first = pool.begin().await.unwrap();
     let claim = idem
@@ -345,7 +348,12 @@ async fn two_phase_crash_after_the_external_call_resumes_with_the_same_downstrea
         }
     };
     let lease = Duration::from_millis(300);
-    let idem = idempotency(&pool, &schema, IdempotencyConfig::default().lease(lease)).await;
+    let idem = idempotency(&pool, &schema, {
+        let mut c = IdempotencyConfig::default();
+        c.lease = lease;
+        c
+    })
+    .await;
     let (scope, k) = ("t1 POST /payments", key("pay-1"));
 
     let TwoPhaseStart::Run(crashed) = idem.begin_two_phase(scope, &k, fp("pay")).await.unwrap()

@@ -16,10 +16,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use common::*;
-use outbox::{
-    Idempotency, IdempotencyConfig, Idempotent, IdempotentRoute, NewEvent, Outbox, OutboxConfig,
-    Wakeup,
-};
+use outbox::idempotency::{Idempotency, IdempotencyConfig, Idempotent, IdempotentRoute};
+use outbox::{NewEvent, Outbox, OutboxConfig, Wakeup};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -168,17 +166,17 @@ async fn start(prefix: &str, config: IdempotencyConfig, hold: Duration) -> Harne
     .execute(&pool)
     .await
     .unwrap();
-    let outbox = Outbox::new(
-        &pool,
-        OutboxConfig::default()
-            .schema(&schema)
-            .wakeup(Wakeup::PollOnly),
-    )
+    let outbox = Outbox::new(&pool, {
+        let mut c = OutboxConfig::default();
+        c.schema = schema.to_string();
+        c.wakeup = Wakeup::PollOnly;
+        c
+    })
     .await
     .unwrap();
-    let idem = Idempotency::new(&pool, config.schema(&schema))
-        .await
-        .unwrap();
+    let mut config = config;
+    config.schema = schema.clone();
+    let idem = Idempotency::new(&pool, config).await.unwrap();
     let app = App {
         route: IdempotentRoute::new(idem.clone())
             .max_request_bytes(4096)
@@ -199,7 +197,9 @@ async fn start(prefix: &str, config: IdempotencyConfig, hold: Duration) -> Harne
         .route("/orders", post(create_order))
         .route("/notes", post(create_note))
         .route("/unfinished", post(unfinished))
-        .route_layer(axum::middleware::from_fn(outbox::require_finish))
+        .route_layer(axum::middleware::from_fn(
+            outbox::idempotency::require_finish,
+        ))
         .route("/unguarded", post(create_order))
         .with_state(app.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -548,7 +548,11 @@ async fn an_expired_key_executes_anew() {
 async fn oversized_and_streaming_responses_are_refused_and_not_recorded() {
     let h = start(
         "http_big",
-        IdempotencyConfig::default().max_response_bytes(1024),
+        {
+            let mut c = IdempotencyConfig::default();
+            c.max_response_bytes = 1024;
+            c
+        },
         Duration::ZERO,
     )
     .await;
@@ -607,9 +611,12 @@ async fn a_concurrent_request_past_the_wait_gets_409_with_retry_after() {
     let h = Arc::new(
         start(
             "http_409",
-            IdempotencyConfig::default()
-                .wait(Duration::ZERO)
-                .retry_after(Duration::from_secs(3)),
+            {
+                let mut c = IdempotencyConfig::default();
+                c.wait = Duration::ZERO;
+                c.retry_after = Duration::from_secs(3);
+                c
+            },
             Duration::from_secs(2),
         )
         .await,
@@ -675,12 +682,12 @@ async fn concurrent_duplicates_do_not_take_the_pool() {
         .connect(&database_url())
         .await
         .unwrap();
-    let idem = Idempotency::new(
-        &pool,
-        IdempotencyConfig::default()
-            .schema(&schema)
-            .wait(Duration::from_secs(60)),
-    )
+    let idem = Idempotency::new(&pool, {
+        let mut c = IdempotencyConfig::default();
+        c.schema = schema.to_string();
+        c.wait = Duration::from_secs(60);
+        c
+    })
     .await
     .unwrap();
     let app = Held {
@@ -691,7 +698,9 @@ async fn concurrent_duplicates_do_not_take_the_pool() {
     };
     let router = Router::new()
         .route("/orders", post(held_order))
-        .route_layer(axum::middleware::from_fn(outbox::require_finish))
+        .route_layer(axum::middleware::from_fn(
+            outbox::idempotency::require_finish,
+        ))
         .route("/ping", post(ping))
         .with_state(app.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -6,27 +6,27 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use outbox::{NewEvent, Ordering, Outbox, OutboxConfig, Wakeup};
+use outbox::{NewEvent, OrderedAggregates, Outbox, OutboxConfig, Wakeup};
 use serde_json::json;
 
 /// Orders in the database what `ordering` names (an operator's step), then
 /// builds a handle that checks it.
-async fn outbox(pool: &sqlx::PgPool, schema: &str, ordering: Ordering) -> Outbox {
+async fn outbox(pool: &sqlx::PgPool, schema: &str, ordering: OrderedAggregates) -> Outbox {
     let types: Vec<String> = match &ordering {
-        Ordering::All => vec![outbox::ALL_TYPES.to_owned()],
-        Ordering::Types(t) => t.iter().cloned().collect(),
+        OrderedAggregates::All => vec![outbox::ALL_TYPES.to_owned()],
+        OrderedAggregates::Types(t) => t.iter().cloned().collect(),
         _ => Vec::new(),
     };
     for t in types {
         outbox::set_ordered(pool, schema, &t, true).await.unwrap();
     }
-    Outbox::new(
-        pool,
-        OutboxConfig::default()
-            .schema(schema)
-            .wakeup(Wakeup::PollOnly)
-            .ordering(ordering),
-    )
+    Outbox::new(pool, {
+        let mut c = OutboxConfig::default();
+        c.schema = schema.to_string();
+        c.wakeup = Wakeup::PollOnly;
+        c.ordering = ordering;
+        c
+    })
     .await
     .expect("outbox")
 }
@@ -49,7 +49,7 @@ async fn rows(pool: &sqlx::PgPool, schema: &str) -> Vec<(String, String, i64, Op
 #[tokio::test]
 async fn ordered_types_are_numbered_per_aggregate_and_others_are_not() {
     let (pool, schema) = migrated("ord_types").await;
-    let outbox = outbox(&pool, &schema, Ordering::types(["order"])).await;
+    let outbox = outbox(&pool, &schema, OrderedAggregates::types(["order"])).await;
     let mut tx = pool.begin().await.unwrap();
     for n in 1..=3 {
         outbox
@@ -78,7 +78,7 @@ async fn ordered_types_are_numbered_per_aggregate_and_others_are_not() {
 #[tokio::test]
 async fn enqueue_many_numbers_in_input_order_and_continues_the_sequence() {
     let (pool, schema) = migrated("ord_many").await;
-    let outbox = outbox(&pool, &schema, Ordering::All).await;
+    let outbox = outbox(&pool, &schema, OrderedAggregates::All).await;
     let mut tx = pool.begin().await.unwrap();
     outbox
         .enqueue(&mut *tx, event("order", "a", 1))
@@ -98,7 +98,7 @@ async fn enqueue_many_numbers_in_input_order_and_continues_the_sequence() {
 #[tokio::test]
 async fn a_repeated_id_takes_no_number_and_leaves_no_hole() {
     let (pool, schema) = migrated("ord_dup").await;
-    let outbox = outbox(&pool, &schema, Ordering::All).await;
+    let outbox = outbox(&pool, &schema, OrderedAggregates::All).await;
     let mut tx = pool.begin().await.unwrap();
     let first = event("order", "a", 1).id_from_key("k1");
     outbox.enqueue(&mut *tx, first.clone()).await.unwrap();
@@ -137,7 +137,7 @@ async fn a_repeated_id_takes_no_number_and_leaves_no_hole() {
 #[tokio::test]
 async fn a_rolled_back_transaction_gives_its_numbers_back() {
     let (pool, schema) = migrated("ord_rollback").await;
-    let outbox = outbox(&pool, &schema, Ordering::All).await;
+    let outbox = outbox(&pool, &schema, OrderedAggregates::All).await;
     let mut tx = pool.begin().await.unwrap();
     outbox
         .enqueue(&mut *tx, event("order", "a", 1))
@@ -158,7 +158,7 @@ async fn a_rolled_back_transaction_gives_its_numbers_back() {
 #[tokio::test]
 async fn numbers_follow_commit_order_across_concurrent_writers() {
     let (pool, schema) = migrated("ord_concurrent").await;
-    let outbox = outbox(&pool, &schema, Ordering::All).await;
+    let outbox = outbox(&pool, &schema, OrderedAggregates::All).await;
     let writers = 8;
     let per_writer = 25;
     let mut tasks = Vec::new();
@@ -261,7 +261,7 @@ async fn sql_producers_get_numbers_from_the_documented_function() {
     .unwrap();
     tx.commit().await.unwrap();
     // The Rust producer continues the same sequence.
-    let outbox = outbox(&pool, &schema, Ordering::All).await;
+    let outbox = outbox(&pool, &schema, OrderedAggregates::All).await;
     let mut tx = pool.begin().await.unwrap();
     outbox
         .enqueue(&mut *tx, event("order", "a", 3))
@@ -294,7 +294,7 @@ async fn sql_producers_get_numbers_from_the_documented_function() {
 #[tokio::test]
 async fn an_id_enqueued_again_after_delivery_takes_the_next_number() {
     let (pool, schema) = migrated("ord_again").await;
-    let outbox = outbox(&pool, &schema, Ordering::All).await;
+    let outbox = outbox(&pool, &schema, OrderedAggregates::All).await;
     let again = || event("order", "a", 1).id_from_key("checkout-1");
     for _ in 0..2 {
         let mut tx = pool.begin().await.unwrap();
@@ -337,12 +337,12 @@ async fn every_writer_numbers_an_ordered_type_whatever_its_handle_says() {
     let (pool, schema) = migrated("ord_every").await;
     // A handle that relies on an ordering the database lacks refuses to
     // start, naming the command.
-    let refused = Outbox::new(
-        &pool,
-        OutboxConfig::default()
-            .schema(&schema)
-            .ordering(Ordering::types(["order"])),
-    )
+    let refused = Outbox::new(&pool, {
+        let mut c = OutboxConfig::default();
+        c.schema = schema.to_string();
+        c.ordering = OrderedAggregates::types(["order"]);
+        c
+    })
     .await
     .unwrap_err();
     assert!(
@@ -354,8 +354,8 @@ async fn every_writer_numbers_an_ordered_type_whatever_its_handle_says() {
             .to_string()
             .contains("outbox-relay ordering add order")
     );
-    let ordered = outbox(&pool, &schema, Ordering::types(["order"])).await;
-    let plain = outbox(&pool, &schema, Ordering::None).await;
+    let ordered = outbox(&pool, &schema, OrderedAggregates::types(["order"])).await;
+    let plain = outbox(&pool, &schema, OrderedAggregates::None).await;
     assert_eq!(
         outbox::ordered_types(&pool, &schema).await.unwrap(),
         ["order"]

@@ -354,31 +354,33 @@ async fn connect_db(url: &str, max: u32) -> Result<PgPool> {
 }
 
 async fn run_relay(url: &str, schema: &Ident, r: &RunArgs) -> Result<ExitCode> {
-    let config = RelayConfig {
-        amqp_url: r.amqp_url.join(",").into(),
-        schema: schema.to_string(),
-        default_exchange: r.exchange.clone(),
-        declare_exchange: (r.declare_exchange != "none").then(|| r.declare_exchange.clone()),
-        batch_size: r.batch_size,
-        workers: r.workers,
-        poll_interval: r.poll_interval,
-        listen: !r.no_listen,
-        max_attempts: r.max_attempts,
-        retry_base: r.retry_base,
-        retry_max: r.retry_max,
-        confirm_timeout: r.confirm_timeout,
-        broker_timeout: r.broker_timeout,
-        max_payload_bytes: r.max_payload_bytes,
-        archive: r.archive,
-        drain_timeout: r.drain_timeout,
-        lease_ttl: r.lease_ttl,
-        ..RelayConfig::default()
+    let config = {
+        let mut c = RelayConfig::default();
+        c.amqp_url = r.amqp_url.join(",").into();
+        c.schema = schema.to_string();
+        c.default_exchange = r.exchange.clone();
+        c.declare_exchange = (r.declare_exchange != "none").then(|| r.declare_exchange.clone());
+        c.batch_size = r.batch_size;
+        c.workers = r.workers;
+        c.poll_interval = r.poll_interval;
+        c.listen = !r.no_listen;
+        c.max_attempts = r.max_attempts;
+        c.retry_base = r.retry_base;
+        c.retry_max = r.retry_max;
+        c.confirm_timeout = r.confirm_timeout;
+        c.broker_timeout = r.broker_timeout;
+        c.max_payload_bytes = r.max_payload_bytes;
+        c.archive = r.archive;
+        c.drain_timeout = r.drain_timeout;
+        c.lease_ttl = r.lease_ttl;
+        c
     };
     let config = match &r.name {
-        Some(name) => RelayConfig {
-            name: name.clone(),
-            ..config
-        },
+        Some(name) => {
+            let mut c = config;
+            c.name = name.clone();
+            c
+        }
         None => config,
     };
     config.validate()?;

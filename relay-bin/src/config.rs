@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 /// flags and environment; an embedding service builds one in code. Its
 /// `Debug` output redacts the passwords of `amqp_url`.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct RelayConfig {
     /// AMQP URL (`amqp://` or `amqps://`), or the URLs of several nodes
     /// of one cluster separated by commas: the relay connects to the

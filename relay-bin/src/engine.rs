@@ -18,8 +18,8 @@ use uuid::Uuid;
 
 use crate::config::RelayConfig;
 use crate::error::{Error, Result};
-use crate::message::ClaimedEvent;
-use crate::publish::{self, Outcome, Publisher};
+use crate::message::{ClaimedEvent, ClaimedRow};
+use crate::publish::{self, Publisher, Receipt};
 use crate::queries::Queries;
 use crate::settle::{Settled, settle};
 use crate::wake::{listen, sleep_or_cancel};
@@ -52,6 +52,7 @@ fn publish_phase(config: &RelayConfig) -> std::time::Duration {
 
 /// What one batch did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct BatchReport {
     /// Events claimed.
     pub claimed: usize,
@@ -130,12 +131,12 @@ struct Inner {
     panics: std::sync::atomic::AtomicU64,
 }
 
-/// An ordered event as claimed, with whether it is due (the run of an
+/// An ordered event as claimed, with whether it is due (the chain of an
 /// aggregate stops before its first event that is not).
 #[derive(sqlx::FromRow)]
 struct OrderedRow {
     #[sqlx(flatten)]
-    event: ClaimedEvent,
+    event: ClaimedRow,
     due: bool,
     partition: i32,
 }
@@ -155,7 +156,7 @@ pub struct BrokerSession {
     /// Expected events per aggregate in a claim (1 to 64): deep aggregates
     /// fill a batch with fewer heads, which costs fewer index descents per
     /// event; one-event aggregates need many heads. Learnt from each claim.
-    run_hint: usize,
+    chain_hint: usize,
     /// The ids of the batch being published (for a panic report).
     in_flight: Vec<Uuid>,
 }
@@ -234,7 +235,7 @@ impl Relay {
             worker: 0,
             workers: 1,
             cursors: HashMap::new(),
-            run_hint: 1,
+            chain_hint: 1,
             in_flight: Vec::new(),
         })
     }
@@ -342,7 +343,7 @@ impl Relay {
             n => n.max(1),
         };
         let share = held.div_ceil(session.workers).max(1);
-        let per_partition = cfg.batch_size.div_ceil(share * session.run_hint).max(1);
+        let per_partition = cfg.batch_size.div_ceil(share * session.chain_hint).max(1);
         // Aggregates looked at per partition, due or not: bounds the walk
         // when many heads are backing off.
         let scan_per_partition = (per_partition * 4).max(64);
@@ -363,26 +364,26 @@ impl Relay {
             .bind(scan_per_partition as i32)
             .fetch_all(&mut *tx)
             .await?;
-        let claimed = runs(&ordered);
+        let claimed = chains(&ordered);
         advance_cursors(
             &mut session.cursors,
             &claimed,
             per_partition,
             scan_per_partition,
         );
-        session.run_hint = next_run_hint(session.run_hint, &claimed, cfg.batch_size);
-        let mut events = due_runs(ordered);
+        session.chain_hint = next_chain_hint(session.chain_hint, &claimed, cfg.batch_size);
+        let mut events = due_chains(ordered);
         // Unordered events always get a quarter of the batch at least: a
         // large ordered backlog cannot hold them up.
         let room = cfg
             .batch_size
             .saturating_sub(events.len())
             .max(cfg.batch_size.div_ceil(4));
-        let unordered: Vec<ClaimedEvent> = sqlx::query_as(inner.queries.claim.clone())
+        let unordered: Vec<ClaimedRow> = sqlx::query_as(inner.queries.claim.clone())
             .bind(room as i64)
             .fetch_all(&mut *tx)
             .await?;
-        events.extend(unordered);
+        events.extend(unordered.into_iter().map(ClaimedEvent::from));
         if events.is_empty() {
             tx.commit().await?;
             return Ok(BatchReport::default());
@@ -430,28 +431,28 @@ impl Relay {
                 tracing::warn!(event_id = %e.id, event_type = %e.event_type, attempt = e.attempts + 1, error = %error, "event not delivered");
             }
         }
-        if outcomes.contains(&Outcome::NotSent) {
+        if outcomes.contains(&Receipt::NotSent) {
             tracing::warn!(
                 not_sent = settled.not_sent,
                 deadline = ?publish_phase(cfg),
                 "the broker was too slow to finish the batch within its publish deadline; the rest goes in the next batch"
             );
         }
-        if outcomes.contains(&Outcome::TimedOut) {
+        if outcomes.contains(&Receipt::TimedOut) {
             // Confirms may still arrive on this channel; start afresh.
             return Err(Error::BrokerTimeout {
                 what: "publisher confirms",
                 timeout: cfg.confirm_timeout,
             });
         }
-        if let Some(Outcome::ChannelFailed(e)) = outcomes
+        if let Some(Receipt::ChannelFailed(e)) = outcomes
             .iter()
-            .find(|o| matches!(o, Outcome::ChannelFailed(_)))
+            .find(|o| matches!(o, Receipt::ChannelFailed(_)))
         {
             // Settled; now replace the closed channel.
             return Err(Error::ChannelClosed(e.clone()));
         }
-        if outcomes.contains(&Outcome::Nacked) {
+        if outcomes.contains(&Receipt::Nacked) {
             // Settled (retried later). A channel that published to a
             // quorum queue while its leader changed can go on nacking
             // every publish (seen on RabbitMQ 3.10 after a node was
@@ -667,7 +668,7 @@ impl Relay {
             worker,
             workers: cfg.workers,
             cursors: HashMap::new(),
-            run_hint: 1,
+            chain_hint: 1,
             in_flight: Vec::new(),
         };
         inner.health.broker.store(true, Ordering::Relaxed);
@@ -898,27 +899,28 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// One aggregate's share of an ordered claim: its head and run.
-struct Run<'a> {
+/// A chain: one aggregate's share of an ordered claim, its head and the
+/// consecutive events behind it.
+struct Chain<'a> {
     partition: i32,
     key: (&'a str, &'a str),
     /// The head is due (a head backing off comes alone, not due).
     due: bool,
-    /// Due events of the run.
+    /// Due events of the chain.
     len: usize,
 }
 
 /// The claim's rows grouped by aggregate, in claim order.
-fn runs(rows: &[OrderedRow]) -> Vec<Run<'_>> {
-    let mut runs: Vec<Run<'_>> = Vec::new();
+fn chains(rows: &[OrderedRow]) -> Vec<Chain<'_>> {
+    let mut chains: Vec<Chain<'_>> = Vec::new();
     for r in rows {
         let key = (
             r.event.aggregate_type.as_str(),
             r.event.aggregate_id.as_str(),
         );
-        match runs.last_mut() {
-            Some(run) if run.key == key => run.len += usize::from(r.due),
-            _ => runs.push(Run {
+        match chains.last_mut() {
+            Some(chain) if chain.key == key => chain.len += usize::from(r.due),
+            _ => chains.push(Chain {
                 partition: r.partition,
                 key,
                 due: r.due,
@@ -926,7 +928,7 @@ fn runs(rows: &[OrderedRow]) -> Vec<Run<'_>> {
             }),
         }
     }
-    runs
+    chains
 }
 
 /// Moves each partition's cursor past the last aggregate looked at, or back
@@ -934,17 +936,17 @@ fn runs(rows: &[OrderedRow]) -> Vec<Run<'_>> {
 /// `per_partition` due heads and fewer than `scan` heads in all).
 fn advance_cursors(
     cursors: &mut HashMap<i32, (String, String)>,
-    runs: &[Run<'_>],
+    chains: &[Chain<'_>],
     per_partition: usize,
     scan: usize,
 ) {
     // Per partition: heads seen, due heads, last head.
     let mut heads: HashMap<i32, (usize, usize, (&str, &str))> = HashMap::new();
-    for run in runs {
-        let entry = heads.entry(run.partition).or_insert((0, 0, run.key));
+    for chain in chains {
+        let entry = heads.entry(chain.partition).or_insert((0, 0, chain.key));
         entry.0 += 1;
-        entry.1 += usize::from(run.due);
-        entry.2 = run.key;
+        entry.1 += usize::from(chain.due);
+        entry.2 = chain.key;
     }
     cursors.clear();
     for (partition, (seen, due, (t, a))) in heads {
@@ -954,11 +956,11 @@ fn advance_cursors(
     }
 }
 
-/// The run length to plan the next claim with: doubled while most due heads
-/// filled their run (their aggregates have more queued), else the average
-/// run seen.
-fn next_run_hint(hint: usize, runs: &[Run<'_>], batch: usize) -> usize {
-    let due: Vec<usize> = runs.iter().filter(|r| r.due).map(|r| r.len).collect();
+/// The chain length to plan the next claim with: doubled while most due
+/// heads filled their chain (their aggregates have more queued), else the
+/// average chain seen.
+fn next_chain_hint(hint: usize, chains: &[Chain<'_>], batch: usize) -> usize {
+    let due: Vec<usize> = chains.iter().filter(|r| r.due).map(|r| r.len).collect();
     if due.is_empty() {
         return hint;
     }
@@ -972,11 +974,11 @@ fn next_run_hint(hint: usize, runs: &[Run<'_>], batch: usize) -> usize {
     }
 }
 
-/// The ordered events to publish: each aggregate's run (head first, in
+/// The ordered events to publish: each aggregate's chain (head first, in
 /// sequence) up to its first event that is not due yet. A head being
 /// retried goes alone: the events behind it are not sent again and again
 /// while it keeps failing.
-fn due_runs(rows: Vec<OrderedRow>) -> Vec<ClaimedEvent> {
+fn due_chains(rows: Vec<OrderedRow>) -> Vec<ClaimedEvent> {
     let mut out: Vec<ClaimedEvent> = Vec::with_capacity(rows.len());
     let mut stopped: Option<(String, String)> = None;
     let mut current: Option<(String, String)> = None;
@@ -988,13 +990,13 @@ fn due_runs(rows: Vec<OrderedRow>) -> Vec<ClaimedEvent> {
         let head = current.as_ref() != Some(&key);
         if !due || (head && event.attempts > 0) {
             if due {
-                out.push(event);
+                out.push(event.into());
             }
             stopped = Some(key);
             continue;
         }
         current = Some(key);
-        out.push(event);
+        out.push(event.into());
     }
     out
 }

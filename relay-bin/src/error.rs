@@ -4,7 +4,7 @@ use thiserror::Error;
 /// Errors of the relay engine.
 ///
 /// Broker outcomes of single events (nacked, returned, timed out) are not
-/// errors of the relay: they are [`crate::Outcome`]s that reschedule the event.
+/// errors of the relay: they are [`crate::Receipt`]s that reschedule the event.
 /// These variants stop a batch; the supervisor reconnects and retries.
 #[derive(Debug, Error)]
 #[non_exhaustive]

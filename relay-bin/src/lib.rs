@@ -22,10 +22,9 @@
 //! # async fn demo() -> anyhow::Result<()> {
 //! use outbox_relay::{Relay, RelayConfig};
 //! let pool = sqlx::PgPool::connect("postgres://app@127.0.0.1/shop").await?;
-//! let config = RelayConfig {
-//!     amqp_url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
-//!     ..RelayConfig::default()
-//! };
+//! let mut config = RelayConfig::default();
+//! config.amqp_url = "amqp://relay:secret@127.0.0.1:5672/%2f".into();
+//! config.batch_size = 1000;
 //! let relay = Relay::new(pool, config).await?;
 //! let shutdown = tokio_util::sync::CancellationToken::new();
 //! tokio::spawn({
@@ -38,6 +37,13 @@
 //! relay.run(shutdown).await?;
 //! # Ok(()) }
 //! ```
+//!
+//! Words (claim, chain, lease, receipt, settle, held back, dead letter)
+//! mean what the [glossary](outbox#glossary-the-pipeline-and-the-words-for-it)
+//! says; the files follow the stages: `supervisor.rs` (connections and
+//! workers), `worker.rs` (one batch), `claim/` (unordered and ordered
+//! claims), `lease.rs`, `publish.rs`, `settle.rs`, and `admin/` (what
+//! `outbox-relay status`, `dead-letters` and `blocked` do).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
@@ -61,5 +67,5 @@ pub use crate::config::RelayConfig;
 pub use crate::engine::{BatchReport, BrokerSession, Health, Relay};
 pub use crate::error::{Error, Result};
 pub use crate::message::ClaimedEvent;
-pub use crate::publish::Outcome;
+pub use crate::publish::Receipt;
 pub use crate::settle::Settled;

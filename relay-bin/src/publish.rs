@@ -15,10 +15,11 @@ use crate::error::{Error, Result};
 use crate::message::{ClaimedEvent, Message};
 use outbox_core::amqp::bounded;
 
-/// What the broker said about one event.
+/// The broker's receipt for one event: what became of its publish (see the
+/// glossary in the crate docs).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Outcome {
+pub enum Receipt {
     /// Acked and not returned: the broker has it. Only this counts as
     /// delivered.
     Delivered,
@@ -70,29 +71,29 @@ pub enum Outcome {
     },
 }
 
-impl Outcome {
+impl Receipt {
     /// The text recorded as `last_error` (`None` for a delivery).
     pub fn error(&self) -> Option<String> {
         match self {
-            Outcome::Delivered => None,
-            Outcome::Nacked => Some("nacked by the broker".to_owned()),
-            Outcome::Returned { code, text } => Some(format!(
+            Receipt::Delivered => None,
+            Receipt::Nacked => Some("nacked by the broker".to_owned()),
+            Receipt::Returned { code, text } => Some(format!(
                 "returned by the broker: {code} {text} (no queue is bound for this exchange and routing key)"
             )),
-            Outcome::TimedOut => Some("no publisher confirm within the confirm timeout".to_owned()),
-            Outcome::ChannelFailed(e) => Some(format!("the broker closed the channel: {e}")),
-            Outcome::Unpublishable(why) => Some(why.clone()),
-            Outcome::HeldBack => {
+            Receipt::TimedOut => Some("no publisher confirm within the confirm timeout".to_owned()),
+            Receipt::ChannelFailed(e) => Some(format!("the broker closed the channel: {e}")),
+            Receipt::Unpublishable(why) => Some(why.clone()),
+            Receipt::HeldBack => {
                 Some("held back behind an earlier event of its aggregate".to_owned())
             }
-            Outcome::ExchangeNotFound(x) => Some(format!("exchange {x:?} does not exist")),
-            Outcome::ExchangeRefused { exchange, reason } => Some(format!(
+            Receipt::ExchangeNotFound(x) => Some(format!("exchange {x:?} does not exist")),
+            Receipt::ExchangeRefused { exchange, reason } => Some(format!(
                 "the broker refused the check of exchange {exchange:?}: {reason}"
             )),
-            Outcome::NotSent => {
+            Receipt::NotSent => {
                 Some("not sent: the batch's publish deadline passed before its turn".to_owned())
             }
-            Outcome::TooLarge { size, limit } => Some(format!(
+            Receipt::TooLarge { size, limit } => Some(format!(
                 "payload is {size} bytes, over the relay's limit of {limit} bytes"
             )),
         }
@@ -100,7 +101,7 @@ impl Outcome {
 
     /// True when retrying cannot help.
     pub fn is_permanent(&self) -> bool {
-        matches!(self, Outcome::TooLarge { .. } | Outcome::Unpublishable(_))
+        matches!(self, Receipt::TooLarge { .. } | Receipt::Unpublishable(_))
     }
 }
 
@@ -197,7 +198,7 @@ impl Publisher {
         &mut self,
         names: impl Iterator<Item = &'a ShortString>,
         deadline: Instant,
-    ) -> Result<HashMap<String, Outcome>> {
+    ) -> Result<HashMap<String, Receipt>> {
         let mut refused = HashMap::new();
         let unknown: HashSet<&ShortString> = names
             .filter(|n| !self.known_exchanges.contains(n.as_str()))
@@ -236,13 +237,13 @@ impl Publisher {
                 Err(Error::Broker { source: e, .. }) if is_not_found(&e) => {
                     refused.insert(
                         name.to_string(),
-                        Outcome::ExchangeNotFound(name.to_string()),
+                        Receipt::ExchangeNotFound(name.to_string()),
                     );
                 }
                 Err(Error::Broker { source: e, .. }) if self.conn.status().connected() => {
                     refused.insert(
                         name.to_string(),
-                        Outcome::ExchangeRefused {
+                        Receipt::ExchangeRefused {
                             exchange: name.to_string(),
                             reason: e.to_string(),
                         },
@@ -259,9 +260,9 @@ impl Publisher {
     /// transaction's idle bound). Returns one outcome per event, in order.
     /// `Err` means the connection failed: outcomes are unknown, the batch
     /// must be rolled back (retried without counting an attempt) and the
-    /// publisher replaced. [`Outcome::TimedOut`] also means the publisher
+    /// publisher replaced. [`Receipt::TimedOut`] also means the publisher
     /// should be replaced, after the batch is settled; events
-    /// [`Outcome::NotSent`] were never handed to the channel (exchanges
+    /// [`Receipt::NotSent`] were never handed to the channel (exchanges
     /// already checked stay known, so the next batch gets further).
     pub(crate) async fn publish_batch(
         &mut self,
@@ -270,7 +271,7 @@ impl Publisher {
         max_payload_bytes: usize,
         confirm_timeout: Duration,
         deadline: Instant,
-    ) -> Result<Vec<Outcome>> {
+    ) -> Result<Vec<Receipt>> {
         let frame_max = self.conn.configuration().frame_max() as usize;
         // Checks and publishes get the phase minus the confirm timeout, so
         // whatever was sent always has its full confirm timeout: a batch
@@ -281,11 +282,11 @@ impl Publisher {
             .unwrap_or_else(Instant::now);
         // Every value is converted (and so checked) before anything reaches
         // lapin, whose conversions panic on what AMQP cannot carry.
-        let messages: Vec<Result<Message, Outcome>> = events
+        let messages: Vec<Result<Message, Receipt>> = events
             .iter()
             .map(|e| {
                 if e.payload.len() > max_payload_bytes {
-                    return Err(Outcome::TooLarge {
+                    return Err(Receipt::TooLarge {
                         size: e.payload.len(),
                         limit: max_payload_bytes,
                     });
@@ -300,11 +301,11 @@ impl Publisher {
             Ok(refused) => refused,
             // Out of time before anything was sent: nothing to settle.
             Err(Error::BrokerTimeout { .. }) if Instant::now() >= deadline => {
-                return Ok(vec![Outcome::NotSent; events.len()]);
+                return Ok(vec![Receipt::NotSent; events.len()]);
             }
             Err(e) => return Err(e),
         };
-        let mut outcomes: Vec<Option<Outcome>> = vec![None; events.len()];
+        let mut outcomes: Vec<Option<Receipt>> = vec![None; events.len()];
         let mut pending = Vec::with_capacity(events.len());
         let opts = BasicPublishOptions {
             mandatory: true,
@@ -318,9 +319,9 @@ impl Publisher {
             let aggregate = (e.aggregate_type.as_str(), e.aggregate_id.as_str());
             let ordered = e.aggregate_seq.is_some();
             let refusal = if ordered && halted.contains(&aggregate) {
-                Err(Outcome::HeldBack)
+                Err(Receipt::HeldBack)
             } else if Instant::now() >= send_by {
-                Err(Outcome::NotSent)
+                Err(Receipt::NotSent)
             } else {
                 message.and_then(|m| match refused.get(m.exchange.as_str()) {
                     Some(outcome) => Err(outcome.clone()),
@@ -360,7 +361,7 @@ impl Publisher {
                 // Its frames may still go out: not delivered as far as we
                 // know, and the publisher is replaced.
                 Err(Error::BrokerTimeout { .. }) if Instant::now() >= send_by => {
-                    outcomes[i] = Some(Outcome::TimedOut);
+                    outcomes[i] = Some(Receipt::TimedOut);
                 }
                 Err(err) => match self.channel_failure(&err) {
                     Some(outcome) => {
@@ -385,7 +386,7 @@ impl Publisher {
                         timeout: confirm_timeout,
                     });
                 }
-                Err(_) => Outcome::TimedOut,
+                Err(_) => Receipt::TimedOut,
                 Ok(Err(err)) => {
                     let err = Error::Broker {
                         what: "publisher confirm",
@@ -397,16 +398,16 @@ impl Publisher {
                     }
                 }
                 Ok(Ok(confirmation)) => match confirmation {
-                    Confirmation::Ack(None) => Outcome::Delivered,
+                    Confirmation::Ack(None) => Receipt::Delivered,
                     Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
-                        Outcome::Returned {
+                        Receipt::Returned {
                             code: returned.reply_code,
                             text: returned.reply_text.to_string(),
                         }
                     }
-                    Confirmation::Nack(None) => Outcome::Nacked,
+                    Confirmation::Nack(None) => Receipt::Nacked,
                     // Confirm mode is always on; no confirm is no delivery.
-                    Confirmation::NotRequested => Outcome::Nacked,
+                    Confirmation::NotRequested => Receipt::Nacked,
                 },
             });
         }
@@ -415,13 +416,13 @@ impl Publisher {
         // that failure (their attempt is counted; backoff separates them
         // from the culprit next time).
         let failed = outcomes.iter().flatten().find_map(|o| match o {
-            Outcome::ChannelFailed(e) => Some(e.clone()),
+            Receipt::ChannelFailed(e) => Some(e.clone()),
             _ => None,
         });
         Ok(outcomes
             .into_iter()
             .map(|o| {
-                o.unwrap_or_else(|| Outcome::ChannelFailed(failed.clone().unwrap_or_default()))
+                o.unwrap_or_else(|| Receipt::ChannelFailed(failed.clone().unwrap_or_default()))
             })
             .collect())
     }
@@ -430,11 +431,11 @@ impl Publisher {
 /// The event's message, or why it can never be published. The conversion
 /// is total by construction and fuzzed; should it ever panic, that event
 /// alone is refused (as a relay bug) instead of the whole batch failing.
-fn convert(e: &ClaimedEvent, default_exchange: &str, frame_max: usize) -> Result<Message, Outcome> {
+fn convert(e: &ClaimedEvent, default_exchange: &str, frame_max: usize) -> Result<Message, Receipt> {
     match std::panic::catch_unwind(|| e.to_message(default_exchange, frame_max)) {
         Ok(Ok(m)) => Ok(m),
-        Ok(Err(why)) => Err(Outcome::Unpublishable(why)),
-        Err(panic) => Err(Outcome::Unpublishable(format!(
+        Ok(Err(why)) => Err(Receipt::Unpublishable(why)),
+        Err(panic) => Err(Receipt::Unpublishable(format!(
             "the relay panicked converting this event (a relay bug; please report it): {}",
             panic_message(&*panic)
         ))),
@@ -467,9 +468,9 @@ async fn within<T>(
 impl Publisher {
     /// `Some` when the channel failed but the connection is up: the failure
     /// belongs to this batch's events, not to the broker as a whole.
-    fn channel_failure(&self, err: &Error) -> Option<Outcome> {
+    fn channel_failure(&self, err: &Error) -> Option<Receipt> {
         let channel_only = self.conn.status().connected() && !self.channel.status().connected();
-        channel_only.then(|| Outcome::ChannelFailed(err.to_string()))
+        channel_only.then(|| Receipt::ChannelFailed(err.to_string()))
     }
 }
 

@@ -5,13 +5,14 @@ use std::collections::HashSet;
 use crate::config::RelayConfig;
 use crate::error::Result;
 use crate::message::ClaimedEvent;
-use crate::publish::Outcome;
+use crate::publish::Receipt;
 use crate::queries::Queries;
 use outbox_core::backoff::jittered;
 use sqlx::PgConnection;
 
 /// Counts of one settled batch.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Settled {
     /// Delivered and removed (or archived).
     pub delivered: usize,
@@ -42,7 +43,7 @@ pub(crate) async fn settle(
     queries: &Queries,
     config: &RelayConfig,
     events: &[ClaimedEvent],
-    outcomes: &[Outcome],
+    outcomes: &[Receipt],
 ) -> Result<Settled> {
     let mut delivered = Vec::new();
     let (mut retry_ids, mut retry_delays, mut retry_errors) = (Vec::new(), Vec::new(), Vec::new());
@@ -59,7 +60,7 @@ pub(crate) async fn settle(
             held_back += 1;
             continue;
         }
-        if *o == Outcome::NotSent {
+        if *o == Receipt::NotSent {
             not_sent += 1;
             if let Some((t, a)) = aggregate {
                 failed_aggregates.insert((t, a));

@@ -12,6 +12,7 @@ use crate::queries::Queries;
 
 /// The outbox at a glance (`outbox-relay status`).
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct Status {
     /// Events in the outbox (due or waiting for a retry).
     pub backlog: i64,
@@ -38,6 +39,7 @@ pub struct Status {
 
 /// An ordered aggregate held up by its failing head event.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
 pub struct BlockedAggregate {
     /// Aggregate type.
     pub aggregate_type: String,
@@ -59,6 +61,7 @@ pub struct BlockedAggregate {
 
 /// A relay and the partitions it leases.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
 pub struct RelayLeases {
     /// The relay's name (`--name`).
     pub name: String,
@@ -72,6 +75,7 @@ pub struct RelayLeases {
 
 /// An event being retried.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
 pub struct FailingEvent {
     /// Event id.
     pub id: Uuid,
@@ -91,6 +95,7 @@ pub struct FailingEvent {
 
 /// A dead-lettered event.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
 pub struct DeadLetter {
     /// Event id.
     pub id: Uuid,
@@ -130,6 +135,7 @@ impl Selection {
 
 /// What a replay did.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct Replayed {
     /// Events put back in the outbox.
     pub replayed: u64,
@@ -208,6 +214,7 @@ pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
 /// The relay's gauges, cheap on any size of outbox: no statement scans
 /// the outbox or the dead letters.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[non_exhaustive]
 pub struct Gauges {
     /// Events in the outbox: exact up to [`EXACT_COUNT_UP_TO`] rows, the
     /// planner's estimate (`pg_class.reltuples`) above.

@@ -91,20 +91,19 @@ fn unpublishable_by_name() -> Vec<Row> {
 }
 
 fn relay_config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
-    RelayConfig {
-        amqp_url: amqp_url().into(),
-        schema: db.schema.clone(),
-        default_exchange: broker.exchange.clone(),
-        declare_exchange: None,
-        max_payload_bytes: MAX_PAYLOAD,
-        max_attempts: 2,
-        poll_interval: Duration::from_millis(100),
-        retry_base: Duration::from_millis(20),
-        retry_max: Duration::from_millis(100),
-        reconnect_min: Duration::from_millis(50),
-        reconnect_max: Duration::from_millis(200),
-        ..RelayConfig::default()
-    }
+    let mut c = RelayConfig::default();
+    c.amqp_url = amqp_url().into();
+    c.schema = db.schema.clone();
+    c.default_exchange = broker.exchange.clone();
+    c.declare_exchange = None;
+    c.max_payload_bytes = MAX_PAYLOAD;
+    c.max_attempts = 2;
+    c.poll_interval = Duration::from_millis(100);
+    c.retry_base = Duration::from_millis(20);
+    c.retry_max = Duration::from_millis(100);
+    c.reconnect_min = Duration::from_millis(50);
+    c.reconnect_max = Duration::from_millis(200);
+    c
 }
 
 fn spawn(

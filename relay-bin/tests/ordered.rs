@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use e2e::{SeqLog, TestBroker, TestDb, amqp_url, wait_until};
 use lapin::types::FieldTable;
-use outbox::{NewEvent, Ordering, Outbox, OutboxConfig};
+use outbox::{NewEvent, OrderedAggregates, Outbox, OutboxConfig};
 use outbox_relay::{Relay, RelayConfig, status};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -14,18 +14,17 @@ use tokio_util::sync::CancellationToken;
 const DEADLINE: Duration = Duration::from_secs(60);
 
 fn config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
-    RelayConfig {
-        amqp_url: amqp_url().into(),
-        schema: db.schema.clone(),
-        default_exchange: broker.exchange.clone(),
-        declare_exchange: None,
-        poll_interval: Duration::from_millis(100),
-        retry_base: Duration::from_millis(50),
-        retry_max: Duration::from_millis(200),
-        max_attempts: 1000,
-        lease_ttl: Duration::from_secs(1),
-        ..RelayConfig::default()
-    }
+    let mut c = RelayConfig::default();
+    c.amqp_url = amqp_url().into();
+    c.schema = db.schema.clone();
+    c.default_exchange = broker.exchange.clone();
+    c.declare_exchange = None;
+    c.poll_interval = Duration::from_millis(100);
+    c.retry_base = Duration::from_millis(50);
+    c.retry_max = Duration::from_millis(200);
+    c.max_attempts = 1000;
+    c.lease_ttl = Duration::from_secs(1);
+    c
 }
 
 fn spawn(relay: &Relay) -> (CancellationToken, tokio::task::JoinHandle<()>) {
@@ -43,12 +42,12 @@ async fn ordered_outbox(db: &TestDb) -> Outbox {
     outbox::set_ordered(&db.pool, &db.schema, outbox::ALL_TYPES, true)
         .await
         .unwrap();
-    Outbox::new(
-        &db.pool,
-        OutboxConfig::default()
-            .schema(&db.schema)
-            .ordering(Ordering::All),
-    )
+    Outbox::new(&db.pool, {
+        let mut c = OutboxConfig::default();
+        c.schema = db.schema.to_string();
+        c.ordering = OrderedAggregates::All;
+        c
+    })
     .await
     .unwrap()
 }
@@ -79,13 +78,11 @@ async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
 
     // Two attempts would dead-letter an unordered event; an ordered one
     // stays and blocks its aggregate (a dead letter would be a hole).
-    let relay = Relay::new(
-        db.pool.clone(),
-        RelayConfig {
-            max_attempts: 2,
-            ..config(&db, &broker)
-        },
-    )
+    let relay = Relay::new(db.pool.clone(), {
+        let mut c = config(&db, &broker);
+        c.max_attempts = 2;
+        c
+    })
     .await
     .unwrap();
     let (stop, task) = spawn(&relay);
@@ -172,12 +169,12 @@ async fn many_aggregates_arrive_in_sequence_with_unordered_events_alongside() {
     outbox::set_ordered(&db.pool, &db.schema, "account", true)
         .await
         .unwrap();
-    let ob = Outbox::new(
-        &db.pool,
-        OutboxConfig::default()
-            .schema(&db.schema)
-            .ordering(Ordering::types(["account"])),
-    )
+    let ob = Outbox::new(&db.pool, {
+        let mut c = OutboxConfig::default();
+        c.schema = db.schema.to_string();
+        c.ordering = OrderedAggregates::types(["account"]);
+        c
+    })
     .await
     .unwrap();
     let relay = Relay::new(db.pool.clone(), config(&db, &broker))
@@ -306,13 +303,11 @@ async fn leases_are_renewed_while_a_rebalance_waits_for_batches_in_flight() {
     let db = TestDb::producer("ord_renew").await;
     let broker = TestBroker::new("ord_renew", FieldTable::default()).await;
     let ttl = Duration::from_secs(2);
-    let a = Relay::new(
-        db.pool.clone(),
-        RelayConfig {
-            lease_ttl: ttl,
-            ..config(&db, &broker)
-        },
-    )
+    let a = Relay::new(db.pool.clone(), {
+        let mut c = config(&db, &broker);
+        c.lease_ttl = ttl;
+        c
+    })
     .await
     .unwrap();
     let (stop_a, task_a) = spawn(&a);
@@ -422,13 +417,11 @@ async fn a_claim_walks_past_many_blocked_aggregates_in_bounded_steps() {
     .execute(&db.pool)
     .await
     .unwrap();
-    let relay = Relay::new(
-        db.pool.clone(),
-        RelayConfig {
-            batch_size: 4,
-            ..config(&db, &broker)
-        },
-    )
+    let relay = Relay::new(db.pool.clone(), {
+        let mut c = config(&db, &broker);
+        c.batch_size = 4;
+        c
+    })
     .await
     .unwrap();
     let mut session = relay.connect().await.unwrap();
@@ -466,13 +459,11 @@ async fn unordered_events_are_not_held_up_by_an_ordered_backlog() {
     .execute(&db.pool)
     .await
     .unwrap();
-    let relay = Relay::new(
-        db.pool.clone(),
-        RelayConfig {
-            batch_size: 8,
-            ..config(&db, &broker)
-        },
-    )
+    let relay = Relay::new(db.pool.clone(), {
+        let mut c = config(&db, &broker);
+        c.batch_size = 8;
+        c
+    })
     .await
     .unwrap();
     let mut session = relay.connect().await.unwrap();

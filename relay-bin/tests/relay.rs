@@ -13,24 +13,27 @@ use tokio_util::sync::CancellationToken;
 const DEADLINE: Duration = Duration::from_secs(60);
 
 fn config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
-    RelayConfig {
-        amqp_url: amqp_url().into(),
-        schema: db.schema.clone(),
-        default_exchange: broker.exchange.clone(),
-        declare_exchange: None,
-        poll_interval: Duration::from_millis(200),
-        retry_base: Duration::from_millis(50),
-        retry_max: Duration::from_millis(400),
-        reconnect_min: Duration::from_millis(50),
-        reconnect_max: Duration::from_millis(500),
-        ..RelayConfig::default()
-    }
+    let mut c = RelayConfig::default();
+    c.amqp_url = amqp_url().into();
+    c.schema = db.schema.clone();
+    c.default_exchange = broker.exchange.clone();
+    c.declare_exchange = None;
+    c.poll_interval = Duration::from_millis(200);
+    c.retry_base = Duration::from_millis(50);
+    c.retry_max = Duration::from_millis(400);
+    c.reconnect_min = Duration::from_millis(50);
+    c.reconnect_max = Duration::from_millis(500);
+    c
 }
 
 async fn outbox(db: &TestDb) -> Outbox {
-    Outbox::new(&db.pool, OutboxConfig::default().schema(&db.schema))
-        .await
-        .unwrap()
+    Outbox::new(&db.pool, {
+        let mut c = OutboxConfig::default();
+        c.schema = db.schema.to_string();
+        c
+    })
+    .await
+    .unwrap()
 }
 
 fn spawn(
@@ -181,9 +184,10 @@ async fn unroutable_event_is_retried_with_backoff_dead_lettered_and_replayable()
         .unwrap();
     ob.commit(tx).await.unwrap();
 
-    let cfg = RelayConfig {
-        max_attempts: 4,
-        ..config(&db, &broker)
+    let cfg = {
+        let mut c = config(&db, &broker);
+        c.max_attempts = 4;
+        c
     };
     let relay = Relay::new(db.pool.clone(), cfg).await.unwrap();
     let (stop, task) = spawn(&relay);
@@ -289,13 +293,11 @@ async fn broker_nacks_are_retried_with_backoff_without_a_hot_loop() {
     );
     let broker = TestBroker::new("nack", args).await;
     let ids = db.produce(3, 3, Duration::ZERO).await;
-    let relay = Relay::new(
-        db.pool.clone(),
-        RelayConfig {
-            max_attempts: 100,
-            ..config(&db, &broker)
-        },
-    )
+    let relay = Relay::new(db.pool.clone(), {
+        let mut c = config(&db, &broker);
+        c.max_attempts = 100;
+        c
+    })
     .await
     .unwrap();
     let (stop, task) = spawn(&relay);
@@ -350,13 +352,11 @@ async fn three_relays_deliver_every_one_of_20000_events() {
     let mut relays = Vec::new();
     for _ in 0..3 {
         let pool = e2e::pool(&format!("relay-{}", db.schema), 4).await;
-        let relay = Relay::new(
-            pool,
-            RelayConfig {
-                batch_size: 200,
-                ..config(&db, &broker)
-            },
-        )
+        let relay = Relay::new(pool, {
+            let mut c = config(&db, &broker);
+            c.batch_size = 200;
+            c
+        })
         .await
         .unwrap();
         relays.push(spawn(&relay));
@@ -399,13 +399,11 @@ async fn terminated_database_backends_mid_batch_lose_nothing() {
     let ids = db.produce(5_000, 500, Duration::ZERO).await;
     let app = format!("relay-{}", db.schema);
     let pool = e2e::pool(&app, 4).await;
-    let relay = Relay::new(
-        pool,
-        RelayConfig {
-            batch_size: 100,
-            ..config(&db, &broker)
-        },
-    )
+    let relay = Relay::new(pool, {
+        let mut c = config(&db, &broker);
+        c.batch_size = 100;
+        c
+    })
     .await
     .unwrap();
     let (stop, task) = spawn(&relay);
@@ -552,14 +550,12 @@ async fn connected_through_proxy(
 ) {
     let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
     let pool = sqlx::PgPool::connect(&e2e::database_url()).await.unwrap();
-    let relay = Relay::new(
-        pool,
-        RelayConfig {
-            amqp_url: proxy.url(&amqp_url()).into(),
-            workers: 1,
-            ..cfg
-        },
-    )
+    let relay = Relay::new(pool, {
+        let mut c = cfg;
+        c.amqp_url = proxy.url(&amqp_url()).into();
+        c.workers = 1;
+        c
+    })
     .await
     .unwrap();
     let (stop, task) = spawn(&relay);
@@ -621,10 +617,11 @@ async fn a_slow_broker_cannot_stretch_a_batch_past_its_idle_bound() {
     let ids = ob.enqueue_many(&mut *tx, events).await.unwrap();
     ob.commit(tx).await.unwrap();
 
-    let (proxy, stop, task) = connected_through_proxy(RelayConfig {
-        confirm_timeout: Duration::from_secs(3),
-        broker_timeout: Duration::from_secs(1),
-        ..config(&db, &broker)
+    let (proxy, stop, task) = connected_through_proxy({
+        let mut c = config(&db, &broker);
+        c.confirm_timeout = Duration::from_secs(3);
+        c.broker_timeout = Duration::from_secs(1);
+        c
     })
     .await;
     // Connected at full speed, then slowed.
@@ -657,11 +654,12 @@ async fn a_slow_broker_cannot_stretch_a_batch_past_its_idle_bound() {
 async fn shutdown_abandons_batches_in_flight_past_the_drain_timeout() {
     let db = TestDb::producer("relay_drain").await;
     let broker = TestBroker::new("drain", FieldTable::default()).await;
-    let (proxy, stop, task) = connected_through_proxy(RelayConfig {
-        confirm_timeout: Duration::from_secs(120),
-        broker_timeout: Duration::from_secs(120),
-        drain_timeout: Duration::from_secs(1),
-        ..config(&db, &broker)
+    let (proxy, stop, task) = connected_through_proxy({
+        let mut c = config(&db, &broker);
+        c.confirm_timeout = Duration::from_secs(120);
+        c.broker_timeout = Duration::from_secs(120);
+        c.drain_timeout = Duration::from_secs(1);
+        c
     })
     .await;
     proxy.set(e2e::Mode::Blackhole);
@@ -704,29 +702,23 @@ async fn refusals_end_run_with_an_error_instead_of_retrying() {
     let db = TestDb::producer("relay_refused").await;
     let broker = TestBroker::new("refused", FieldTable::default()).await;
     let cases = [
-        (
-            "a refused login",
-            RelayConfig {
-                amqp_url: amqp_url()
-                    .replace("guest:guest", "guest:S3cret-wrong")
-                    .into(),
-                ..config(&db, &broker)
-            },
-        ),
-        (
-            "a missing vhost",
-            RelayConfig {
-                amqp_url: amqp_url().replace("%2f", "no-such-vhost").into(),
-                ..config(&db, &broker)
-            },
-        ),
-        (
-            "a conflicting declaration",
-            RelayConfig {
-                declare_exchange: Some("direct".into()),
-                ..config(&db, &broker)
-            },
-        ),
+        ("a refused login", {
+            let mut c = config(&db, &broker);
+            c.amqp_url = amqp_url()
+                .replace("guest:guest", "guest:S3cret-wrong")
+                .into();
+            c
+        }),
+        ("a missing vhost", {
+            let mut c = config(&db, &broker);
+            c.amqp_url = amqp_url().replace("%2f", "no-such-vhost").into();
+            c
+        }),
+        ("a conflicting declaration", {
+            let mut c = config(&db, &broker);
+            c.declare_exchange = Some("direct".into());
+            c
+        }),
     ];
     for (what, cfg) in cases {
         let relay = Relay::new(db.pool.clone(), cfg).await.unwrap();

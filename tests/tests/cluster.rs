@@ -91,18 +91,19 @@ impl World {
 
     async fn relay(&self) -> (Relay, CancellationToken, tokio::task::JoinHandle<()>) {
         let pool = e2e::pool(&format!("relay-{}", suffix()), 4).await;
-        let config = RelayConfig {
-            amqp_url: self.urls_from(0).into(),
-            schema: self.db.schema.clone(),
-            default_exchange: self.exchange.clone(),
-            declare_exchange: None,
-            batch_size: 100,
-            poll_interval: Duration::from_millis(200),
-            confirm_timeout: Duration::from_secs(5),
-            broker_timeout: Duration::from_secs(5),
-            reconnect_min: Duration::from_millis(50),
-            reconnect_max: Duration::from_millis(500),
-            ..RelayConfig::default()
+        let config = {
+            let mut c = RelayConfig::default();
+            c.amqp_url = self.urls_from(0).into();
+            c.schema = self.db.schema.clone();
+            c.default_exchange = self.exchange.clone();
+            c.declare_exchange = None;
+            c.batch_size = 100;
+            c.poll_interval = Duration::from_millis(200);
+            c.confirm_timeout = Duration::from_secs(5);
+            c.broker_timeout = Duration::from_secs(5);
+            c.reconnect_min = Duration::from_millis(50);
+            c.reconnect_max = Duration::from_millis(500);
+            c
         };
         let relay = Relay::new(pool, config).await.unwrap();
         let stop = CancellationToken::new();

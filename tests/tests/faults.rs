@@ -103,18 +103,19 @@ impl World {
     }
 
     fn relay_config(&self, amqp: String) -> RelayConfig {
-        RelayConfig {
-            amqp_url: amqp.into(),
-            schema: self.db.schema.clone(),
-            default_exchange: self.broker.exchange.clone(),
-            declare_exchange: None,
-            batch_size: 100,
-            poll_interval: Duration::from_millis(200),
-            confirm_timeout: Duration::from_secs(2),
-            broker_timeout: Duration::from_secs(2),
-            reconnect_min: Duration::from_millis(50),
-            reconnect_max: Duration::from_millis(500),
-            ..RelayConfig::default()
+        {
+            let mut c = RelayConfig::default();
+            c.amqp_url = amqp.into();
+            c.schema = self.db.schema.clone();
+            c.default_exchange = self.broker.exchange.clone();
+            c.declare_exchange = None;
+            c.batch_size = 100;
+            c.poll_interval = Duration::from_millis(200);
+            c.confirm_timeout = Duration::from_secs(2);
+            c.broker_timeout = Duration::from_secs(2);
+            c.reconnect_min = Duration::from_millis(50);
+            c.reconnect_max = Duration::from_millis(500);
+            c
         }
     }
 
@@ -126,8 +127,11 @@ impl World {
 
     async fn consumer(&self, app: &str) -> Running<outbox_consumer::Error> {
         let pool = e2e::pool(app, 4).await;
-        let mut config = ConsumerConfig::new(amqp_url(), &self.broker.queue, "faults")
-            .schema(&self.consumer_schema);
+        let mut config = {
+            let mut c = ConsumerConfig::new(amqp_url(), &self.broker.queue, "faults");
+            c.schema = self.consumer_schema.to_string();
+            c
+        };
         config.declare_retry_queues = false;
         config.max_reconnect_delay = Duration::from_millis(500);
         let insert = format!(
@@ -753,9 +757,13 @@ async fn producer_transaction_committing_late_with_an_earlier_id() {
     let w = World::new("f_late").await;
     let relay = w.relay(&format!("r-{}", suffix()), amqp_url()).await;
     let consumer = w.consumer(&format!("c-{}", suffix())).await;
-    let ob = Outbox::new(&w.db.pool, OutboxConfig::default().schema(&w.db.schema))
-        .await
-        .unwrap();
+    let ob = Outbox::new(&w.db.pool, {
+        let mut c = OutboxConfig::default();
+        c.schema = w.db.schema.to_string();
+        c
+    })
+    .await
+    .unwrap();
     // The late transaction takes its (earlier, time-ordered) id first...
     let mut late = w.db.pool.begin().await.unwrap();
     let early_id = ob

@@ -17,7 +17,7 @@ use e2e::{
 use lapin::types::FieldTable;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use outbox::{NewEvent, Ordering, Outbox, OutboxConfig};
+use outbox::{NewEvent, OrderedAggregates, Outbox, OutboxConfig};
 use outbox_consumer::{
     Consumer, ConsumerConfig, Event, Handler, OrderedTopology, Outcome, declare_ordered_topology,
 };
@@ -92,12 +92,12 @@ async fn produce(db: &TestDb, n: usize, pace: Duration) {
     outbox::set_ordered(&db.pool, &db.schema, "account", true)
         .await
         .unwrap();
-    let outbox = Outbox::new(
-        &db.pool,
-        OutboxConfig::default()
-            .schema(&db.schema)
-            .ordering(Ordering::types(["account"])),
-    )
+    let outbox = Outbox::new(&db.pool, {
+        let mut c = OutboxConfig::default();
+        c.schema = db.schema.to_string();
+        c.ordering = OrderedAggregates::types(["account"]);
+        c
+    })
     .await
     .unwrap();
     // Rows locked in key order: concurrent writers cannot deadlock.
@@ -215,9 +215,12 @@ impl World {
         self.stop = CancellationToken::new();
         for q in &self.queues {
             let pool = e2e::pool(&format!("c-{}", suffix()), 4).await;
-            let mut config = ConsumerConfig::new(amqp_url(), q, "ordered")
-                .schema(&self.consumer_schema)
-                .ordering(outbox_consumer::Ordering::by_sequence());
+            let mut config = {
+                let mut c = ConsumerConfig::new(amqp_url(), q, "ordered");
+                c.schema = self.consumer_schema.to_string();
+                c.sequencing = outbox_consumer::Sequencing::by_sequence();
+                c
+            };
             config.retry_delay = Duration::from_millis(100);
             config.max_retry_delay = Duration::from_millis(500);
             config.max_deferrals = 1_000;

@@ -113,8 +113,11 @@ impl Env {
     }
 
     pub fn config(&self, consumer_name: &str) -> ConsumerConfig {
-        let mut c =
-            ConsumerConfig::new(amqp_url(), &self.queue, consumer_name).schema(&self.schema);
+        let mut c = {
+            let mut c = ConsumerConfig::new(amqp_url(), &self.queue, consumer_name);
+            c.schema = self.schema.to_string();
+            c
+        };
         c.retry_delay = Duration::from_millis(100);
         c
     }

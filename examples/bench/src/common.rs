@@ -8,7 +8,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
-use outbox::{NewEvent, Ordering, Outbox, OutboxConfig, Wakeup};
+use outbox::{NewEvent, OrderedAggregates, Outbox, OutboxConfig, Wakeup};
 use serde_json::{Value, json};
 use sqlx::{AssertSqlSafe, PgPool};
 
@@ -121,19 +121,19 @@ pub(crate) async fn fill_outbox(
     pool: &PgPool,
     schema: &str,
     n: usize,
-    ordering: Ordering,
+    ordering: OrderedAggregates,
     aggregates: usize,
 ) -> Result<()> {
-    if ordering == Ordering::All {
+    if ordering == OrderedAggregates::All {
         outbox::set_ordered(pool, schema, outbox::ALL_TYPES, true).await?;
     }
-    let ob = Outbox::new(
-        pool,
-        OutboxConfig::default()
-            .schema(schema)
-            .wakeup(Wakeup::PollOnly)
-            .ordering(ordering),
-    )
+    let ob = Outbox::new(pool, {
+        let mut c = OutboxConfig::default();
+        c.schema = schema.to_string();
+        c.wakeup = Wakeup::PollOnly;
+        c.ordering = ordering;
+        c
+    })
     .await?;
     let body = payload();
     for start in (0..n).step_by(1000) {
@@ -293,19 +293,13 @@ impl Stats {
 /// the relay's own code), so baselines publish the same headers; callers
 /// set a fresh `message_id` per message.
 pub(crate) fn relay_properties() -> Result<BasicProperties> {
-    let event = outbox_relay::ClaimedEvent {
-        id: uuid::Uuid::now_v7(),
-        aggregate_type: "order".into(),
-        aggregate_id: "o-1".into(),
-        event_type: "OrderPlaced".into(),
-        payload: String::new(),
-        headers: "{}".into(),
-        exchange: None,
-        routing_key: None,
-        created_at: sqlx::types::chrono::Utc::now(),
-        attempts: 0,
-        aggregate_seq: None,
-    };
+    let event = outbox_relay::ClaimedEvent::new(
+        uuid::Uuid::now_v7(),
+        "order",
+        "o-1",
+        "OrderPlaced",
+        String::new(),
+    );
     event.properties().map_err(anyhow::Error::msg)
 }
 

@@ -375,7 +375,11 @@ async fn time_progress(
 }
 
 fn library(pool: &PgPool, url: &str, queue: &str, schema: &str, batch: bool) -> Result<Consumer> {
-    let mut cfg = ConsumerConfig::new(url, queue, "bench").schema(schema);
+    let mut cfg = {
+        let mut c = ConsumerConfig::new(url, queue, "bench");
+        c.schema = schema.to_string();
+        c
+    };
     cfg.declare_retry_queues = false;
     let update = update_sql(schema);
     Ok(if batch {

@@ -121,7 +121,11 @@ pub(crate) async fn latency(
         }
     });
     let stop = CancellationToken::new();
-    let mut cfg = ConsumerConfig::new(url, &effect_queue, "bench").schema(&consumer_schema);
+    let mut cfg = {
+        let mut c = ConsumerConfig::new(url, &effect_queue, "bench");
+        c.schema = consumer_schema.to_string();
+        c
+    };
     cfg.declare_retry_queues = false;
     let handler = NotifyEffect {
         insert: format!(
@@ -181,7 +185,12 @@ async fn offer(
         .min_connections(8)
         .connect_with((*pool.connect_options()).clone())
         .await?;
-    let ob = Outbox::new(&producer_pool, OutboxConfig::default().schema(schema)).await?;
+    let ob = Outbox::new(&producer_pool, {
+        let mut c = OutboxConfig::default();
+        c.schema = schema.to_string();
+        c
+    })
+    .await?;
     // The relay process connects and starts listening meanwhile.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let total = ((warm + secs) * rate) as usize;

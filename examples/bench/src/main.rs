@@ -12,7 +12,7 @@ mod write;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use outbox::{Ordering, Wakeup};
+use outbox::{OrderedAggregates, Wakeup};
 use serde_json::{Value, json};
 
 use crate::common::{Stats, attempt};
@@ -484,21 +484,21 @@ async fn ordered_section(
     let n = sizes.ordered;
     eprintln!("bench: ordered vs unordered drain ({n} events, 1,000 aggregates)");
     let unordered = attempt("drain", || {
-        relay::drain_rate(pool, url, n, 1, Ordering::None, 1_000)
+        relay::drain_rate(pool, url, n, 1, OrderedAggregates::None, 1_000)
     })
     .await?;
     let ordered = attempt("drain", || {
-        relay::drain_rate(pool, url, n, 1, Ordering::All, 1_000)
+        relay::drain_rate(pool, url, n, 1, OrderedAggregates::All, 1_000)
     })
     .await?;
     let ordered3 = attempt("drain", || {
-        relay::drain_rate(pool, url, n, 3, Ordering::All, 1_000)
+        relay::drain_rate(pool, url, n, 3, OrderedAggregates::All, 1_000)
     })
     .await?;
     // One event per aggregate: every event is a head (the claim's most
     // expensive shape).
     let ordered_wide = attempt("drain", || {
-        relay::drain_rate(pool, url, n, 1, Ordering::All, n)
+        relay::drain_rate(pool, url, n, 1, OrderedAggregates::All, n)
     })
     .await?;
     r.add(

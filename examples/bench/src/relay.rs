@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use lapin::{Channel, Connection};
-use outbox::Ordering;
+use outbox::OrderedAggregates;
 use outbox_relay::{Relay, RelayConfig};
 use sqlx::PgPool;
 use tokio::task::JoinHandle;
@@ -19,13 +19,12 @@ use crate::common::*;
 const STALL: Duration = Duration::from_secs(60);
 
 fn relay_config(url: &str, schema: &str, exchange: &str) -> RelayConfig {
-    RelayConfig {
-        amqp_url: url.to_owned().into(),
-        schema: schema.to_owned(),
-        default_exchange: exchange.to_owned(),
-        declare_exchange: None,
-        ..RelayConfig::default()
-    }
+    let mut c = RelayConfig::default();
+    c.amqp_url = url.to_owned().into();
+    c.schema = schema.to_owned();
+    c.default_exchange = exchange.to_owned();
+    c.declare_exchange = None;
+    c
 }
 
 /// A fresh outbox schema and exchange + queue, with a filled backlog.
@@ -41,7 +40,7 @@ impl Backlog {
         pool: &PgPool,
         url: &str,
         n: usize,
-        ordering: Ordering,
+        ordering: OrderedAggregates,
         aggregates: usize,
     ) -> Result<Self> {
         let schema = fresh_schema(pool, "drain").await?;
@@ -134,7 +133,7 @@ pub(crate) async fn drain_rate(
     url: &str,
     n: usize,
     relays: usize,
-    ordering: Ordering,
+    ordering: OrderedAggregates,
     aggregates: usize,
 ) -> Result<f64> {
     let backlog = Backlog::new(pool, url, n, ordering, aggregates).await?;
@@ -178,10 +177,10 @@ pub(crate) async fn growth(
     for run in 0..runs {
         eprintln!("bench:   backlog {small}, run {}", run + 1);
         out.small
-            .push(drain_rate(pool, url, small, 1, Ordering::None, 1_000).await?);
+            .push(drain_rate(pool, url, small, 1, OrderedAggregates::None, 1_000).await?);
     }
     eprintln!("bench:   filling a backlog of {big}");
-    let backlog = Backlog::new(pool, url, big, Ordering::None, 1_000).await?;
+    let backlog = Backlog::new(pool, url, big, OrderedAggregates::None, 1_000).await?;
     let warm = (window / 20) as u64;
     let windows = (2 * runs - 1).min(big / (window + window / 20 + 1_000));
     for w in 0..windows {
@@ -223,7 +222,7 @@ pub(crate) async fn drain_process(
     url: &str,
     n: usize,
 ) -> Result<(f64, f64, (f64, f64, f64))> {
-    let backlog = Backlog::new(pool, url, n, Ordering::None, 1_000).await?;
+    let backlog = Backlog::new(pool, url, n, OrderedAggregates::None, 1_000).await?;
     let mut child = spawn_relay(database_url, url, &backlog.schema, &backlog.name)?;
     let cpu = CpuSpan::start(child.id());
     let warm = (n / 20) as u64;

@@ -105,9 +105,15 @@ pub(crate) async fn write_path(
 ) -> Result<f64> {
     let schema = setup(pool).await?;
     let ob = match mode {
-        Some(m) => {
-            Some(Outbox::new(pool, OutboxConfig::default().schema(&schema).wakeup(m)).await?)
-        }
+        Some(m) => Some(
+            Outbox::new(pool, {
+                let mut c = OutboxConfig::default();
+                c.schema = schema.to_string();
+                c.wakeup = m;
+                c
+            })
+            .await?,
+        ),
         None => None,
     };
     let sql = std::sync::Arc::new(Statements::new(&schema));

@@ -209,7 +209,7 @@ async fn run(args: Args) -> Result<bool> {
     }
     let expected = wire.deliveries() + injected;
     wait(CATCH_UP, || async {
-        inventory.stats().settled() >= expected && notifier.stats().settled() >= expected
+        inventory.stats().acked() >= expected && notifier.stats().acked() >= expected
     })
     .await;
     ticker.abort();

@@ -18,14 +18,13 @@ pub(crate) struct RunningRelay {
 /// The relay's settings: small batches, so that a crash has some in
 /// flight.
 pub(crate) fn config(amqp_url: &str) -> RelayConfig {
-    RelayConfig {
-        amqp_url: amqp_url.to_owned().into(),
-        schema: SCHEMA.to_owned(),
-        default_exchange: EXCHANGE.to_owned(),
-        batch_size: 50,
-        workers: 2,
-        ..RelayConfig::default()
-    }
+    let mut c = RelayConfig::default();
+    c.amqp_url = amqp_url.to_owned().into();
+    c.schema = SCHEMA.to_owned();
+    c.default_exchange = EXCHANGE.to_owned();
+    c.batch_size = 50;
+    c.workers = 2;
+    c
 }
 
 /// Starts a fresh relay (a new process would start the same way).

@@ -193,7 +193,7 @@ impl Facts {
                     "every delivery settled, duplicates absorbed ({} per queue)",
                     expected
                 ),
-                self.inventory.settled() >= expected && self.notifications.settled() >= expected,
+                self.inventory.acked() >= expected && self.notifications.acked() >= expected,
             ),
         ]
     }
@@ -243,7 +243,7 @@ impl Facts {
         );
         row("", "inventory  notifications", "");
         let both = |label: &str, a: u64, b: u64| row(label, format!("{a:>9}  {b:>13}"), "");
-        both("deliveries received", inv.settled(), not.settled());
+        both("deliveries received", inv.acked(), not.acked());
         both("effects applied", inv.processed, not.processed);
         both("duplicate deliveries seen", inv.duplicates, not.duplicates);
         both("retried", inv.retried, not.retried);

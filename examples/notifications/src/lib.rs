@@ -39,7 +39,11 @@ pub fn consumer(
     pool: PgPool,
     notes: Notifications,
 ) -> outbox_consumer::Result<Consumer> {
-    let config = ConsumerConfig::new(amqp_url, queue, CONSUMER_NAME).schema(schema);
+    let config = {
+        let mut c = ConsumerConfig::new(amqp_url, queue, CONSUMER_NAME);
+        c.schema = schema.to_string();
+        c
+    };
     Consumer::new(config, pool, notes)
 }
 

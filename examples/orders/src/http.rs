@@ -6,7 +6,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use outbox::{Idempotent, IdempotentRoute};
+use outbox::idempotency::{Idempotent, IdempotentRoute};
 use serde_json::json;
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -40,7 +40,9 @@ pub fn router(state: AppState) -> Router {
         .route("/orders", post(create_order))
         // Every idempotent route: a handler that forgot `finish` cannot
         // send a success its rolled-back transaction does not back.
-        .route_layer(axum::middleware::from_fn(outbox::require_finish))
+        .route_layer(axum::middleware::from_fn(
+            outbox::idempotency::require_finish,
+        ))
         .route("/orders/{id}", get(show_order))
         .route("/healthz", get(healthz))
         .with_state(state)

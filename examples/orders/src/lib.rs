@@ -20,7 +20,7 @@
 mod http;
 mod store;
 
-use outbox::{Idempotency, IdempotencyConfig, IdempotentRoute};
+use outbox::idempotency::{Idempotency, IdempotencyConfig, IdempotentRoute};
 use sqlx::PgPool;
 
 pub use crate::http::{AppState, router};
@@ -31,7 +31,12 @@ pub use crate::store::{AGGREGATE_TYPE, MAX_QTY, NewOrder, ORDER_PLACED, Order, O
 /// [`router`] serves.
 pub async fn setup(pool: &PgPool, schema: &str) -> outbox::Result<AppState> {
     let orders = Orders::setup(pool, schema).await?;
-    let idem = Idempotency::new(pool, IdempotencyConfig::default().schema(schema)).await?;
+    let idem = Idempotency::new(pool, {
+        let mut c = IdempotencyConfig::default();
+        c.schema = schema.to_string();
+        c
+    })
+    .await?;
     let idempotency = IdempotentRoute::new(idem).outbox(orders.outbox().clone());
     Ok(AppState {
         pool: pool.clone(),

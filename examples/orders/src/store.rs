@@ -83,7 +83,12 @@ impl Orders {
         )))
         .execute(pool)
         .await?;
-        let outbox = Outbox::new(pool, OutboxConfig::default().schema(schema)).await?;
+        let outbox = Outbox::new(pool, {
+            let mut c = OutboxConfig::default();
+            c.schema = schema.to_string();
+            c
+        })
+        .await?;
         Ok(Self {
             outbox,
             insert: AssertSqlSafe(format!(

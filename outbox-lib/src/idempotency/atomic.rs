@@ -60,7 +60,8 @@ impl Idempotency {
     ///
     /// ```no_run
     /// # async fn demo(pool: sqlx::PgPool, idem: outbox::Idempotency, outbox: outbox::Outbox) -> anyhow::Result<()> {
-    /// use outbox::{Claim, Fingerprint, IdempotencyKey, NewEvent, RecordedResponse};
+    /// use outbox::NewEvent;
+    /// use outbox::idempotency::{Claim, Fingerprint, IdempotencyKey, RecordedResponse};
     /// let key = IdempotencyKey::parse("8e03978e-40d5-43e8")?;
     /// let body = br#"{"sku":"A-1"}"#;
     /// let mut tx = pool.begin().await?;

@@ -462,7 +462,8 @@ impl IdempotentRoute {
 /// use axum::http::StatusCode;
 /// use axum::response::{IntoResponse, Response};
 /// use axum::{Json, Router, routing::post};
-/// use outbox::{Idempotent, IdempotentRoute, NewEvent, Outbox};
+/// use outbox::idempotency::{Idempotent, IdempotentRoute};
+/// use outbox::{NewEvent, Outbox};
 ///
 /// #[derive(Clone)]
 /// struct App { idempotency: IdempotentRoute, outbox: Outbox }

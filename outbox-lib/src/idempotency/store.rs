@@ -32,15 +32,45 @@ pub const DOWNSTREAM_KEY_NAMESPACE: Uuid =
 
 /// Settings of an [`Idempotency`] handle. Every duration is a contract
 /// with clients or operators; see [`docs/IDEMPOTENCY.md`](https://github.com/outbox-rs/outbox/blob/main/docs/IDEMPOTENCY.md).
+///
+/// Like every configuration of the toolkit: start from
+/// [`IdempotencyConfig::default()`], assign the fields you change;
+/// [`Idempotency::new`] validates the result.
+///
+/// ```
+/// # use std::time::Duration;
+/// let mut config = outbox::idempotency::IdempotencyConfig::default();
+/// config.schema = "shop".into();
+/// config.ttl = Duration::from_secs(48 * 3600);
+/// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct IdempotencyConfig {
-    schema: String,
-    ttl: Duration,
-    wait: Duration,
-    retry_after: Duration,
-    lease: Duration,
-    max_response_bytes: usize,
-    replay_headers: Vec<String>,
+    /// The schema holding `idempotency_keys` (default `public`).
+    pub schema: String,
+    /// How long a key is kept (default [`DEFAULT_IDEMPOTENCY_TTL`]). Must
+    /// outlast every client's retry horizon: a retry after it executes anew.
+    pub ttl: Duration,
+    /// How long a request waits for a concurrent request with the same key
+    /// to finish (default [`DEFAULT_IDEMPOTENCY_WAIT`]); past it the request
+    /// fails with [`Error::IdempotencyKeyInUse`] (HTTP 409).
+    /// `Duration::ZERO` means do not wait: a concurrent request gets 409 at
+    /// once.
+    pub wait: Duration,
+    /// The `Retry-After` suggested with a 409 for a key held by a
+    /// concurrent atomic request (default 1 s).
+    pub retry_after: Duration,
+    /// Two-phase mode: how long a claim is owned without renewal (default
+    /// 60 s). After it, a retry takes the key over and resumes. Set it
+    /// longer than the external call's timeout.
+    pub lease: Duration,
+    /// Largest response body recorded (default
+    /// [`DEFAULT_MAX_RESPONSE_BYTES`]); a larger one fails with
+    /// [`Error::ResponseTooLarge`] and is not recorded.
+    pub max_response_bytes: usize,
+    /// Response headers recorded and replayed, by case-insensitive name
+    /// (default `content-type` and `location`). Others are not stored.
+    pub replay_headers: Vec<String>,
 }
 
 impl Default for IdempotencyConfig {
@@ -54,69 +84,6 @@ impl Default for IdempotencyConfig {
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             replay_headers: vec!["content-type".to_owned(), "location".to_owned()],
         }
-    }
-}
-
-impl IdempotencyConfig {
-    /// The schema holding `idempotency_keys` (default `public`), validated
-    /// by [`Idempotency::new`].
-    pub fn schema(mut self, schema: impl Into<String>) -> Self {
-        self.schema = schema.into();
-        self
-    }
-
-    /// How long a key is kept (default [`DEFAULT_IDEMPOTENCY_TTL`]). Must
-    /// outlast every client's retry horizon: a retry after it executes anew.
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
-        self
-    }
-
-    /// How long a request waits for a concurrent request with the same key
-    /// to finish (default [`DEFAULT_IDEMPOTENCY_WAIT`]); past it the request
-    /// fails with [`Error::IdempotencyKeyInUse`] (HTTP 409).
-    /// `Duration::ZERO` means do not wait: a concurrent request gets 409 at
-    /// once.
-    pub fn wait(mut self, wait: Duration) -> Self {
-        self.wait = wait;
-        self
-    }
-
-    /// The `Retry-After` suggested with a 409 for a key held by a
-    /// concurrent atomic request (default 1 s).
-    pub fn retry_after(mut self, retry_after: Duration) -> Self {
-        self.retry_after = retry_after;
-        self
-    }
-
-    /// Two-phase mode: how long a claim is owned without renewal (default
-    /// 60 s). After it, a retry takes the key over and resumes. Set it
-    /// longer than the external call's timeout.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
-        self
-    }
-
-    /// Largest response body recorded (default
-    /// [`DEFAULT_MAX_RESPONSE_BYTES`]); a larger one fails with
-    /// [`Error::ResponseTooLarge`] and is not recorded.
-    pub fn max_response_bytes(mut self, limit: usize) -> Self {
-        self.max_response_bytes = limit;
-        self
-    }
-
-    /// Response headers recorded and replayed, by case-insensitive name
-    /// (default `content-type` and `location`). Others are not stored.
-    pub fn replay_headers<I, S>(mut self, names: I) -> Self
-    where
-        I: IntoIterator<Item = S>,
-        S: AsRef<str>,
-    {
-        self.replay_headers = names
-            .into_iter()
-            .map(|n| n.as_ref().to_ascii_lowercase())
-            .collect();
-        self
     }
 }
 
@@ -211,8 +178,11 @@ pub(crate) struct Inner {
 
 impl Idempotency {
     /// Validates `config` and checks that the schema is migrated.
-    pub async fn new(pool: &PgPool, config: IdempotencyConfig) -> Result<Self> {
+    pub async fn new(pool: &PgPool, mut config: IdempotencyConfig) -> Result<Self> {
         let schema = Ident::new("schema", &config.schema)?;
+        for name in &mut config.replay_headers {
+            name.make_ascii_lowercase();
+        }
         ensure_migrated(pool, &PRODUCER, &schema).await?;
         Ok(Self {
             inner: Arc::new(Inner {

@@ -82,7 +82,7 @@ impl Idempotency {
     /// ```no_run
     /// # async fn charge(_key: uuid::Uuid) -> anyhow::Result<String> { Ok("ch_1".into()) }
     /// # async fn demo(idem: outbox::Idempotency) -> anyhow::Result<()> {
-    /// use outbox::{Fingerprint, IdempotencyKey, RecordedResponse, TwoPhaseStart};
+    /// use outbox::idempotency::{Fingerprint, IdempotencyKey, RecordedResponse, TwoPhaseStart};
     /// let key = IdempotencyKey::parse("pay-7f3a")?;
     /// let fp = Fingerprint::of_request("POST", "/payments", b"{}");
     /// match idem.begin_two_phase("tenant-7 POST /payments", &key, fp).await? {

@@ -28,29 +28,30 @@ async fn main() -> Result<()> {
         .max_connections(4)
         .connect_with(options)
         .await?;
-    let config = RelayConfig {
-        amqp_url: env("AMQP_URL")?.into(),
-        schema,
-        default_exchange: env("EXCHANGE")?,
-        declare_exchange: None,
-        batch_size: std::env::var("BATCH_SIZE")
+    let config = {
+        let mut c = RelayConfig::default();
+        c.amqp_url = env("AMQP_URL")?.into();
+        c.schema = schema;
+        c.default_exchange = env("EXCHANGE")?;
+        c.declare_exchange = None;
+        c.batch_size = std::env::var("BATCH_SIZE")
             .ok()
             .and_then(|b| b.parse().ok())
-            .unwrap_or(100),
-        listen: std::env::var("LISTEN").map_or(true, |l| l != "0"),
-        poll_interval: Duration::from_millis(200),
-        confirm_timeout: Duration::from_secs(3),
-        broker_timeout: Duration::from_secs(3),
-        reconnect_min: Duration::from_millis(50),
-        reconnect_max: Duration::from_millis(500),
-        lease_ttl: Duration::from_millis(
+            .unwrap_or(100);
+        c.listen = std::env::var("LISTEN").map_or(true, |l| l != "0");
+        c.poll_interval = Duration::from_millis(200);
+        c.confirm_timeout = Duration::from_secs(3);
+        c.broker_timeout = Duration::from_secs(3);
+        c.reconnect_min = Duration::from_millis(50);
+        c.reconnect_max = Duration::from_millis(500);
+        c.lease_ttl = Duration::from_millis(
             std::env::var("LEASE_TTL_MS")
                 .ok()
                 .and_then(|b| b.parse().ok())
                 .unwrap_or(2000),
-        ),
-        name,
-        ..RelayConfig::default()
+        );
+        c.name = name;
+        c
     };
     let relay = Relay::new(pool, config).await?;
     let stop = CancellationToken::new();

@@ -1,5 +1,6 @@
-//! After the commit: republish retries and dead letters (confirmed), then
-//! ack. A message is acked only once its copy is safely queued.
+//! The ack stage, after the batch's commit: republish retries, deferrals
+//! and dead letters (confirmed), then ack. A message is acked only once
+//! its copy is safely queued.
 
 use std::time::Duration;
 
@@ -11,9 +12,10 @@ use outbox::wire;
 use crate::error::{Error, Result, bounded};
 use crate::event::{HEADER_DEFERRAL_COUNT, HEADER_DELIVERY_COUNT};
 
-/// What to do with one delivery of a committed batch.
+/// What the ack stage does with one delivery of a committed batch (decided
+/// from its [`Verdict`](crate::batch::Verdict) and the retry budgets).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Action {
+pub(crate) enum Disposition {
     /// Effect committed, or a duplicate: just ack.
     Ack,
     /// Republish to the retry queue with `x-retry-count = attempt`,
@@ -27,9 +29,9 @@ pub(crate) enum Action {
     DeadLetter { reason: String },
 }
 
-pub(crate) struct Settle<'a> {
+pub(crate) struct AckItem<'a> {
     pub(crate) acker: &'a Acker,
-    pub(crate) action: Action,
+    pub(crate) action: Disposition,
     pub(crate) properties: &'a BasicProperties,
     pub(crate) body: &'a [u8],
 }
@@ -38,11 +40,11 @@ pub(crate) struct Settle<'a> {
 /// confirm, then acks the whole batch with one `multiple` ack. `Err`
 /// leaves the batch unacked: the broker redelivers it and the inbox turns
 /// the committed part into duplicates.
-pub(crate) async fn settle(
+pub(crate) async fn acknowledge(
     channel: &Channel,
     queue: &str,
     consumer: &str,
-    items: &[Settle<'_>],
+    items: &[AckItem<'_>],
     timeout: Duration,
 ) -> Result<()> {
     let retry_queue = format!("{queue}.retry");
@@ -54,8 +56,8 @@ pub(crate) async fn settle(
     let mut pending = Vec::new();
     for item in items {
         let (target, props) = match &item.action {
-            Action::Ack => continue,
-            Action::Retry { attempt, delay } => (
+            Disposition::Ack => continue,
+            Disposition::Retry { attempt, delay } => (
                 &retry_queue,
                 with_header(
                     item.properties,
@@ -64,7 +66,7 @@ pub(crate) async fn settle(
                 )
                 .with_expiration(delay.as_millis().max(1).to_string().into()),
             ),
-            Action::Defer { deferral, delay } => (
+            Disposition::Defer { deferral, delay } => (
                 &retry_queue,
                 with_header(
                     item.properties,
@@ -73,7 +75,7 @@ pub(crate) async fn settle(
                 )
                 .with_expiration(delay.as_millis().max(1).to_string().into()),
             ),
-            Action::DeadLetter { reason } => (
+            Disposition::DeadLetter { reason } => (
                 &dead_letter_queue,
                 with_header(
                     item.properties,
@@ -86,7 +88,10 @@ pub(crate) async fn settle(
         // death history naming `<queue>` (a message the broker moved to the
         // DLQ at its delivery limit, replayed from there) would make
         // RabbitMQ take that hop for a cycle and hold or drop the retry.
-        let props = if matches!(item.action, Action::Retry { .. } | Action::Defer { .. }) {
+        let props = if matches!(
+            item.action,
+            Disposition::Retry { .. } | Disposition::Defer { .. }
+        ) {
             without(props, DEATH_HISTORY)
         } else {
             props
