@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args as ClapArgs, Parser, Subcommand, ValueEnum};
 use outbox::Ident;
 use outbox::redact::{redact_url, redact_urls, scrub};
-use outbox_relay::status::{self, Selection};
+use outbox_relay::admin::{self, Selection};
 use outbox_relay::{Relay, RelayConfig};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -300,7 +300,7 @@ async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
             }
         }
         Command::Status { json } => {
-            let s = status::status(&pool, schema)
+            let s = admin::status(&pool, schema)
                 .await
                 .context("reading the outbox status")?;
             if *json {
@@ -429,7 +429,7 @@ fn emit(text: &str) -> Result<()> {
     }
 }
 
-fn print_status(s: &status::Status) -> Result<()> {
+fn print_status(s: &admin::Status) -> Result<()> {
     let age = s
         .oldest_pending_age_s
         .map_or("-".to_owned(), |a| format!("{a:.1}s"));
@@ -476,7 +476,7 @@ fn print_status(s: &status::Status) -> Result<()> {
     Ok(())
 }
 
-fn print_blocked(rows: &[status::BlockedAggregate]) -> Result<()> {
+fn print_blocked(rows: &[admin::BlockedAggregate]) -> Result<()> {
     say!(
         "{:<30} {:<38} {:>6} {:>8} {:>8}  {:<25} last error",
         "aggregate",
@@ -531,7 +531,7 @@ async fn ordering(pool: &PgPool, schema: &Ident, cmd: &OrderingCommand) -> Resul
 async fn blocked(pool: &PgPool, schema: &Ident, cmd: &BlockedCommand) -> Result<()> {
     match cmd {
         BlockedCommand::List { limit, json } => {
-            let rows = status::blocked_aggregates(pool, schema, *limit).await?;
+            let rows = admin::blocked_aggregates(pool, schema, *limit).await?;
             if *json {
                 say!("{}", serde_json::to_string_pretty(&rows)?);
             } else if rows.is_empty() {
@@ -541,7 +541,7 @@ async fn blocked(pool: &PgPool, schema: &Ident, cmd: &BlockedCommand) -> Result<
             }
         }
         BlockedCommand::Skip { ids, reason } => {
-            let n = status::skip_events(pool, schema, ids, reason).await?;
+            let n = admin::skip_events(pool, schema, ids, reason).await?;
             say!("skipped {n} event(s): moved to the dead letters");
             if n < ids.len() as u64 {
                 eprintln!(
@@ -551,7 +551,7 @@ async fn blocked(pool: &PgPool, schema: &Ident, cmd: &BlockedCommand) -> Result<
             }
         }
         BlockedCommand::Retry { ids } => {
-            let n = status::retry_now(pool, schema, ids).await?;
+            let n = admin::retry_now(pool, schema, ids).await?;
             say!("{n} event(s) due now");
         }
     }
@@ -561,7 +561,7 @@ async fn blocked(pool: &PgPool, schema: &Ident, cmd: &BlockedCommand) -> Result<
 async fn dead_letters(pool: &PgPool, schema: &Ident, cmd: &DeadLetterCommand) -> Result<()> {
     match cmd {
         DeadLetterCommand::List { limit, json } => {
-            let rows = status::list_dead_letters(pool, schema, *limit).await?;
+            let rows = admin::list_dead_letters(pool, schema, *limit).await?;
             if *json {
                 say!("{}", serde_json::to_string_pretty(&rows)?);
             } else if rows.is_empty() {
@@ -588,7 +588,7 @@ async fn dead_letters(pool: &PgPool, schema: &Ident, cmd: &DeadLetterCommand) ->
         }
         DeadLetterCommand::Replay { target, retention } => {
             let r =
-                status::replay_dead_letters(pool, schema, &target.selection(), *retention).await?;
+                admin::replay_dead_letters(pool, schema, &target.selection(), *retention).await?;
             say!("replayed {} event(s) into the outbox", r.replayed);
             if !r.conflicts.is_empty() {
                 eprintln!(
@@ -614,7 +614,7 @@ async fn dead_letters(pool: &PgPool, schema: &Ident, cmd: &DeadLetterCommand) ->
             }
         }
         DeadLetterCommand::Purge { target } => {
-            let n = status::purge_dead_letters(pool, schema, &target.selection()).await?;
+            let n = admin::purge_dead_letters(pool, schema, &target.selection()).await?;
             say!("purged {n} dead letter(s)");
         }
     }

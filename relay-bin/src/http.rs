@@ -60,7 +60,7 @@ pub(crate) async fn serve(
     tokio::spawn(async move {
         loop {
             // Cheap on any outbox size: estimates and index probes only.
-            if let Ok(g) = outbox_relay::status::gauges(&pool, &schema).await {
+            if let Ok(g) = outbox_relay::admin::gauges(&pool, &schema).await {
                 metrics::gauge!("outbox_relay_backlog").set(g.backlog as f64);
                 metrics::gauge!("outbox_relay_oldest_pending_seconds").set(g.oldest_due_age_s);
                 metrics::gauge!("outbox_relay_dead_letters").set(g.dead_letters as f64);

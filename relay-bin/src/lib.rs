@@ -42,19 +42,24 @@
 //! mean what the [glossary](outbox#glossary-the-pipeline-and-the-words-for-it)
 //! says; the files follow the stages: `supervisor.rs` (connections and
 //! workers), `worker.rs` (one batch), `claim/` (unordered and ordered
-//! claims), `lease.rs`, `publish.rs`, `settle.rs`, and `admin/` (what
+//! claims), `lease.rs`, `publish.rs`, `settle.rs`, and [`admin`] (what
 //! `outbox-relay status`, `dead-letters` and `blocked` do).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod admin;
+mod claim;
 mod config;
-mod engine;
 mod error;
+mod lease;
 mod message;
 mod publish;
+mod quarantine;
 mod queries;
+mod relay;
 mod settle;
-pub mod status;
+mod supervisor;
 mod wake;
+mod worker;
 
 /// Testing only (feature `fault-injection`, never in a release build): an
 /// event of this type makes the worker publishing it panic, so the tests
@@ -64,8 +69,8 @@ mod wake;
 pub const FAULT_PANIC_EVENT_TYPE: &str = "outbox-relay.fault-injection.panic";
 
 pub use crate::config::RelayConfig;
-pub use crate::engine::{BatchReport, BrokerSession, Health, Relay};
 pub use crate::error::{Error, Result};
 pub use crate::message::ClaimedEvent;
 pub use crate::publish::Receipt;
+pub use crate::relay::{BatchReport, BrokerSession, Health, Relay};
 pub use crate::settle::Settled;

@@ -9,7 +9,10 @@ use tokio::time::Instant;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{FieldTable, ShortString};
-use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+
+use lapin::{
+    Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind, PublisherConfirm,
+};
 
 use crate::error::{Error, Result};
 use crate::message::{ClaimedEvent, Message};
@@ -280,20 +283,7 @@ impl Publisher {
         let send_by = deadline
             .checked_sub(confirm_timeout)
             .unwrap_or_else(Instant::now);
-        // Every value is converted (and so checked) before anything reaches
-        // lapin, whose conversions panic on what AMQP cannot carry.
-        let messages: Vec<Result<Message, Receipt>> = events
-            .iter()
-            .map(|e| {
-                if e.payload.len() > max_payload_bytes {
-                    return Err(Receipt::TooLarge {
-                        size: e.payload.len(),
-                        limit: max_payload_bytes,
-                    });
-                }
-                convert(e, default_exchange, frame_max)
-            })
-            .collect();
+        let messages = messages(events, default_exchange, max_payload_bytes, frame_max);
         let refused = match self
             .refused_exchanges(messages.iter().flatten().map(|m| &m.exchange), deadline)
             .await
@@ -305,13 +295,48 @@ impl Publisher {
             }
             Err(e) => return Err(e),
         };
-        let mut outcomes: Vec<Option<Receipt>> = vec![None; events.len()];
+        let mut receipts: Vec<Option<Receipt>> = vec![None; events.len()];
+        let started = std::time::Instant::now();
+        let pending = self
+            .send_all(events, messages, &refused, send_by, &mut receipts)
+            .await?;
+        // Every publish is on the wire; now collect the confirms against one
+        // deadline.
+        let confirms_by = deadline.min(Instant::now() + confirm_timeout);
+        self.collect_confirms(pending, confirms_by, confirm_timeout, &mut receipts)
+            .await?;
+        metrics::histogram!("outbox_relay_confirm_seconds").record(started.elapsed().as_secs_f64());
+        // Events not published because the channel failed before them share
+        // that failure (their attempt is counted; backoff separates them
+        // from the culprit next time).
+        let failed = receipts.iter().flatten().find_map(|o| match o {
+            Receipt::ChannelFailed(e) => Some(e.clone()),
+            _ => None,
+        });
+        Ok(receipts
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| Receipt::ChannelFailed(failed.clone().unwrap_or_default()))
+            })
+            .collect())
+    }
+
+    /// Hands every publishable message to the channel (until `send_by`),
+    /// in order; records the receipt of each one not sent. Returns the
+    /// confirms to await, with the events' indexes.
+    async fn send_all(
+        &mut self,
+        events: &[ClaimedEvent],
+        messages: Vec<Result<Message, Receipt>>,
+        refused: &HashMap<String, Receipt>,
+        send_by: Instant,
+        receipts: &mut [Option<Receipt>],
+    ) -> Result<Vec<(usize, PublisherConfirm)>> {
         let mut pending = Vec::with_capacity(events.len());
         let opts = BasicPublishOptions {
             mandatory: true,
             ..Default::default()
         };
-        let started = std::time::Instant::now();
         // Ordered aggregates whose earlier event in this batch could not be
         // published: their later events must not overtake it.
         let mut halted: HashSet<(&str, &str)> = HashSet::new();
@@ -324,17 +349,17 @@ impl Publisher {
                 Err(Receipt::NotSent)
             } else {
                 message.and_then(|m| match refused.get(m.exchange.as_str()) {
-                    Some(outcome) => Err(outcome.clone()),
+                    Some(receipt) => Err(receipt.clone()),
                     None => Ok(m),
                 })
             };
             let message = match refusal {
                 Ok(m) => m,
-                Err(outcome) => {
+                Err(receipt) => {
                     if ordered {
                         halted.insert(aggregate);
                     }
-                    outcomes[i] = Some(outcome);
+                    receipts[i] = Some(receipt);
                     continue;
                 }
             };
@@ -361,23 +386,32 @@ impl Publisher {
                 // Its frames may still go out: not delivered as far as we
                 // know, and the publisher is replaced.
                 Err(Error::BrokerTimeout { .. }) if Instant::now() >= send_by => {
-                    outcomes[i] = Some(Receipt::TimedOut);
+                    receipts[i] = Some(Receipt::TimedOut);
                 }
                 Err(err) => match self.channel_failure(&err) {
-                    Some(outcome) => {
-                        outcomes[i] = Some(outcome);
+                    Some(receipt) => {
+                        receipts[i] = Some(receipt);
                         break;
                     }
                     None => return Err(err),
                 },
             }
         }
-        // Every publish is on the wire; now collect the confirms against one
-        // deadline. Awaiting them in order costs no round trips: they are
-        // all in flight already.
-        let confirms_by = deadline.min(Instant::now() + confirm_timeout);
+        Ok(pending)
+    }
+
+    /// Awaits the confirms of `pending` until `confirms_by`, in order (no
+    /// extra round trips: they are all in flight already), recording each
+    /// event's receipt.
+    async fn collect_confirms(
+        &self,
+        pending: Vec<(usize, PublisherConfirm)>,
+        confirms_by: Instant,
+        confirm_timeout: Duration,
+        receipts: &mut [Option<Receipt>],
+    ) -> Result<()> {
         for (i, confirm) in pending {
-            outcomes[i] = Some(match tokio::time::timeout_at(confirms_by, confirm).await {
+            receipts[i] = Some(match tokio::time::timeout_at(confirms_by, confirm).await {
                 // A blocked connection (memory or disk alarm) is the
                 // broker's state, not the event's: no attempt is counted.
                 Err(_) if self.conn.status().blocked() => {
@@ -393,38 +427,53 @@ impl Publisher {
                         source: err,
                     };
                     match self.channel_failure(&err) {
-                        Some(outcome) => outcome,
+                        Some(receipt) => receipt,
                         None => return Err(err),
                     }
                 }
-                Ok(Ok(confirmation)) => match confirmation {
-                    Confirmation::Ack(None) => Receipt::Delivered,
-                    Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
-                        Receipt::Returned {
-                            code: returned.reply_code,
-                            text: returned.reply_text.to_string(),
-                        }
-                    }
-                    Confirmation::Nack(None) => Receipt::Nacked,
-                    // Confirm mode is always on; no confirm is no delivery.
-                    Confirmation::NotRequested => Receipt::Nacked,
-                },
+                Ok(Ok(confirmation)) => receipt_of(confirmation),
             });
         }
-        metrics::histogram!("outbox_relay_confirm_seconds").record(started.elapsed().as_secs_f64());
-        // Events not published because the channel failed before them share
-        // that failure (their attempt is counted; backoff separates them
-        // from the culprit next time).
-        let failed = outcomes.iter().flatten().find_map(|o| match o {
-            Receipt::ChannelFailed(e) => Some(e.clone()),
-            _ => None,
-        });
-        Ok(outcomes
-            .into_iter()
-            .map(|o| {
-                o.unwrap_or_else(|| Receipt::ChannelFailed(failed.clone().unwrap_or_default()))
-            })
-            .collect())
+        Ok(())
+    }
+}
+
+/// Every event's message, converted (and so checked) before anything
+/// reaches lapin, whose conversions panic on what AMQP cannot carry; or
+/// why it can never be published.
+fn messages(
+    events: &[ClaimedEvent],
+    default_exchange: &str,
+    max_payload_bytes: usize,
+    frame_max: usize,
+) -> Vec<Result<Message, Receipt>> {
+    events
+        .iter()
+        .map(|e| {
+            if e.payload.len() > max_payload_bytes {
+                return Err(Receipt::TooLarge {
+                    size: e.payload.len(),
+                    limit: max_payload_bytes,
+                });
+            }
+            convert(e, default_exchange, frame_max)
+        })
+        .collect()
+}
+
+/// The receipt a broker confirm gives.
+fn receipt_of(confirmation: Confirmation) -> Receipt {
+    match confirmation {
+        Confirmation::Ack(None) => Receipt::Delivered,
+        Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
+            Receipt::Returned {
+                code: returned.reply_code,
+                text: returned.reply_text.to_string(),
+            }
+        }
+        Confirmation::Nack(None) => Receipt::Nacked,
+        // Confirm mode is always on; no confirm is no delivery.
+        Confirmation::NotRequested => Receipt::Nacked,
     }
 }
 

@@ -1,29 +1,17 @@
-//! Every SQL statement of the relay, named, built once per schema. The
+//! Every SQL statement of the relay, named, built once per schema (the
+//! claims' text lives with the claim stage, in `claim/`). The
 //! schema is a validated identifier; every value is bound (arrays for
 //! batches), so the text is constant for the process's lifetime.
 
 use outbox::Ident;
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
-/// Columns every claim returns, in this order.
-pub(crate) const CLAIM_COLUMNS: &str = "id, aggregate_type, aggregate_id, event_type, payload::text AS payload, \
-     headers::text AS headers, exchange, routing_key, created_at, attempts, aggregate_seq";
-
 /// The relay's statements for one schema.
 #[derive(Debug, Clone)]
 pub(crate) struct Queries {
-    /// Claim due unordered events, oldest first, skipping rows other relays
-    /// hold. `$1` batch size.
+    /// The unordered claim ([`crate::claim::unordered::statement`]).
     pub(crate) claim: SqlStr,
-    /// Claim ordered events of the partitions this relay leases (`$1`
-    /// relay id) and this worker serves (`partition % $2 = $3`): the due
-    /// heads of up to `$4` aggregates per partition, in key order after the
-    /// worker's cursor (`$5` partitions, `$6` types, `$7` ids), looking at
-    /// `$9` aggregates per partition at most, and the events after each due
-    /// head, at most about `$8` in all. Heads not due come back alone with
-    /// `due` false (they only move the cursor). The lease rows are
-    /// held FOR KEY SHARE until the transaction ends, so no lease changes
-    /// owner under a batch in flight (renewals go through).
+    /// The ordered claim ([`crate::claim::ordered::statement`]).
     pub(crate) claim_ordered: SqlStr,
     /// One lease round (`outbox_lease_tick`): `$1` relay id, `$2` name,
     /// `$3` TTL in ms. Returns the partitions held.
@@ -46,7 +34,7 @@ pub(crate) struct Queries {
     pub(crate) event_seq: SqlStr,
 }
 
-fn sql(text: String) -> SqlStr {
+pub(crate) fn sql(text: String) -> SqlStr {
     AssertSqlSafe(text).into_sql_str()
 }
 
@@ -62,34 +50,8 @@ impl Queries {
     pub(crate) fn new(schema: &Ident) -> Self {
         let s = schema.quoted();
         Self {
-            claim: sql(format!(
-                "SELECT {CLAIM_COLUMNS} FROM {s}.outbox
-                 WHERE available_at <= now() AND aggregate_seq IS NULL
-                 ORDER BY available_at, id
-                 LIMIT $1
-                 FOR UPDATE SKIP LOCKED"
-            )),
-            claim_ordered: sql(format!(
-                "WITH parts AS (
-                     SELECT partition FROM {s}.outbox_leases
-                     WHERE owner = $1 AND expires_at > now() AND partition % $2 = $3
-                     FOR KEY SHARE),
-                 cursor AS (SELECT * FROM unnest($5::int[], $6::text[], $7::text[]) AS c(partition, t, a)),
-                 heads AS MATERIALIZED (
-                     SELECT parts.partition, h.*, row_number() OVER () AS ord
-                     FROM parts LEFT JOIN cursor USING (partition)
-                     CROSS JOIN LATERAL {s}.outbox_heads(
-                         parts.partition, coalesce(cursor.t, ''), coalesce(cursor.a, ''), $4, $9) h),
-                 run AS (SELECT greatest(1, $8 / greatest(count(*) FILTER (WHERE due), 1)) AS n FROM heads)
-                 SELECT r.*, heads.due AND r.available_at <= now() AS due, heads.partition
-                 FROM heads CROSS JOIN run CROSS JOIN LATERAL (
-                     SELECT {CLAIM_COLUMNS}, available_at FROM {s}.outbox x
-                     WHERE x.aggregate_type = heads.aggregate_type AND x.aggregate_id = heads.aggregate_id
-                       AND x.aggregate_seq >= heads.aggregate_seq
-                     ORDER BY x.aggregate_seq
-                     LIMIT CASE WHEN heads.due THEN run.n ELSE 1 END) r
-                 ORDER BY heads.ord, r.aggregate_seq"
-            )),
+            claim: crate::claim::unordered::statement(schema),
+            claim_ordered: crate::claim::ordered::statement(schema),
             lease_tick: sql(format!(
                 "SELECT p FROM {s}.outbox_lease_tick($1, $2, $3 * interval '1 millisecond') AS p"
             )),

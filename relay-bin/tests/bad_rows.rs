@@ -411,7 +411,7 @@ async fn an_old_unpublishable_ordered_row_blocks_only_its_aggregate() {
     .await;
     let schema = outbox::Ident::new("schema", s).unwrap();
     wait_until(DEADLINE, "the old row blocking its aggregate", || async {
-        let blocked = outbox_relay::status::blocked_aggregates(&db.pool, &schema, 10)
+        let blocked = outbox_relay::admin::blocked_aggregates(&db.pool, &schema, 10)
             .await
             .unwrap();
         blocked.len() == 1

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use e2e::{SeqLog, TestBroker, TestDb, amqp_url, wait_until};
 use lapin::types::FieldTable;
 use outbox::{NewEvent, OrderedAggregates, Outbox, OutboxConfig};
-use outbox_relay::{Relay, RelayConfig, status};
+use outbox_relay::{Relay, RelayConfig, admin};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -94,18 +94,18 @@ async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
     // a is blocked at its first event; status says so and why.
     let schema = outbox::Ident::new("schema", &db.schema).unwrap();
     wait_until(DEADLINE, "a listed as blocked after 3 attempts", || async {
-        status::blocked_aggregates(&db.pool, &schema, 10)
+        admin::blocked_aggregates(&db.pool, &schema, 10)
             .await
             .unwrap()
             .first()
             .is_some_and(|b| b.attempts >= 3)
     })
     .await;
-    let blocked = status::blocked_aggregates(&db.pool, &schema, 10)
+    let blocked = admin::blocked_aggregates(&db.pool, &schema, 10)
         .await
         .unwrap();
     assert_eq!(blocked.len(), 1, "{blocked:?}");
-    let st = status::status(&db.pool, &schema).await.unwrap();
+    let st = admin::status(&db.pool, &schema).await.unwrap();
     assert_eq!(st.blocked_aggregates, 1);
     assert_eq!(st.blocked[0].event_id, poison);
     assert_eq!(blocked[0].aggregate_id, "a");
@@ -130,7 +130,7 @@ async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
     );
 
     // The operator skips it: a moves on, in order.
-    let moved = status::skip_events(&db.pool, &schema, &[poison], "bad exchange")
+    let moved = admin::skip_events(&db.pool, &schema, &[poison], "bad exchange")
         .await
         .unwrap();
     assert_eq!(moved, 1);
@@ -150,7 +150,7 @@ async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
     assert_eq!(error, "skipped by an operator: bad exchange");
     assert_eq!(seq, Some(1), "the dead letter keeps its sequence number");
     assert!(
-        status::blocked_aggregates(&db.pool, &schema, 10)
+        admin::blocked_aggregates(&db.pool, &schema, 10)
             .await
             .unwrap()
             .is_empty()

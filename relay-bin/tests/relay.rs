@@ -194,7 +194,7 @@ async fn unroutable_event_is_retried_with_backoff_dead_lettered_and_replayable()
     let schema = outbox::Ident::new("schema", &db.schema).unwrap();
     // While retrying, it stays in the outbox and status says why.
     wait_until(DEADLINE, "a recorded retry", || async {
-        let s = outbox_relay::status::status(&db.pool, &schema)
+        let s = outbox_relay::admin::status(&db.pool, &schema)
             .await
             .unwrap();
         s.retrying == 1
@@ -212,7 +212,7 @@ async fn unroutable_event_is_retried_with_backoff_dead_lettered_and_replayable()
     task.await.unwrap().unwrap();
     assert_eq!(db.count("outbox").await, 0);
 
-    let dl = outbox_relay::status::list_dead_letters(&db.pool, &schema, 10)
+    let dl = outbox_relay::admin::list_dead_letters(&db.pool, &schema, 10)
         .await
         .unwrap();
     assert_eq!(dl[0].id, id);
@@ -258,10 +258,10 @@ async fn unroutable_event_is_retried_with_backoff_dead_lettered_and_replayable()
     .execute(&db.pool)
     .await
     .unwrap();
-    let replayed = outbox_relay::status::replay_dead_letters(
+    let replayed = outbox_relay::admin::replay_dead_letters(
         &db.pool,
         &schema,
-        &outbox_relay::status::Selection::Ids(vec![id]),
+        &outbox_relay::admin::Selection::Ids(vec![id]),
         Duration::from_secs(3600),
     )
     .await
@@ -486,7 +486,7 @@ async fn an_unpublishable_event_is_dead_lettered_and_does_not_stall_its_batch() 
     stop.cancel();
     task.await.unwrap().unwrap();
     let schema = outbox::Ident::new("schema", &db.schema).unwrap();
-    let dl = outbox_relay::status::list_dead_letters(&db.pool, &schema, 10)
+    let dl = outbox_relay::admin::list_dead_letters(&db.pool, &schema, 10)
         .await
         .unwrap();
     assert_eq!(dl[0].id, poison);
@@ -514,16 +514,16 @@ async fn replaying_a_dead_letter_whose_id_is_in_the_outbox_keeps_it() {
     let id = ob.enqueue(&mut *tx, event()).await.unwrap();
     tx.commit().await.unwrap();
     // Dead-lettered (as the relay would), then enqueued again.
-    outbox_relay::status::skip_events(&db.pool, &schema, &[id], "test")
+    outbox_relay::admin::skip_events(&db.pool, &schema, &[id], "test")
         .await
         .unwrap();
     let mut tx = db.pool.begin().await.unwrap();
     ob.enqueue(&mut *tx, event()).await.unwrap();
     tx.commit().await.unwrap();
-    let replayed = outbox_relay::status::replay_dead_letters(
+    let replayed = outbox_relay::admin::replay_dead_letters(
         &db.pool,
         &schema,
-        &outbox_relay::status::Selection::All,
+        &outbox_relay::admin::Selection::All,
         Duration::from_secs(3600),
     )
     .await
@@ -743,7 +743,7 @@ async fn gauges_are_exact_on_a_small_outbox_and_agree_with_status() {
     let schema = outbox::Ident::new("schema", &db.schema).unwrap();
     let ids = db.produce(30, 10, Duration::ZERO).await;
     let dead: Vec<uuid::Uuid> = ids[..2].iter().map(|i| i.parse().unwrap()).collect();
-    outbox_relay::status::skip_events(&db.pool, &schema, &dead, "test")
+    outbox_relay::admin::skip_events(&db.pool, &schema, &dead, "test")
         .await
         .unwrap();
     // One blocked ordered aggregate: its head failed once.
@@ -768,10 +768,10 @@ async fn gauges_are_exact_on_a_small_outbox_and_agree_with_status() {
     .execute(&db.pool)
     .await
     .unwrap();
-    let g = outbox_relay::status::gauges(&db.pool, &schema)
+    let g = outbox_relay::admin::gauges(&db.pool, &schema)
         .await
         .unwrap();
-    let s = outbox_relay::status::status(&db.pool, &schema)
+    let s = outbox_relay::admin::status(&db.pool, &schema)
         .await
         .unwrap();
     assert_eq!(g.backlog, 31);

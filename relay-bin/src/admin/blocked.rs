@@ -1,0 +1,111 @@
+//! Blocked aggregates (ordered events): list them, retry their heads now,
+//! or skip a head for good (`outbox-relay blocked`).
+
+use chrono::{DateTime, Utc};
+use outbox::Ident;
+use serde::Serialize;
+use sqlx::{AssertSqlSafe, PgPool};
+use uuid::Uuid;
+
+use crate::error::Result;
+use crate::queries::Queries;
+
+/// An ordered aggregate held up by its failing head event.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct BlockedAggregate {
+    /// Aggregate type.
+    pub aggregate_type: String,
+    /// Aggregate id.
+    pub aggregate_id: String,
+    /// The failing event (skip it with `outbox-relay blocked skip <id>`).
+    pub event_id: Uuid,
+    /// Its sequence number.
+    pub aggregate_seq: i64,
+    /// Failed attempts so far.
+    pub attempts: i32,
+    /// Why it failed last.
+    pub last_error: Option<String>,
+    /// When it is tried again.
+    pub next_attempt_at: DateTime<Utc>,
+    /// Later events of the aggregate waiting behind it.
+    pub waiting: i64,
+}
+
+/// The condition on `outbox o` that makes `o` a blocked aggregate's head:
+/// ordered, failed at least once, nothing earlier of its aggregate left.
+pub(super) fn blocked_heads(s: &str) -> String {
+    format!(
+        "WHERE o.aggregate_seq IS NOT NULL AND o.attempts > 0
+           AND NOT EXISTS (SELECT 1 FROM {s}.outbox e
+                           WHERE e.aggregate_type = o.aggregate_type AND e.aggregate_id = o.aggregate_id
+                             AND e.aggregate_seq < o.aggregate_seq)"
+    )
+}
+
+/// Ordered aggregates whose head event has failed at least once, oldest
+/// first: their later events wait until it is delivered, dead-lettered or
+/// skipped.
+pub async fn blocked_aggregates(
+    pool: &PgPool,
+    schema: &Ident,
+    limit: i64,
+) -> Result<Vec<BlockedAggregate>> {
+    let s = schema.quoted();
+    Ok(sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT o.aggregate_type, o.aggregate_id, o.id AS event_id, o.aggregate_seq, o.attempts, o.last_error,
+                o.available_at AS next_attempt_at,
+                (SELECT count(*) FROM {s}.outbox w
+                 WHERE w.aggregate_type = o.aggregate_type AND w.aggregate_id = o.aggregate_id
+                   AND w.aggregate_seq > o.aggregate_seq) AS waiting
+         FROM {s}.outbox o {}
+         ORDER BY o.created_at LIMIT $1",
+        blocked_heads(&s)
+    )))
+    .bind(limit)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// Moves the given events from the outbox to the dead-letter table with
+/// `reason`, so the aggregates they block move on (consumers see the gap
+/// in the sequence). Waits for any batch in flight on their partitions
+/// and keeps relays off them until done. Returns how many were moved; a
+/// moved event can be replayed like any dead letter.
+pub async fn skip_events(pool: &PgPool, schema: &Ident, ids: &[Uuid], reason: &str) -> Result<u64> {
+    let s = schema.quoted();
+    let mut tx = pool.begin().await?;
+    // The partitions' lease rows, exclusively: relays publish a partition
+    // only while holding its row FOR KEY SHARE.
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT partition FROM {s}.outbox_leases
+         WHERE partition IN (SELECT {s}.outbox_partition(aggregate_type, aggregate_id)
+                             FROM {s}.outbox WHERE id = ANY($1))
+         ORDER BY partition FOR UPDATE"
+    )))
+    .bind(ids)
+    .execute(&mut *tx)
+    .await?;
+    let errors = vec![format!("skipped by an operator: {reason}"); ids.len()];
+    let moved = sqlx::query(Queries::new(schema).dead_letter)
+        .bind(ids)
+        .bind(&errors)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    tx.commit().await?;
+    Ok(moved)
+}
+
+/// Makes the given failed events due now instead of at their next
+/// backoff. Returns how many were rescheduled.
+pub async fn retry_now(pool: &PgPool, schema: &Ident, ids: &[Uuid]) -> Result<u64> {
+    Ok(sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {}.outbox SET available_at = now() WHERE id = ANY($1) AND available_at > now()",
+        schema.quoted()
+    )))
+    .bind(ids)
+    .execute(pool)
+    .await?
+    .rows_affected())
+}

@@ -1,0 +1,185 @@
+//! What `outbox-relay status` and the relay's gauges show: the backlog,
+//! retries, dead letters, blocked aggregates and partition leases.
+
+use chrono::{DateTime, Utc};
+use outbox::Ident;
+use serde::Serialize;
+use sqlx::{AssertSqlSafe, PgPool};
+use uuid::Uuid;
+
+use crate::admin::blocked::{BlockedAggregate, blocked_aggregates, blocked_heads};
+use crate::error::Result;
+
+/// The outbox at a glance (`outbox-relay status`).
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct Status {
+    /// Events in the outbox (due or waiting for a retry).
+    pub backlog: i64,
+    /// Events due now.
+    pub due: i64,
+    /// Age in seconds of the oldest event in the outbox.
+    pub oldest_pending_age_s: Option<f64>,
+    /// Events that failed at least once and wait for their next attempt.
+    pub retrying: i64,
+    /// Events in the dead-letter table.
+    pub dead_letters: i64,
+    /// The retrying events with the most attempts, and why they failed.
+    pub failing: Vec<FailingEvent>,
+    /// How many ordered aggregates are blocked by a failing event.
+    pub blocked_aggregates: i64,
+    /// The oldest of them, at most 20 (see [`blocked_aggregates`]): their
+    /// later events wait for the failing one.
+    pub blocked: Vec<BlockedAggregate>,
+    /// Relays holding partition leases of ordered events, and how many.
+    pub relays: Vec<RelayLeases>,
+    /// Partitions no live relay holds (their ordered events wait for one).
+    pub unleased_partitions: i64,
+}
+
+/// A relay and the partitions it leases.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct RelayLeases {
+    /// The relay's name (`--name`).
+    pub name: String,
+    /// Partitions it holds (of 64).
+    pub partitions: i64,
+    /// Seconds since its last heartbeat.
+    pub heartbeat_age_s: f64,
+    /// The broker node it publishes to (`host:port`), as it last recorded.
+    pub broker: Option<String>,
+}
+
+/// An event being retried.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct FailingEvent {
+    /// Event id.
+    pub id: Uuid,
+    /// Event type.
+    pub event_type: String,
+    /// Exchange (`None`: the relay's default).
+    pub exchange: Option<String>,
+    /// Routing key (`None`: `<aggregate_type>.<event_type>`).
+    pub routing_key: Option<String>,
+    /// Failed attempts so far.
+    pub attempts: i32,
+    /// The last failure.
+    pub last_error: Option<String>,
+    /// When it is tried again.
+    pub next_attempt_at: DateTime<Utc>,
+}
+
+/// Reads the outbox status of `schema`.
+pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
+    let s = schema.quoted();
+    let (backlog, due, oldest, retrying): (i64, i64, Option<f64>, i64) =
+        sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT count(*),
+                count(*) FILTER (WHERE available_at <= now()),
+                extract(epoch FROM now() - min(created_at))::float8,
+                count(*) FILTER (WHERE attempts > 0)
+         FROM {s}.outbox"
+        )))
+        .fetch_one(pool)
+        .await?;
+    let dead_letters: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {s}.outbox_dead_letters"
+    )))
+    .fetch_one(pool)
+    .await?;
+    let failing = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT id, event_type, exchange, routing_key, attempts, last_error, available_at AS next_attempt_at
+         FROM {s}.outbox WHERE attempts > 0 ORDER BY attempts DESC, available_at LIMIT 10"
+    )))
+    .fetch_all(pool)
+    .await?;
+    let blocked = blocked_aggregates(pool, schema, 20).await?;
+    let blocked_count = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {s}.outbox o {}",
+        blocked_heads(&s)
+    )))
+    .fetch_one(pool)
+    .await?;
+    let relays = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT r.name, count(l.partition) AS partitions,
+                extract(epoch FROM now() - r.heartbeat_at)::float8 AS heartbeat_age_s,
+                r.broker
+         FROM {s}.outbox_relays r
+         LEFT JOIN {s}.outbox_leases l ON l.owner = r.id AND l.expires_at > now()
+         GROUP BY r.id, r.name, r.heartbeat_at, r.broker ORDER BY r.name"
+    )))
+    .fetch_all(pool)
+    .await?;
+    let unleased_partitions = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {s}.outbox_leases WHERE owner IS NULL OR expires_at <= now()"
+    )))
+    .fetch_one(pool)
+    .await?;
+    Ok(Status {
+        backlog,
+        due,
+        oldest_pending_age_s: oldest,
+        retrying,
+        dead_letters,
+        failing,
+        blocked_aggregates: blocked_count,
+        blocked,
+        relays,
+        unleased_partitions,
+    })
+}
+
+/// The relay's gauges, cheap on any size of outbox: no statement scans
+/// the outbox or the dead letters.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct Gauges {
+    /// Events in the outbox: exact up to [`EXACT_COUNT_UP_TO`] rows, the
+    /// planner's estimate (`pg_class.reltuples`) above.
+    pub backlog: i64,
+    /// Seconds the most overdue unordered event has been due (0 when none
+    /// is due), from the claim index.
+    pub oldest_due_age_s: f64,
+    /// Dead letters, exact or estimated like `backlog`.
+    pub dead_letters: i64,
+    /// Ordered aggregates whose head has failed, from the partial index of
+    /// failed ordered events (migration 7).
+    pub blocked_aggregates: i64,
+}
+
+/// Up to this many rows (by the planner's estimate) a count is exact.
+pub const EXACT_COUNT_UP_TO: i64 = 100_000;
+
+/// Reads the [`Gauges`] of `schema`.
+pub async fn gauges(pool: &PgPool, schema: &Ident) -> Result<Gauges> {
+    let s = schema.quoted();
+    let count = |table: &str| {
+        format!(
+            "(SELECT CASE WHEN c.reltuples < 0 OR c.reltuples <= {EXACT_COUNT_UP_TO}
+                     THEN (SELECT count(*) FROM {s}.{table}) ELSE c.reltuples::bigint END
+              FROM pg_class c WHERE c.oid = to_regclass('{s}.{table}'))"
+        )
+    };
+    let (backlog, oldest_due_age_s, dead_letters, blocked_aggregates): (i64, f64, i64, i64) =
+        sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT {backlog},
+                    coalesce(greatest(0, extract(epoch FROM now() - (
+                        SELECT available_at FROM {s}.outbox WHERE aggregate_seq IS NULL
+                        ORDER BY available_at, id LIMIT 1)))::float8, 0),
+                    {dead},
+                    (SELECT count(*) FROM {s}.outbox o {blocked})",
+            backlog = count("outbox"),
+            dead = count("outbox_dead_letters"),
+            blocked = blocked_heads(&s),
+        )))
+        .fetch_one(pool)
+        .await?;
+    Ok(Gauges {
+        backlog,
+        oldest_due_age_s,
+        dead_letters,
+        blocked_aggregates,
+    })
+}

@@ -1,0 +1,209 @@
+//! Ordered events: each aggregate from its head only, in sequence, from
+//! the partitions this relay leases and this worker serves. The walk over
+//! the heads of a partition is the `outbox_heads` function (migration 3);
+//! here the batch is planned (heads per partition, events per chain, learnt
+//! from each claim), the rows are grouped into chains, and each
+//! partition's cursor moves on (round robin over aggregates).
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+use outbox::Ident;
+use sqlx::{PgConnection, SqlStr};
+
+use crate::claim::CLAIM_COLUMNS;
+use crate::error::Result;
+use crate::message::{ClaimedEvent, ClaimedRow};
+use crate::relay::{BrokerSession, Inner};
+
+/// Claim ordered events of the partitions this relay leases (`$1` relay
+/// id) and this worker serves (`partition % $2 = $3`): the due heads of up
+/// to `$4` aggregates per partition, in key order after the worker's
+/// cursor (`$5` partitions, `$6` types, `$7` ids), looking at `$9`
+/// aggregates per partition at most, and the events after each due head,
+/// at most about `$8` in all. Heads not due come back alone with `due`
+/// false (they only move the cursor). The lease rows are held FOR KEY
+/// SHARE until the transaction ends, so no lease changes owner under a
+/// batch in flight (renewals go through).
+pub(crate) fn statement(schema: &Ident) -> SqlStr {
+    let s = schema.quoted();
+    crate::queries::sql(format!(
+        "WITH parts AS (
+             SELECT partition FROM {s}.outbox_leases
+             WHERE owner = $1 AND expires_at > now() AND partition % $2 = $3
+             FOR KEY SHARE),
+         cursor AS (SELECT * FROM unnest($5::int[], $6::text[], $7::text[]) AS c(partition, t, a)),
+         heads AS MATERIALIZED (
+             SELECT parts.partition, h.*, row_number() OVER () AS ord
+             FROM parts LEFT JOIN cursor USING (partition)
+             CROSS JOIN LATERAL {s}.outbox_heads(
+                 parts.partition, coalesce(cursor.t, ''), coalesce(cursor.a, ''), $4, $9) h),
+         chain AS (SELECT greatest(1, $8 / greatest(count(*) FILTER (WHERE due), 1)) AS n FROM heads)
+         SELECT r.*, heads.due AND r.available_at <= now() AS due, heads.partition
+         FROM heads CROSS JOIN chain CROSS JOIN LATERAL (
+             SELECT {CLAIM_COLUMNS}, available_at FROM {s}.outbox x
+             WHERE x.aggregate_type = heads.aggregate_type AND x.aggregate_id = heads.aggregate_id
+               AND x.aggregate_seq >= heads.aggregate_seq
+             ORDER BY x.aggregate_seq
+             LIMIT CASE WHEN heads.due THEN chain.n ELSE 1 END) r
+         ORDER BY heads.ord, r.aggregate_seq"
+    ))
+}
+
+/// Claims the due chains of this worker's partitions and moves its cursors.
+pub(crate) async fn claim(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    session: &mut BrokerSession,
+) -> Result<Vec<ClaimedEvent>> {
+    let cfg = &inner.config;
+    // Heads per partition: the batch spread over this worker's share of
+    // the relay's partitions.
+    let held = match inner.partitions.load(Ordering::Relaxed) {
+        usize::MAX => 64,
+        n => n.max(1),
+    };
+    let share = held.div_ceil(session.workers).max(1);
+    let per_partition = cfg.batch_size.div_ceil(share * session.chain_hint).max(1);
+    // Aggregates looked at per partition, due or not: bounds the walk
+    // when many heads are backing off.
+    let scan_per_partition = (per_partition * 4).max(64);
+    let (parts, (types, ids)): (Vec<i32>, (Vec<&str>, Vec<&str>)) = session
+        .cursors
+        .iter()
+        .map(|(p, (t, a))| (*p, (t.as_str(), a.as_str())))
+        .unzip();
+    let ordered: Vec<OrderedRow> = sqlx::query_as(inner.queries.claim_ordered.clone())
+        .bind(inner.id)
+        .bind(session.workers as i32)
+        .bind(session.worker as i32)
+        .bind(per_partition as i32)
+        .bind(&parts)
+        .bind(&types)
+        .bind(&ids)
+        .bind(cfg.batch_size as i64)
+        .bind(scan_per_partition as i32)
+        .fetch_all(conn)
+        .await?;
+    let claimed = chains(&ordered);
+    advance_cursors(
+        &mut session.cursors,
+        &claimed,
+        per_partition,
+        scan_per_partition,
+    );
+    session.chain_hint = next_chain_hint(session.chain_hint, &claimed, cfg.batch_size);
+    Ok(due_chains(ordered))
+}
+
+/// An ordered event as claimed, with whether it is due (the chain of an
+/// aggregate stops before its first event that is not).
+#[derive(sqlx::FromRow)]
+struct OrderedRow {
+    #[sqlx(flatten)]
+    event: ClaimedRow,
+    due: bool,
+    partition: i32,
+}
+
+/// A chain: one aggregate's share of an ordered claim, its head and the
+/// consecutive events behind it.
+struct Chain<'a> {
+    partition: i32,
+    key: (&'a str, &'a str),
+    /// The head is due (a head backing off comes alone, not due).
+    due: bool,
+    /// Due events of the chain.
+    len: usize,
+}
+
+/// The claim's rows grouped by aggregate, in claim order.
+fn chains(rows: &[OrderedRow]) -> Vec<Chain<'_>> {
+    let mut chains: Vec<Chain<'_>> = Vec::new();
+    for r in rows {
+        let key = (
+            r.event.aggregate_type.as_str(),
+            r.event.aggregate_id.as_str(),
+        );
+        match chains.last_mut() {
+            Some(chain) if chain.key == key => chain.len += usize::from(r.due),
+            _ => chains.push(Chain {
+                partition: r.partition,
+                key,
+                due: r.due,
+                len: usize::from(r.due),
+            }),
+        }
+    }
+    chains
+}
+
+/// Moves each partition's cursor past the last aggregate looked at, or back
+/// to the start when the walk reached the partition's end (fewer than
+/// `per_partition` due heads and fewer than `scan` heads in all).
+fn advance_cursors(
+    cursors: &mut HashMap<i32, (String, String)>,
+    chains: &[Chain<'_>],
+    per_partition: usize,
+    scan: usize,
+) {
+    // Per partition: heads seen, due heads, last head.
+    let mut heads: HashMap<i32, (usize, usize, (&str, &str))> = HashMap::new();
+    for chain in chains {
+        let entry = heads.entry(chain.partition).or_insert((0, 0, chain.key));
+        entry.0 += 1;
+        entry.1 += usize::from(chain.due);
+        entry.2 = chain.key;
+    }
+    cursors.clear();
+    for (partition, (seen, due, (t, a))) in heads {
+        if due >= per_partition || seen >= scan {
+            cursors.insert(partition, (t.to_owned(), a.to_owned()));
+        }
+    }
+}
+
+/// The chain length to plan the next claim with: doubled while most due
+/// heads filled their chain (their aggregates have more queued), else the
+/// average chain seen.
+fn next_chain_hint(hint: usize, chains: &[Chain<'_>], batch: usize) -> usize {
+    let due: Vec<usize> = chains.iter().filter(|r| r.due).map(|r| r.len).collect();
+    if due.is_empty() {
+        return hint;
+    }
+    let heads = due.len();
+    let cap = (batch / heads).max(1);
+    let full = due.iter().filter(|&&n| n >= cap).count();
+    if full * 4 >= heads * 3 {
+        (hint * 2).min(64)
+    } else {
+        due.iter().sum::<usize>().div_ceil(heads).clamp(1, 64)
+    }
+}
+
+/// The ordered events to publish: each aggregate's chain (head first, in
+/// sequence) up to its first event that is not due yet. A head being
+/// retried goes alone: the events behind it are not sent again and again
+/// while it keeps failing.
+fn due_chains(rows: Vec<OrderedRow>) -> Vec<ClaimedEvent> {
+    let mut out: Vec<ClaimedEvent> = Vec::with_capacity(rows.len());
+    let mut stopped: Option<(String, String)> = None;
+    let mut current: Option<(String, String)> = None;
+    for OrderedRow { event, due, .. } in rows {
+        let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
+        if stopped.as_ref() == Some(&key) {
+            continue;
+        }
+        let head = current.as_ref() != Some(&key);
+        if !due || (head && event.attempts > 0) {
+            if due {
+                out.push(event.into());
+            }
+            stopped = Some(key);
+            continue;
+        }
+        current = Some(key);
+        out.push(event.into());
+    }
+    out
+}

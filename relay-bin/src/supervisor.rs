@@ -1,0 +1,223 @@
+//! The supervisor: [`Relay::run`] keeps a broker connection (reconnecting
+//! with backoff, failing over between nodes), runs the workers on it, and
+//! on shutdown drains the batches in flight.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use lapin::Connection;
+use tokio::task::{JoinError, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{Error, Result};
+use crate::publish;
+use crate::relay::{Relay, inner_next, lock};
+use crate::wake::{listen, sleep_or_cancel};
+use outbox_core::backoff::jittered;
+
+/// How one broker session ended.
+#[derive(Default)]
+struct SessionEnd {
+    /// A worker's broker failure (the first one).
+    broker_error: Option<Error>,
+    /// A worker failed outside a batch (a relay bug).
+    worker_bug: bool,
+    /// The drain timeout passed: batches in flight were abandoned.
+    drained_late: bool,
+}
+
+impl Relay {
+    /// Runs until `shutdown` is cancelled: listens for wake-ups, keeps a
+    /// broker connection (reconnecting with backoff), and runs the
+    /// configured number of workers. On shutdown, workers stop claiming,
+    /// finish the batch in flight (confirm and settle) and return.
+    pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
+        let inner = &self.inner;
+        let cfg = &inner.config;
+        let mut listener = None;
+        if cfg.listen {
+            listener = Some(tokio::spawn(listen(
+                inner.pool.clone(),
+                outbox::wakeup_channel(&inner.schema),
+                inner.wake.clone(),
+                shutdown.clone(),
+            )));
+        }
+        inner.health.database.store(true, Ordering::Relaxed);
+        let mut failures = 0u32;
+        let mut drained_late = false;
+        while !shutdown.is_cancelled() {
+            let conn = match self.open_session().await {
+                Ok(conn) => conn,
+                Err(e) if e.is_refusal() => return self.give_up(e, listener).await,
+                Err(e) => {
+                    self.broker_down(&e, &mut failures, &shutdown).await;
+                    continue;
+                }
+            };
+            let end = self.run_session(conn, &shutdown).await;
+            drained_late |= end.drained_late;
+            match end.broker_error {
+                Some(e) if e.is_refusal() => return self.give_up(e, listener).await,
+                Some(e) => self.broker_down(&e, &mut failures, &shutdown).await,
+                None if end.worker_bug && !shutdown.is_cancelled() => {
+                    failures = failures.saturating_add(1);
+                    sleep_or_cancel(
+                        jittered(cfg.reconnect_min, cfg.reconnect_max, failures),
+                        &shutdown,
+                    )
+                    .await;
+                }
+                None => break,
+            }
+        }
+        if let Some(l) = listener {
+            l.abort();
+        }
+        self.release_leases().await;
+        if drained_late {
+            return Err(Error::DrainTimedOut(cfg.drain_timeout));
+        }
+        Ok(())
+    }
+
+    /// Connects to the first broker node that answers (starting after the
+    /// one used last) and declares the default exchange if configured.
+    pub(crate) async fn open_session(&self) -> Result<Arc<Connection>> {
+        let cfg = &self.inner.config;
+        let urls = cfg.amqp_urls();
+        let start = inner_next(&self.inner);
+        let (conn, i) = publish::connect_any(&urls, start, cfg.broker_timeout).await?;
+        self.using_node(&urls, i);
+        let conn = Arc::new(conn);
+        if let Some(kind) = &cfg.declare_exchange {
+            publish::declare_exchange(&conn, &cfg.default_exchange, kind, cfg.broker_timeout)
+                .await?;
+        }
+        Ok(conn)
+    }
+
+    /// Runs the workers on `conn` until one fails, or until shutdown, when
+    /// the batches in flight get `drain_timeout` to finish; past it they
+    /// are abandoned (rolled back: their events stay in the outbox).
+    async fn run_session(&self, conn: Arc<Connection>, shutdown: &CancellationToken) -> SessionEnd {
+        let cfg = &self.inner.config;
+        let mut workers = JoinSet::new();
+        let session_stop = shutdown.child_token();
+        for worker in 0..cfg.workers {
+            let relay = self.clone();
+            let conn = conn.clone();
+            let stop = session_stop.clone();
+            workers.spawn(async move { relay.work(conn, worker, stop).await });
+        }
+        let mut end = SessionEnd::default();
+        let mut drain_by: Option<tokio::time::Instant> = None;
+        loop {
+            let next = match drain_by {
+                None => tokio::select! {
+                    r = workers.join_next() => r,
+                    _ = shutdown.cancelled() => {
+                        drain_by = Some(tokio::time::Instant::now() + cfg.drain_timeout);
+                        continue;
+                    }
+                },
+                Some(by) => match tokio::time::timeout_at(by, workers.join_next()).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        workers.abort_all();
+                        while workers.join_next().await.is_some() {}
+                        end.drained_late = true;
+                        break;
+                    }
+                },
+            };
+            let Some(r) = next else { break };
+            if worker_ended(r, &mut end) {
+                // One worker's failure ends the session.
+                session_stop.cancel();
+            }
+        }
+        // Past the drain timeout nothing more is waited for: the
+        // connection is dropped, not closed politely.
+        if !end.drained_late {
+            let _ = tokio::time::timeout(
+                cfg.broker_timeout,
+                conn.close(200, "relay session over".into()),
+            )
+            .await;
+        }
+        self.inner.health.broker.store(false, Ordering::Relaxed);
+        self.node_gone();
+        end
+    }
+
+    /// Stops for an error no retry can fix (a refused login, a missing
+    /// virtual host, a conflicting declaration): returned from `run`, not
+    /// logged as an outage for ever.
+    async fn give_up(&self, e: Error, listener: Option<tokio::task::JoinHandle<()>>) -> Result<()> {
+        if let Some(l) = listener {
+            l.abort();
+        }
+        self.inner.health.broker.store(false, Ordering::Relaxed);
+        self.release_leases().await;
+        Err(e)
+    }
+
+    /// Records (health, metrics, log) that the relay is connected to node
+    /// `i` of `urls`; the next reconnect starts with the node after it.
+    pub(crate) fn using_node(&self, urls: &[String], i: usize) {
+        let node = outbox::redact::host_port(&urls[i]);
+        let previous = lock(&self.inner.health.node).replace(node.clone());
+        if let Some(p) = previous.filter(|p| *p != node) {
+            metrics::gauge!("outbox_relay_broker_connected", "node" => p).set(0.0);
+        }
+        metrics::gauge!("outbox_relay_broker_connected", "node" => node.clone()).set(1.0);
+        self.inner
+            .broker_next
+            .store((i + 1) % urls.len(), Ordering::Relaxed);
+        tracing::info!(broker = %node, "connected to the broker");
+    }
+
+    /// The connection to the node in use is gone: its gauge drops to 0.
+    fn node_gone(&self) {
+        if let Some(node) = lock(&self.inner.health.node).clone() {
+            metrics::gauge!("outbox_relay_broker_connected", "node" => node).set(0.0);
+        }
+    }
+
+    async fn broker_down(&self, e: &Error, failures: &mut u32, shutdown: &CancellationToken) {
+        self.inner.health.broker.store(false, Ordering::Relaxed);
+        self.inner.broker_outage.failed(e);
+        *failures = failures.saturating_add(1);
+        let cfg = &self.inner.config;
+        sleep_or_cancel(
+            jittered(cfg.reconnect_min, cfg.reconnect_max, *failures),
+            shutdown,
+        )
+        .await;
+    }
+}
+
+/// Notes how a worker ended in `end`; true when that ends the session (a
+/// broker failure, or a failure outside a batch).
+fn worker_ended(r: std::result::Result<Result<()>, JoinError>, end: &mut SessionEnd) -> bool {
+    match r {
+        Ok(Ok(())) => false,
+        Ok(Err(e)) => {
+            end.broker_error.get_or_insert(e);
+            true
+        }
+        Err(join) => {
+            // Panics inside a batch are caught by the worker; this is one
+            // outside it.
+            let why = match join.try_into_panic() {
+                Ok(panic) => publish::panic_message(&*panic),
+                Err(join) => join.to_string(),
+            };
+            tracing::error!(panic = %why, "relay bug: a worker failed outside a batch; restarting the session (please report this)");
+            metrics::counter!("outbox_relay_worker_panics_total").increment(1);
+            end.worker_bug = true;
+            true
+        }
+    }
+}
