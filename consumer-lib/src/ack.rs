@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use lapin::options::{BasicAckOptions, BasicPublishOptions};
 use lapin::types::AMQPValue;
-use lapin::{Acker, BasicProperties, Channel, Confirmation};
+use lapin::{Acker, BasicProperties, Channel, Confirmation, PublisherConfirm};
 use outbox::wire;
 
 use crate::error::{Error, Result, bounded};
@@ -31,7 +31,7 @@ pub(crate) enum Disposition {
 
 pub(crate) struct AckItem<'a> {
     pub(crate) acker: &'a Acker,
-    pub(crate) action: Disposition,
+    pub(crate) disposition: Disposition,
     pub(crate) properties: &'a BasicProperties,
     pub(crate) body: &'a [u8],
 }
@@ -47,61 +47,19 @@ pub(crate) async fn acknowledge(
     items: &[AckItem<'_>],
     timeout: Duration,
 ) -> Result<()> {
-    let retry_queue = format!("{queue}.retry");
-    let dead_letter_queue = format!("{queue}.dlq");
+    let queues = Queues {
+        retry: format!("{queue}.retry"),
+        dead_letter: format!("{queue}.dlq"),
+    };
     let mandatory = BasicPublishOptions {
         mandatory: true,
         ..Default::default()
     };
     let mut pending = Vec::new();
     for item in items {
-        let (target, props) = match &item.action {
-            Disposition::Ack => continue,
-            Disposition::Retry { attempt, delay } => (
-                &retry_queue,
-                with_header(
-                    item.properties,
-                    wire::HEADER_RETRY_COUNT,
-                    AMQPValue::LongLongInt((*attempt).into()),
-                )
-                .with_expiration(delay.as_millis().max(1).to_string().into()),
-            ),
-            Disposition::Defer { deferral, delay } => (
-                &retry_queue,
-                with_header(
-                    item.properties,
-                    HEADER_DEFERRAL_COUNT,
-                    AMQPValue::LongLongInt((*deferral).into()),
-                )
-                .with_expiration(delay.as_millis().max(1).to_string().into()),
-            ),
-            Disposition::DeadLetter { reason } => (
-                &dead_letter_queue,
-                with_header(
-                    item.properties,
-                    wire::HEADER_DEAD_LETTER_REASON,
-                    AMQPValue::LongString(reason.as_str().into()),
-                ),
-            ),
+        let Some((target, props)) = copy_of(item, &queues, consumer) else {
+            continue;
         };
-        // A retry goes back into `<queue>` through a dead-lettering hop; a
-        // death history naming `<queue>` (a message the broker moved to the
-        // DLQ at its delivery limit, replayed from there) would make
-        // RabbitMQ take that hop for a cycle and hold or drop the retry.
-        let props = if matches!(
-            item.action,
-            Disposition::Retry { .. } | Disposition::Defer { .. }
-        ) {
-            without(props, DEATH_HISTORY)
-        } else {
-            props
-        };
-        let props = add_header(
-            props,
-            "x-dead-letter-consumer",
-            AMQPValue::LongString(consumer.into()),
-        )
-        .with_delivery_mode(wire::DELIVERY_MODE_PERSISTENT);
         let confirm = bounded(
             "basic.publish",
             timeout,
@@ -116,6 +74,89 @@ pub(crate) async fn acknowledge(
         .await?;
         pending.push((target, confirm));
     }
+    await_confirms(pending, timeout).await?;
+    // Batches are settled in delivery order, so every earlier tag on this
+    // channel is settled already: one `multiple` ack covers the batch.
+    if let Some(last) = items.last() {
+        bounded(
+            "basic.ack",
+            timeout,
+            last.acker.ack(BasicAckOptions { multiple: true }),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// Where the copies go.
+struct Queues {
+    retry: String,
+    dead_letter: String,
+}
+
+/// The queue and properties of the copy a delivery's disposition asks for
+/// (`None` for a plain ack).
+fn copy_of<'q>(
+    item: &AckItem<'_>,
+    queues: &'q Queues,
+    consumer: &str,
+) -> Option<(&'q String, BasicProperties)> {
+    let (target, props) = match &item.disposition {
+        Disposition::Ack => return None,
+        Disposition::Retry { attempt, delay } => (
+            &queues.retry,
+            with_header(
+                item.properties,
+                wire::HEADER_RETRY_COUNT,
+                AMQPValue::LongLongInt((*attempt).into()),
+            )
+            .with_expiration(delay.as_millis().max(1).to_string().into()),
+        ),
+        Disposition::Defer { deferral, delay } => (
+            &queues.retry,
+            with_header(
+                item.properties,
+                HEADER_DEFERRAL_COUNT,
+                AMQPValue::LongLongInt((*deferral).into()),
+            )
+            .with_expiration(delay.as_millis().max(1).to_string().into()),
+        ),
+        Disposition::DeadLetter { reason } => (
+            &queues.dead_letter,
+            with_header(
+                item.properties,
+                wire::HEADER_DEAD_LETTER_REASON,
+                AMQPValue::LongString(reason.as_str().into()),
+            ),
+        ),
+    };
+    // A retry goes back into `<queue>` through a dead-lettering hop; a
+    // death history naming `<queue>` (a message the broker moved to the
+    // DLQ at its delivery limit, replayed from there) would make
+    // RabbitMQ take that hop for a cycle and hold or drop the retry.
+    let props = if matches!(
+        item.disposition,
+        Disposition::Retry { .. } | Disposition::Defer { .. }
+    ) {
+        without(props, DEATH_HISTORY)
+    } else {
+        props
+    };
+    let props = add_header(
+        props,
+        "x-dead-letter-consumer",
+        AMQPValue::LongString(consumer.into()),
+    )
+    .with_delivery_mode(wire::DELIVERY_MODE_PERSISTENT);
+    Some((target, props))
+}
+
+/// Awaits every copy's confirm against one deadline: a copy refused,
+/// returned or unconfirmed fails the batch's ack.
+async fn await_confirms(
+    pending: Vec<(&String, PublisherConfirm)>,
+    timeout: Duration,
+) -> Result<()> {
     let deadline = tokio::time::Instant::now() + timeout;
     for (target, confirm) in pending {
         let confirmation = match tokio::time::timeout_at(deadline, confirm).await {
@@ -145,16 +186,6 @@ pub(crate) async fn acknowledge(
                 });
             }
         }
-    }
-    // Batches are settled in delivery order, so every earlier tag on this
-    // channel is settled already: one `multiple` ack covers the batch.
-    if let Some(last) = items.last() {
-        bounded(
-            "basic.ack",
-            timeout,
-            last.acker.ack(BasicAckOptions { multiple: true }),
-        )
-        .await?;
     }
     Ok(())
 }

@@ -79,24 +79,7 @@ pub(crate) async fn process(
         let mut tx = pool.begin_with(begin.clone()).await?;
         let fresh = inbox.claim(&mut tx, &keys).await?;
         let fresh: HashSet<&str> = fresh.iter().map(String::as_str).collect();
-        // Only the first delivery of a fresh key runs; later copies in the
-        // same batch are duplicates.
-        let mut first = HashSet::new();
-        let to_handle: Vec<usize> = (0..events.len())
-            .filter(|&i| fresh.contains(events[i].id()) && first.insert(events[i].id()))
-            .collect();
-        // With ordering, every sequenced copy holds a number of its
-        // aggregate, whether it runs or not (the id was applied before, or
-        // comes twice in this batch): the sequencer must see each one, or
-        // the aggregate would wait for a number for ever. An id enqueued
-        // again after its first copy left the outbox comes back with a new
-        // number. The handler runs for the copy whose number is next.
-        let passes: Vec<usize> = match sequences {
-            Some(_) => (0..events.len())
-                .filter(|&i| to_handle.binary_search(&i).is_ok() || batch.position(i).is_some())
-                .collect(),
-            None => to_handle.clone(),
-        };
+        let (to_handle, passes) = select(batch, &fresh, sequences.is_some());
         // After the inbox claim, in every instance: one lock order.
         let mut order = match sequences {
             Some(s) => {
@@ -106,66 +89,35 @@ pub(crate) async fn process(
             None => None,
         };
         let mut verdicts = vec![Verdict::Duplicate; events.len()];
-        let done = match handlers {
-            Handlers::PerEvent(h) => {
-                let pass = Pass {
-                    isolated,
-                    known: known.take(),
-                    order: order.as_mut(),
-                };
-                let r = run_each(
-                    &mut tx,
-                    h.as_ref(),
-                    batch,
-                    &fresh,
-                    &passes,
-                    pass,
-                    &mut verdicts,
-                );
-                match r.await? {
-                    Pass1::Done => true,
-                    Pass1::Failed(failure) => {
-                        known = failure;
-                        false
-                    }
-                }
-            }
-            Handlers::Batch(h) => {
-                let timeout = batch.handler_timeout;
-                let all_failed = run_batch(
-                    &mut tx,
-                    h.as_ref(),
-                    events,
-                    &to_handle,
-                    timeout,
-                    &mut verdicts,
-                )
-                .await;
-                if all_failed {
-                    // Nothing to keep: the duplicates' inbox rows were
-                    // committed before, the fresh ones must not be.
-                    tx.rollback().await?;
-                    return Ok(verdicts);
-                }
-                true
-            }
+        let pass = Pass {
+            isolated,
+            known: known.take(),
+            order: order.as_mut(),
         };
-        if !done {
-            tx.rollback().await?;
-            continue;
+        let ran = run_handlers(
+            &mut tx,
+            handlers,
+            batch,
+            &fresh,
+            (&to_handle, &passes),
+            pass,
+            &mut verdicts,
+        );
+        match ran.await? {
+            Ran::Done => {}
+            Ran::Again(failure) => {
+                known = failure;
+                tx.rollback().await?;
+                continue;
+            }
+            Ran::AllFailed => {
+                // Nothing to keep: the duplicates' inbox rows were
+                // committed before, the fresh ones must not be.
+                tx.rollback().await?;
+                return Ok(verdicts);
+            }
         }
-        // Everything fresh but not applied (failed, deferred, stale) loses
-        // its inbox row: a later copy or a replay must run again.
-        // (Per id: with ordering, another copy of it may be the one applied.)
-        let acked: HashSet<&str> = (0..events.len())
-            .filter(|&i| matches!(verdicts[i], Verdict::Handled(Outcome::Ack)))
-            .map(|i| events[i].id())
-            .collect();
-        let failed: Vec<&str> = to_handle
-            .iter()
-            .map(|&i| events[i].id())
-            .filter(|id| !acked.contains(id))
-            .collect();
+        let failed = unapplied(events, &to_handle, &verdicts);
         // Also the guard against a handler that returned Ack after one of
         // its statements failed: in an aborted transaction these statements
         // error, where COMMIT would silently roll back and we would ack.
@@ -192,6 +144,88 @@ pub(crate) async fn process(
         return Ok(verdicts);
     }
     unreachable!("the isolated pass always returns")
+}
+
+/// The deliveries whose handler runs (the first copy of each fresh id),
+/// and those the pass looks at: the same, plus with sequencing every
+/// sequenced copy, since each holds a number of its aggregate whether it
+/// runs or not (the id was applied before, or comes twice in this batch):
+/// the sequencer must see each one, or the aggregate would wait for a
+/// number for ever. An id enqueued again after its first copy left the
+/// outbox comes back with a new number. The handler runs for the copy
+/// whose number is next.
+fn select(batch: &Batch<'_>, fresh: &HashSet<&str>, sequencing: bool) -> (Vec<usize>, Vec<usize>) {
+    let events = batch.events;
+    // Only the first delivery of a fresh key runs; later copies in the
+    // same batch are duplicates.
+    let mut first = HashSet::new();
+    let to_handle: Vec<usize> = (0..events.len())
+        .filter(|&i| fresh.contains(events[i].id()) && first.insert(events[i].id()))
+        .collect();
+    let passes: Vec<usize> = if sequencing {
+        (0..events.len())
+            .filter(|&i| to_handle.binary_search(&i).is_ok() || batch.position(i).is_some())
+            .collect()
+    } else {
+        to_handle.clone()
+    };
+    (to_handle, passes)
+}
+
+/// How one pass of the handlers ended.
+enum Ran {
+    /// Every event handled (or, isolated, every outcome recorded).
+    Done,
+    /// A pass without savepoints hit a failure: roll back and rerun
+    /// isolated, with the failing event's outcome when it is known.
+    Again(Option<(usize, Outcome)>),
+    /// The batch handler failed as a whole: roll back, every fresh event
+    /// has its (failing) verdict.
+    AllFailed,
+}
+
+/// Runs the handlers of one pass over `passes` (per-event handlers) or
+/// `to_handle` (a batch handler), recording verdicts.
+async fn run_handlers(
+    tx: &mut PgConnection,
+    handlers: &Handlers,
+    batch: &Batch<'_>,
+    fresh: &HashSet<&str>,
+    (to_handle, passes): (&[usize], &[usize]),
+    pass: Pass<'_>,
+    verdicts: &mut [Verdict],
+) -> sqlx::Result<Ran> {
+    Ok(match handlers {
+        Handlers::PerEvent(h) => {
+            match run_each(tx, h.as_ref(), batch, fresh, passes, pass, verdicts).await? {
+                Pass1::Done => Ran::Done,
+                Pass1::Failed(failure) => Ran::Again(failure),
+            }
+        }
+        Handlers::Batch(h) => {
+            let timeout = batch.handler_timeout;
+            if run_batch(tx, h.as_ref(), batch.events, to_handle, timeout, verdicts).await {
+                Ran::AllFailed
+            } else {
+                Ran::Done
+            }
+        }
+    })
+}
+
+/// Fresh events not applied (failed, deferred, stale): they lose their
+/// inbox row, so a later copy or a replay runs again. Per id: with
+/// sequencing, another copy of it may be the one applied.
+fn unapplied<'e>(events: &'e [Event], to_handle: &[usize], verdicts: &[Verdict]) -> Vec<&'e str> {
+    let acked: HashSet<&str> = (0..events.len())
+        .filter(|&i| matches!(verdicts[i], Verdict::Handled(Outcome::Ack)))
+        .map(|i| events[i].id())
+        .collect();
+    to_handle
+        .iter()
+        .map(|&i| events[i].id())
+        .filter(|id| !acked.contains(id))
+        .collect()
 }
 
 /// Records the sequence numbers the batch moved, then forgets the inbox

@@ -54,9 +54,10 @@
 //!
 //! Words (dedup, sequencing, turn, outcome, verdict, deferral, ack) mean
 //! what the [glossary](outbox#glossary-the-pipeline-and-the-words-for-it)
-//! says; a batch goes `consumer.rs` (deliveries in, reconnects) →
-//! `batch.rs` (one transaction: `dedup.rs`, `sequence.rs`, the handler) →
-//! `ack.rs` (republish, then ack).
+//! says; a batch goes `session.rs` (deliveries in, reconnects) →
+//! `process.rs` (decode, then each delivery's disposition) → `batch.rs`
+//! (one transaction: `dedup.rs`, `sequence.rs`, the handler) → `ack.rs`
+//! (republish, then ack); `consumer.rs` is the handle that runs it.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
@@ -69,8 +70,10 @@ mod error;
 mod event;
 mod handler;
 mod migrate;
+mod process;
 mod retention;
 mod sequence;
+mod session;
 mod telemetry;
 mod topology;
 mod trace;

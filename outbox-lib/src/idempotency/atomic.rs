@@ -59,7 +59,7 @@ impl Idempotency {
     /// transaction back.
     ///
     /// ```no_run
-    /// # async fn demo(pool: sqlx::PgPool, idem: outbox::Idempotency, outbox: outbox::Outbox) -> anyhow::Result<()> {
+    /// # async fn demo(pool: sqlx::PgPool, idem: outbox::idempotency::Idempotency, outbox: outbox::Outbox) -> anyhow::Result<()> {
     /// use outbox::NewEvent;
     /// use outbox::idempotency::{Claim, Fingerprint, IdempotencyKey, RecordedResponse};
     /// let key = IdempotencyKey::parse("8e03978e-40d5-43e8")?;

@@ -9,7 +9,7 @@ use sha2::{Digest, Sha256};
 /// with a different fingerprint is rejected (HTTP 422).
 ///
 /// ```
-/// use outbox::Fingerprint;
+/// use outbox::idempotency::Fingerprint;
 /// let a = Fingerprint::of_request("POST", "/orders", br#"{"sku":"A-1"}"#);
 /// let b = Fingerprint::of_request("POST", "/orders", br#"{"sku":"A-2"}"#);
 /// assert_ne!(a, b);

@@ -13,7 +13,7 @@ pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
 /// removed and `\"` and `\\` unescaped, so `abc` and `"abc"` are one key.
 ///
 /// ```
-/// use outbox::IdempotencyKey;
+/// use outbox::idempotency::IdempotencyKey;
 /// assert_eq!(IdempotencyKey::parse("order-7f3a")?.as_str(), "order-7f3a");
 /// assert_eq!(IdempotencyKey::parse("\"order-7f3a\"")?.as_str(), "order-7f3a");
 /// assert!(IdempotencyKey::parse("has space").is_err());

@@ -81,7 +81,7 @@ impl Idempotency {
     ///
     /// ```no_run
     /// # async fn charge(_key: uuid::Uuid) -> anyhow::Result<String> { Ok("ch_1".into()) }
-    /// # async fn demo(idem: outbox::Idempotency) -> anyhow::Result<()> {
+    /// # async fn demo(idem: outbox::idempotency::Idempotency) -> anyhow::Result<()> {
     /// use outbox::idempotency::{Fingerprint, IdempotencyKey, RecordedResponse, TwoPhaseStart};
     /// let key = IdempotencyKey::parse("pay-7f3a")?;
     /// let fp = Fingerprint::of_request("POST", "/payments", b"{}");

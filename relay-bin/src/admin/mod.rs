@@ -1,4 +1,4 @@
-//! Operator views and actions, one file per subject: [`status`] (the
+//! Operator views and actions, one file per subject: [`status`](mod@status) (the
 //! backlog at a glance, the gauges), [`blocked`] (ordered aggregates held
 //! up by a failing head) and [`dead_letters`] (list, replay, purge). The
 //! `outbox-relay` subcommands of the same names call these.

@@ -1,0 +1,451 @@
+//! One batch of deliveries, stage by stage: decode (poison stays in its
+//! delivery), the batch transaction (`batch.rs`; retried while the
+//! database is unreachable, event by event when the batch keeps failing),
+//! a disposition per delivery from its verdict and the retry budgets, then
+//! the ack stage (`ack.rs`) and the counters.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use lapin::Channel;
+use lapin::message::Delivery;
+use tokio_util::sync::CancellationToken;
+use tracing::Span;
+use tracing::field::Empty;
+
+use crate::ack::{AckItem, Disposition, acknowledge};
+use crate::batch::{self, Batch, Verdict};
+use crate::consumer::Consumer;
+use crate::error::{Error, Result};
+use crate::event::{Event, dedup_key};
+use crate::handler::Outcome;
+use crate::sequence::{Deferral, Position, position};
+use crate::session::{End, FIRST_BACKOFF, pause};
+use crate::telemetry::Counters;
+use outbox_core::backoff::Backoff;
+
+/// A batch's deliveries decoded.
+struct Decoded {
+    /// Per delivery: the index of its event, or why it is poison (and its
+    /// span).
+    slots: Vec<std::result::Result<usize, (String, Span)>>,
+    /// Per event, its position when sequencing is on; otherwise empty.
+    positions: Vec<Option<Position>>,
+    /// One span per event.
+    spans: Vec<Span>,
+    events: Vec<Event>,
+}
+
+/// What became of a batch's deliveries, per outcome of
+/// `outbox_consumer_events_total`.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Handler succeeded, effect committed.
+    processed: u64,
+    /// Already in the inbox: acked without effect.
+    duplicates: u64,
+    /// To the retry queue: a handler retry or a deferral.
+    retried: u64,
+    /// Dead-lettered: rejected, out of retries or out of deferrals.
+    rejected: u64,
+    /// Undecodable: dead-lettered.
+    poison: u64,
+    /// Sequenced, at or below the aggregate's last applied number: acked
+    /// without effect.
+    stale: u64,
+}
+
+impl Tally {
+    /// Adds these counts to `counters` and to the metric.
+    fn record(&self, counters: &Counters, consumer: &str) {
+        for (label, n) in [
+            ("processed", self.processed),
+            ("duplicate", self.duplicates),
+            ("retried", self.retried),
+            ("rejected", self.rejected),
+            ("poison", self.poison),
+            ("stale", self.stale),
+        ] {
+            counters.events(consumer, label, n);
+        }
+    }
+}
+
+impl Consumer {
+    /// Processes one batch: decode, one transaction, republish, ack.
+    /// `Some` ends the session.
+    pub(crate) async fn process(
+        &self,
+        mut deliveries: Vec<Delivery>,
+        publisher: &Channel,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<End>> {
+        let me = &self.inner;
+        let cfg = &me.config;
+        let name = cfg.consumer_name.as_str();
+        let started = Instant::now();
+        let decoded = self.decode(&mut deliveries);
+        let Some(verdicts) = self.commit(&decoded, shutdown).await else {
+            return Ok(Some(End::Shutdown));
+        };
+        let mut tally = Tally::default();
+        let items = self.dispositions(&deliveries, &decoded, &verdicts, &mut tally);
+        acknowledge(publisher, &cfg.queue, name, &items, cfg.broker_timeout).await?;
+
+        let c = &me.counters;
+        tally.record(c, name);
+        c.batches.fetch_add(1, Ordering::Relaxed);
+        metrics::histogram!("outbox_consumer_batch_seconds", "consumer" => name.to_owned())
+            .record(started.elapsed().as_secs_f64());
+        metrics::histogram!("outbox_consumer_batch_size", "consumer" => name.to_owned())
+            .record(deliveries.len() as f64);
+        Ok(None)
+    }
+
+    /// The decode stage: an event, with its span, per decodable delivery;
+    /// poison stays in its delivery for the dead-letter copy.
+    fn decode(&self, deliveries: &mut [Delivery]) -> Decoded {
+        let cfg = &self.inner.config;
+        let name = cfg.consumer_name.as_str();
+        let mut events = Vec::with_capacity(deliveries.len());
+        let mut spans = Vec::with_capacity(deliveries.len());
+        let mut positions = Vec::new();
+        let ordered = cfg.sequencing.is_on();
+        let mut slots: Vec<std::result::Result<usize, (String, Span)>> =
+            Vec::with_capacity(deliveries.len());
+        for d in deliveries {
+            let span = tracing::info_span!(
+                "outbox_consumer.event",
+                consumer = name,
+                event_id = Empty,
+                event_type = Empty,
+                traceparent = Empty,
+                trace_id = Empty,
+                parent_span_id = Empty,
+                span_id = Empty,
+                redelivered = d.redelivered,
+                duplicate = Empty,
+                outcome = Empty,
+            );
+            let decoded = dedup_key(&d.properties, &d.data, &cfg.dedup_key).and_then(|id| {
+                let at = if ordered {
+                    position(&d.properties)?
+                } else {
+                    None
+                };
+                Ok((id, at))
+            });
+            match decoded {
+                Ok((id, at)) => {
+                    let event = Event {
+                        id,
+                        properties: std::mem::take(&mut d.properties),
+                        payload: std::mem::take(&mut d.data),
+                        redelivered: d.redelivered,
+                    };
+                    record_event(&span, &event);
+                    slots.push(Ok(events.len()));
+                    events.push(event);
+                    if ordered {
+                        positions.push(at);
+                    }
+                    spans.push(span);
+                }
+                Err(reason) => slots.push(Err((reason, span))),
+            }
+        }
+        Decoded {
+            slots,
+            positions,
+            spans,
+            events,
+        }
+    }
+
+    /// The transaction stage: the decoded events in one transaction
+    /// ([`batch::process`]), retried while the database is unreachable; a
+    /// batch that keeps failing goes event by event. `None`: `shutdown`
+    /// fired while waiting.
+    async fn commit(
+        &self,
+        decoded: &Decoded,
+        shutdown: &CancellationToken,
+    ) -> Option<Vec<Verdict>> {
+        let events = &decoded.events;
+        if events.is_empty() {
+            return Some(Vec::new());
+        }
+        let me = &self.inner;
+        let cfg = &me.config;
+        let name = cfg.consumer_name.as_str();
+        let mut backoff = Backoff::new(FIRST_BACKOFF, cfg.max_reconnect_delay);
+        let mut failures = 0u32;
+        let batch = Batch {
+            events,
+            spans: &decoded.spans,
+            positions: &decoded.positions,
+            handler_timeout: cfg.handler_timeout,
+        };
+        loop {
+            match self.transact(&batch).await {
+                Ok(v) => {
+                    me.database.ok();
+                    return Some(v);
+                }
+                // Nothing committed, nothing acked: retry the same
+                // deliveries once the database is back.
+                Err(e) if database_unreachable(&e) => {
+                    me.database.failed(&Error::Database(e));
+                    if !pause(shutdown, &mut backoff).await {
+                        return None;
+                    }
+                }
+                // The database answers but this batch fails (a lock
+                // held elsewhere, a deadlock, a constraint): a few
+                // tries, then each event alone; one that still fails
+                // goes through the retry queue, so nothing waits on
+                // this batch for ever.
+                Err(e) => {
+                    failures += 1;
+                    if failures >= cfg.max_batch_attempts {
+                        tracing::warn!(consumer = name, error = %e, attempts = failures, events = events.len(), "batch transaction keeps failing; processing its events one by one");
+                        return Some(self.one_by_one(&batch).await);
+                    }
+                    tracing::warn!(consumer = name, error = %e, attempt = failures, "batch transaction failed; retrying it");
+                    if !pause(shutdown, &mut backoff).await {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// `batch` in one transaction, committed (see [`batch::process`]).
+    async fn transact(&self, batch: &Batch<'_>) -> sqlx::Result<Vec<Verdict>> {
+        let me = &self.inner;
+        let sequences = me.sequences.as_ref();
+        batch::process(
+            &me.pool,
+            &me.begin,
+            &me.inbox,
+            sequences,
+            &me.handlers,
+            batch,
+        )
+        .await
+    }
+
+    /// Each event of `batch` in a transaction of its own, in delivery
+    /// order (so sequenced events keep their order); one whose transaction
+    /// fails is retried through the retry queue.
+    async fn one_by_one(&self, batch: &Batch<'_>) -> Vec<Verdict> {
+        let mut verdicts = Vec::with_capacity(batch.events.len());
+        for i in 0..batch.events.len() {
+            let one = Batch {
+                events: &batch.events[i..=i],
+                spans: &batch.spans[i..=i],
+                positions: batch.positions.get(i..=i).unwrap_or(&[]),
+                handler_timeout: batch.handler_timeout,
+            };
+            verdicts.push(match self.transact(&one).await {
+                Ok(mut v) => v.pop().unwrap_or(Verdict::Duplicate),
+                Err(e) => Verdict::Handled(Outcome::retry(format!(
+                    "its transaction failed, alone and in its batch: {e}"
+                ))),
+            });
+        }
+        verdicts
+    }
+
+    /// The disposition stage: what the ack stage does with each delivery,
+    /// in delivery order.
+    fn dispositions<'a>(
+        &self,
+        deliveries: &'a [Delivery],
+        decoded: &'a Decoded,
+        verdicts: &[Verdict],
+        tally: &mut Tally,
+    ) -> Vec<AckItem<'a>> {
+        let mut items = Vec::with_capacity(deliveries.len());
+        for (d, slot) in deliveries.iter().zip(&decoded.slots) {
+            let (disposition, props, body) = match slot {
+                Ok(i) => {
+                    let event = &decoded.events[*i];
+                    let span = &decoded.spans[*i];
+                    let disposition = self.disposition(event, &verdicts[*i], span, tally);
+                    (disposition, &event.properties, event.payload.as_slice())
+                }
+                Err((reason, span)) => (
+                    self.poison(d, reason, span, tally),
+                    &d.properties,
+                    d.data.as_slice(),
+                ),
+            };
+            items.push(AckItem {
+                acker: &d.acker,
+                disposition,
+                properties: props,
+                body,
+            });
+        }
+        items
+    }
+
+    /// The disposition of a decoded event, from its verdict.
+    fn disposition(
+        &self,
+        event: &Event,
+        verdict: &Verdict,
+        span: &Span,
+        tally: &mut Tally,
+    ) -> Disposition {
+        match verdict {
+            Verdict::Duplicate => {
+                span.record("duplicate", true)
+                    .record("outcome", "duplicate");
+                tally.duplicates += 1;
+                Disposition::Ack
+            }
+            Verdict::Stale { seq, last } => {
+                span.record("duplicate", false).record("outcome", "stale");
+                tally.stale += 1;
+                let _enter = span.enter();
+                tracing::debug!(
+                    seq,
+                    last_seq = last,
+                    "stale: at or below the aggregate's last applied sequence number; acked, handler not run"
+                );
+                Disposition::Ack
+            }
+            Verdict::Deferred(deferral) => {
+                span.record("duplicate", false)
+                    .record("outcome", "deferred");
+                self.defer(event, deferral, span, tally)
+            }
+            Verdict::Handled(o) => {
+                span.record("duplicate", false).record("outcome", o.label());
+                self.outcome_disposition(event, o, span, tally)
+            }
+        }
+    }
+
+    /// A delivery that could not be decoded: to the dead-letter queue.
+    fn poison(&self, d: &Delivery, reason: &str, span: &Span, tally: &mut Tally) -> Disposition {
+        let cfg = &self.inner.config;
+        let name = cfg.consumer_name.as_str();
+        span.record("outcome", "poison");
+        tally.poison += 1;
+        let message_id = d.properties.message_id().as_ref().map(|s| s.to_string());
+        tracing::warn!(
+            consumer = name,
+            queue = %cfg.queue,
+            message_id,
+            reason = %reason,
+            "poison message sent to the dead-letter queue"
+        );
+        Disposition::DeadLetter {
+            reason: format!("poison message: {reason}"),
+        }
+    }
+
+    /// A deferred sequenced event: back to the retry queue on its own
+    /// budget (`max_deferrals`, header `x-deferral-count`), its handler
+    /// retry count untouched; dead-lettered once the budget is spent.
+    fn defer(
+        &self,
+        event: &Event,
+        deferral: &Deferral,
+        span: &Span,
+        tally: &mut Tally,
+    ) -> Disposition {
+        let cfg = &self.inner.config;
+        let _enter = span.enter();
+        let n = event.deferral_count().saturating_add(1);
+        if n > cfg.max_deferrals {
+            tally.rejected += 1;
+            let reason = deferral.give_up_reason(cfg.max_deferrals);
+            tracing::warn!(reason = %reason, deferrals = cfg.max_deferrals, "sequence gap never closed; sent to the dead-letter queue");
+            Disposition::DeadLetter { reason }
+        } else {
+            tally.retried += 1;
+            let delay = cfg.retry_backoff(n);
+            tracing::debug!(reason = %deferral.reason(), deferral = n, delay_ms = delay.as_millis() as u64, "deferred");
+            Disposition::Defer { deferral: n, delay }
+        }
+    }
+
+    /// The disposition of a handled event: its outcome, within the retry
+    /// budget.
+    fn outcome_disposition(
+        &self,
+        event: &Event,
+        outcome: &Outcome,
+        span: &Span,
+        tally: &mut Tally,
+    ) -> Disposition {
+        let cfg = &self.inner.config;
+        let _enter = span.enter();
+        match outcome {
+            Outcome::Ack => {
+                tally.processed += 1;
+                Disposition::Ack
+            }
+            Outcome::Retry(reason) => {
+                let attempt = event.retry_count().saturating_add(1);
+                if attempt > cfg.max_retries {
+                    tally.rejected += 1;
+                    tracing::warn!(reason = %reason, retries = cfg.max_retries, "out of retries; sent to the dead-letter queue");
+                    Disposition::DeadLetter {
+                        reason: format!("gave up after {} retries: {reason}", cfg.max_retries),
+                    }
+                } else {
+                    tally.retried += 1;
+                    let delay = cfg.retry_backoff(attempt);
+                    tracing::debug!(reason = %reason, attempt, delay_ms = delay.as_millis() as u64, "retry scheduled");
+                    Disposition::Retry { attempt, delay }
+                }
+            }
+            Outcome::Reject(reason) => {
+                tally.rejected += 1;
+                tracing::warn!(reason = %reason, "rejected; sent to the dead-letter queue");
+                Disposition::DeadLetter {
+                    reason: reason.clone(),
+                }
+            }
+        }
+    }
+}
+
+/// Records a decoded event's identity and trace context on its span.
+fn record_event(span: &Span, event: &Event) {
+    span.record("event_id", event.id());
+    if let Some(t) = event.event_type() {
+        span.record("event_type", t);
+    }
+    if let Some(tp) = event.traceparent() {
+        span.record("traceparent", &*tp);
+    }
+    if let Some(t) = event.trace() {
+        span.record("trace_id", t.trace_id.as_str());
+        span.record("parent_span_id", t.parent_span_id.as_deref().unwrap_or(""));
+        span.record("span_id", t.span_id.as_str());
+    }
+}
+
+/// The database cannot be reached (or is shutting down): wait it out, the
+/// batch is not at fault.
+fn database_unreachable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Protocol(_) => true,
+        // Class 08 (connection exception); admin_shutdown,
+        // crash_shutdown, cannot_connect_now.
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|c| c.starts_with("08") || matches!(&*c, "57P01" | "57P02" | "57P03")),
+        _ => false,
+    }
+}

@@ -1,0 +1,251 @@
+//! Supervision: wait for the migrated inbox, then broker sessions, one
+//! after the other: connect (failing over between the broker URLs),
+//! declare, consume batches of deliveries (each processed by `process.rs`)
+//! and, after a failure, reconnect with backoff.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use futures_util::StreamExt as _;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::ConsumerConfig;
+use crate::consumer::Consumer;
+use crate::error::{Error, Result, bounded};
+use crate::topology::declare_retry_queues;
+use outbox_core::backoff::Backoff;
+
+pub(crate) const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Why a broker session ended without error.
+pub(crate) enum End {
+    Shutdown,
+}
+
+impl Consumer {
+    /// Waits until the inbox is migrated, riding out database outages;
+    /// `false` when `shutdown` fired first. `Err`: not migrated, or newer
+    /// than this library.
+    pub(crate) async fn wait_migrated(&self, shutdown: &CancellationToken) -> Result<bool> {
+        let me = &self.inner;
+        let mut backoff = Backoff::new(FIRST_BACKOFF, me.config.max_reconnect_delay);
+        loop {
+            match outbox_core::migrate::ensure_migrated(
+                &me.pool,
+                &crate::migrate::CONSUMER,
+                &me.schema,
+            )
+            .await
+            .map_err(outbox::Error::from)
+            {
+                Ok(()) => break,
+                Err(e) if e.is_transient() => {
+                    me.database.failed(&Error::Outbox(e));
+                    if !pause(shutdown, &mut backoff).await {
+                        return Ok(false);
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        me.database.ok();
+        Ok(true)
+    }
+
+    /// Broker sessions until `shutdown`, reconnecting with backoff after
+    /// each failure that retrying can fix.
+    pub(crate) async fn supervise(&self, shutdown: &CancellationToken) -> Result<()> {
+        let me = &self.inner;
+        let name = me.config.consumer_name.as_str();
+        let mut backoff = Backoff::new(FIRST_BACKOFF, me.config.max_reconnect_delay);
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+            match self.session(shutdown, &mut backoff).await {
+                Ok(End::Shutdown) => {
+                    tracing::info!(consumer = name, queue = %me.config.queue, "consumer stopped");
+                    return Ok(());
+                }
+                Err(e) if !e.is_transient() => return Err(e),
+                Err(e) => {
+                    me.broker.failed(&e);
+                    me.counters.broker_errors.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("outbox_consumer_broker_errors_total", "consumer" => name.to_owned())
+                        .increment(1);
+                    if !pause(shutdown, &mut backoff).await {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    /// One broker connection, from connect to close.
+    async fn session(&self, shutdown: &CancellationToken, backoff: &mut Backoff) -> Result<End> {
+        let cfg = &self.inner.config;
+        let t = cfg.broker_timeout;
+        // lapin's auto-recovery stays off: `supervise` reconnects.
+        let props = ConnectionProperties::default()
+            .with_connection_name(format!("outbox-consumer {}", cfg.consumer_name).into());
+        let conn = self.connect(props).await?;
+        let result = self.consume(&conn, shutdown, backoff).await;
+        // Disconnected: the node's gauge drops to 0 until a connection.
+        if let Some(node) = self.broker_node() {
+            metrics::gauge!("outbox_consumer_broker_connected", "consumer" => cfg.consumer_name.clone(), "node" => node).set(0.0);
+        }
+        let _ = tokio::time::timeout(t, conn.close(200, "consumer stopping".into())).await;
+        result
+    }
+
+    /// Connects to the first broker URL that answers, from the one after
+    /// the node used last ([`outbox_core::amqp::connect_any`]).
+    async fn connect(&self, props: ConnectionProperties) -> Result<Connection> {
+        let me = &self.inner;
+        let urls = outbox::redact::split_urls(me.config.amqp_url.expose());
+        let start = me.next_url.load(Ordering::Relaxed);
+        let (conn, i) =
+            outbox_core::amqp::connect_any(&urls, start, me.config.broker_timeout, props).await?;
+        me.next_url.store((i + 1) % urls.len(), Ordering::Relaxed);
+        let node = outbox::redact::host_port(urls[i]);
+        let name = me.config.consumer_name.clone();
+        let previous = me
+            .node
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .replace(node.clone());
+        if let Some(p) = previous.filter(|p| *p != node) {
+            metrics::gauge!("outbox_consumer_broker_connected", "consumer" => name.clone(), "node" => p).set(0.0);
+        }
+        metrics::gauge!("outbox_consumer_broker_connected", "consumer" => name, "node" => node.clone()).set(1.0);
+        tracing::info!(consumer = %me.config.consumer_name, broker = %node, "connected to the broker");
+        Ok(conn)
+    }
+
+    async fn consume(
+        &self,
+        conn: &Connection,
+        shutdown: &CancellationToken,
+        backoff: &mut Backoff,
+    ) -> Result<End> {
+        let me = &self.inner;
+        let cfg = &me.config;
+        let t = cfg.broker_timeout;
+        let channel = bounded("channel open", t, conn.create_channel()).await?;
+        if cfg.declare_retry_queues {
+            declare_retry_queues(&channel, &cfg.queue, cfg.queue_type, t).await?;
+        }
+        bounded(
+            "basic.qos",
+            t,
+            channel.basic_qos(cfg.prefetch, BasicQosOptions::default()),
+        )
+        .await?;
+        let publisher = bounded("channel open", t, conn.create_channel()).await?;
+        bounded(
+            "confirm.select",
+            t,
+            publisher.confirm_select(ConfirmSelectOptions::default()),
+        )
+        .await?;
+        let tag = format!("{}-{}", cfg.consumer_name, uuid::Uuid::new_v4().simple());
+        let mut deliveries = bounded(
+            "basic.consume",
+            t,
+            channel.basic_consume(
+                cfg.queue.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            ),
+        )
+        .await?;
+        me.broker.ok();
+        me.counters.connections.fetch_add(1, Ordering::Relaxed);
+        backoff.reset();
+        tracing::info!(consumer = %cfg.consumer_name, queue = %cfg.queue, "consuming");
+
+        loop {
+            let Some(batch) = next_batch(&mut deliveries, cfg, shutdown).await? else {
+                break;
+            };
+            if let Some(end) = self.process(batch, &publisher, shutdown).await? {
+                return Ok(end);
+            }
+            if shutdown.is_cancelled() {
+                break;
+            }
+        }
+        let _ = bounded(
+            "basic.cancel",
+            t,
+            channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()),
+        )
+        .await;
+        // Channels first: closing a connection under open channels makes
+        // lapin log errors on a clean shutdown.
+        let _ = bounded("channel close", t, publisher.close(200, "bye".into())).await;
+        let _ = bounded("channel close", t, channel.close(200, "bye".into())).await;
+        Ok(End::Shutdown)
+    }
+}
+
+/// Waits for a delivery, then takes more until the batch is full
+/// (`batch_size`) or `batch_max_wait` has passed since the first; `None`
+/// when `shutdown` fired first.
+async fn next_batch(
+    deliveries: &mut lapin::Consumer,
+    cfg: &ConsumerConfig,
+    shutdown: &CancellationToken,
+) -> Result<Option<Vec<Delivery>>> {
+    let first = tokio::select! {
+        biased;
+        _ = shutdown.cancelled() => return Ok(None),
+        d = deliveries.next() => d,
+    };
+    let mut batch = vec![next_delivery(first, &cfg.queue)?];
+    let deadline = tokio::time::Instant::now() + cfg.batch_max_wait;
+    while batch.len() < cfg.batch_size {
+        let next = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break,
+            d = tokio::time::timeout_at(deadline, deliveries.next()) => d,
+        };
+        match next {
+            Err(_) => break,
+            // The connection is going: drop the batch unprocessed,
+            // the broker redelivers it.
+            Ok(d) => batch.push(next_delivery(d, &cfg.queue)?),
+        }
+    }
+    Ok(Some(batch))
+}
+
+fn next_delivery(d: Option<lapin::Result<Delivery>>, queue: &str) -> Result<Delivery> {
+    match d {
+        Some(Ok(d)) => Ok(d),
+        Some(Err(source)) => Err(Error::Broker {
+            what: "consume",
+            source,
+        }),
+        None => Err(Error::ConsumerCancelled {
+            queue: queue.to_owned(),
+        }),
+    }
+}
+
+/// Sleeps for the backoff's next delay (jittered, so instances that lost
+/// the broker together do not all come back at the same instant); false
+/// when `shutdown` fired first.
+pub(crate) async fn pause(shutdown: &CancellationToken, backoff: &mut Backoff) -> bool {
+    tokio::select! {
+        _ = shutdown.cancelled() => false,
+        _ = tokio::time::sleep(backoff.next_delay()) => true,
+    }
+}

@@ -1,0 +1,418 @@
+//! The [`Idempotent`] extractor: begin (buffer the request, claim its key
+//! in a new transaction), then [`Idempotent::finish`] (record the
+//! response, commit).
+
+use axum::body::{Body, Bytes, HttpBody};
+use axum::extract::{FromRef, FromRequest, Request};
+use axum::http::request::Parts;
+use axum::http::{HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::de::DeserializeOwned;
+use sqlx::{PgConnection, Postgres, Transaction};
+
+use super::body::{ReadError, read_limited};
+use super::finish::{FinishMarker, FinishState};
+use super::gate::Gate;
+use super::problem::{ProblemTypes, error_response, problem};
+use super::route::{IdempotentRoute, KeySource};
+use super::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use crate::error::Error;
+use crate::idempotency::atomic::{Claim, ClaimedKey};
+use crate::idempotency::key::IdempotencyKey;
+use crate::idempotency::store::{Idempotency, RecordedResponse};
+use crate::outbox::Outbox;
+
+impl IdempotentRoute {
+    /// Buffers the request, validates its key, opens a transaction and
+    /// claims the key in it. `Err` is the response to send as is: a replay
+    /// of the recorded response, or a problem document (400 missing or
+    /// invalid key, 413 body too large, 409 key in use, 422 key reused with
+    /// another request, 503 database unavailable).
+    pub async fn begin(&self, request: Request) -> Result<Idempotent, Response> {
+        let (parts, body) = request.into_parts();
+        let Some(marker) = parts.extensions.get::<FinishMarker>().cloned() else {
+            tracing::error!("idempotent route without the require_finish middleware");
+            return Err(problem(
+                &self.problems,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "route-unguarded",
+                "Idempotent route misconfigured",
+                "this route lacks the outbox::idempotency::require_finish middleware; nothing was executed",
+            ));
+        };
+        let body = self.buffer(body).await?;
+        let key = self.key(&parts, &body)?;
+        // Concurrent duplicates queue here, before taking a connection.
+        let scope = (self.scope)(&parts);
+        let gate = match &key {
+            None => None,
+            Some(key) => Some(self.enter_gate(&scope, key).await?),
+        };
+        let mut tx = self
+            .idem
+            .pool()
+            .begin()
+            .await
+            .map_err(|e| error_response(&self.problems, &Error::Database(e)))?;
+        let claimed = match key {
+            None => None,
+            Some(key) => {
+                let fingerprint = (self.fingerprint)(&parts, &body);
+                match self.idem.claim(&mut tx, &scope, &key, fingerprint).await {
+                    Ok(Claim::Execute(claimed)) => Some(claimed),
+                    Ok(Claim::Replay(recorded)) => {
+                        // The claim wrote nothing; end the transaction now.
+                        let _ = tx.rollback().await;
+                        return Err(replay(recorded));
+                    }
+                    Err(e) => return Err(error_response(&self.problems, &e)),
+                }
+            }
+        };
+        marker.set(FinishState::Begun(self.problems.clone()));
+        Ok(Idempotent {
+            marker,
+            tx,
+            claimed,
+            parts,
+            body,
+            idem: self.idem.clone(),
+            outbox: self.outbox.clone(),
+            problems: self.problems.clone(),
+            _gate: gate,
+        })
+    }
+
+    /// The request body, buffered up to `max_request_bytes`; `Err` is a
+    /// 413 (too large) or 400 (unreadable) problem response.
+    async fn buffer(&self, body: Body) -> Result<Bytes, Response> {
+        match read_limited(body, self.max_request_bytes).await {
+            Ok(body) => Ok(body),
+            Err(ReadError::TooLarge(_)) => Err(problem(
+                &self.problems,
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request-too-large",
+                "Request body too large",
+                &format!(
+                    "idempotent requests are buffered; the limit is {} bytes",
+                    self.max_request_bytes
+                ),
+            )),
+            Err(ReadError::Body(e)) => {
+                tracing::debug!(error = %e, "idempotent request body unreadable");
+                Err(problem(
+                    &self.problems,
+                    StatusCode::BAD_REQUEST,
+                    "request-body",
+                    "Unreadable request body",
+                    "the request body could not be read",
+                ))
+            }
+        }
+    }
+
+    /// The request's key, validated; `None` on an optional route called
+    /// without one. `Err` is a 400 problem response (missing or invalid).
+    #[expect(
+        clippy::result_large_err,
+        reason = "the rejection is the response begin returns as is"
+    )]
+    fn key(&self, parts: &Parts, body: &Bytes) -> Result<Option<IdempotencyKey>, Response> {
+        match self
+            .raw_key(parts, body)
+            .map_err(|e| error_response(&self.problems, &e))?
+        {
+            Some(raw) => Ok(Some(
+                IdempotencyKey::parse(&raw).map_err(|e| error_response(&self.problems, &e))?,
+            )),
+            None if self.required => {
+                let detail = match &self.key_source {
+                    KeySource::Header => {
+                        "this endpoint requires an Idempotency-Key header".to_owned()
+                    }
+                    KeySource::JsonField(f) => {
+                        format!("this endpoint requires an idempotency key in the body field `{f}`")
+                    }
+                };
+                Err(problem(
+                    &self.problems,
+                    StatusCode::BAD_REQUEST,
+                    "key-missing",
+                    "Idempotency key missing",
+                    &detail,
+                ))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Waits (up to the wait bound) for the gate of `key` in `scope`;
+    /// `Err` is a 409 problem response: still in use.
+    async fn enter_gate(&self, scope: &str, key: &IdempotencyKey) -> Result<Gate, Response> {
+        let wait = self.idem.wait_bound();
+        let gated = self.gates.enter(format!("{scope}\0{}", key.as_str()), wait);
+        match gated.await {
+            Some(gate) => Ok(gate),
+            None => Err(error_response(
+                &self.problems,
+                &Error::IdempotencyKeyInUse {
+                    retry_after: self.idem.retry_after(),
+                },
+            )),
+        }
+    }
+
+    fn raw_key(&self, parts: &Parts, body: &Bytes) -> Result<Option<String>, Error> {
+        let invalid = |reason| Error::InvalidIdempotencyKey { reason };
+        match &self.key_source {
+            KeySource::Header => match parts.headers.get(IDEMPOTENCY_KEY) {
+                None => Ok(None),
+                Some(v) => v
+                    .to_str()
+                    .map(|s| Some(s.to_owned()))
+                    .map_err(|_| invalid("must be visible ASCII characters only")),
+            },
+            KeySource::JsonField(field) => {
+                let value: Option<serde_json::Value> = serde_json::from_slice(body).ok();
+                match value.as_ref().and_then(|v| v.get(field)) {
+                    None | Some(serde_json::Value::Null) => Ok(None),
+                    Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+                    Some(_) => Err(invalid("must be a JSON string")),
+                }
+            }
+        }
+    }
+}
+
+/// An idempotent request in progress: the buffered request and the
+/// transaction in which its key is claimed.
+///
+/// Extract it last (it consumes the body), run the business write and
+/// enqueue events on [`Idempotent::conn`], then return
+/// [`Idempotent::finish`]. Replays, and the 400/409/413/422 answers, are
+/// sent by the extractor before the handler runs.
+///
+/// The recording rule: a response below 500 is recorded and committed with
+/// the business write; a 5xx, a panic, or a handler that returns without
+/// calling `finish` rolls everything back and records nothing, so a retry
+/// executes again. Routes run under [`require_finish`], which turns the
+/// response of a handler that did not call `finish` into a 500 (it would
+/// otherwise report a success whose writes rolled back); the extractor
+/// refuses to run without it.
+///
+/// ```no_run
+/// use axum::extract::{FromRef, State};
+/// use axum::http::StatusCode;
+/// use axum::response::{IntoResponse, Response};
+/// use axum::{Json, Router, routing::post};
+/// use outbox::idempotency::{Idempotent, IdempotentRoute};
+/// use outbox::{NewEvent, Outbox};
+///
+/// #[derive(Clone)]
+/// struct App { idempotency: IdempotentRoute, outbox: Outbox }
+///
+/// impl FromRef<App> for IdempotentRoute {
+///     fn from_ref(app: &App) -> Self { app.idempotency.clone() }
+/// }
+///
+/// async fn create_order(State(app): State<App>, mut req: Idempotent) -> Response {
+///     let order: serde_json::Value = match req.json() { Ok(o) => o, Err(bad) => return bad };
+///     let written = async {
+///         sqlx::query("INSERT INTO orders (id, body) VALUES ('o-42', $1)").bind(&order).execute(req.conn()).await?;
+///         app.outbox.enqueue(req.conn(), NewEvent::new("order", "o-42", "OrderPlaced", &order)?).await?;
+///         Ok::<_, outbox::Error>(())
+///     }.await;
+///     match written {
+///         Ok(()) => req.finish((StatusCode::CREATED, Json(serde_json::json!({"id": "o-42"})))).await,
+///         Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(), // rolled back, not recorded
+///     }
+/// }
+///
+/// fn router(app: App) -> Router {
+///     Router::new()
+///         .route("/orders", post(create_order))
+///         // Required: a handler returning without `finish` gets a 500.
+///         .route_layer(axum::middleware::from_fn(outbox::idempotency::require_finish))
+///         .with_state(app)
+/// }
+/// ```
+///
+/// [`require_finish`]: super::require_finish
+pub struct Idempotent {
+    marker: FinishMarker,
+    tx: Transaction<'static, Postgres>,
+    claimed: Option<ClaimedKey>,
+    parts: Parts,
+    body: Bytes,
+    idem: Idempotency,
+    outbox: Option<Outbox>,
+    problems: ProblemTypes,
+    /// Held until the response is recorded and committed (or dropped).
+    _gate: Option<Gate>,
+}
+
+impl std::fmt::Debug for Idempotent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Idempotent")
+            .field("key", &self.key())
+            .field("method", &self.parts.method)
+            .field("uri", &self.parts.uri)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Idempotent {
+    /// The transaction holding the claim: write through it (`req.conn()`).
+    /// Everything commits with the recorded response in
+    /// [`Idempotent::finish`], or rolls back.
+    pub fn conn(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+
+    /// The request's method, URI and headers.
+    pub fn parts(&self) -> &Parts {
+        &self.parts
+    }
+
+    /// The buffered request body.
+    pub fn body(&self) -> &Bytes {
+        &self.body
+    }
+
+    /// The body parsed as JSON; `Err` is a 400 problem response (not
+    /// recorded unless passed to [`Idempotent::finish`]).
+    #[expect(
+        clippy::result_large_err,
+        reason = "axum handlers return the rejection as their response"
+    )]
+    pub fn json<T: DeserializeOwned>(&self) -> Result<T, Response> {
+        serde_json::from_slice(&self.body).map_err(|e| {
+            problem(
+                &self.problems,
+                StatusCode::BAD_REQUEST,
+                "request-body",
+                "Invalid JSON body",
+                &e.to_string(),
+            )
+        })
+    }
+
+    /// The claimed key; `None` on an optional route called without one.
+    pub fn key(&self) -> Option<&IdempotencyKey> {
+        self.claimed.as_ref().map(ClaimedKey::key)
+    }
+
+    /// Records `response` (below 500) and commits it with the handler's
+    /// writes; returns it to send. A 5xx rolls back and is returned as is.
+    /// A streaming body, or one over the recording cap, is refused: rolled
+    /// back, not recorded, answered with a 500 problem document.
+    pub async fn finish(self, response: impl IntoResponse) -> Response {
+        let response = response.into_response();
+        self.marker.set(FinishState::Finished);
+        let Idempotent {
+            mut tx,
+            claimed,
+            idem,
+            outbox,
+            problems,
+            // Kept to the end: a waiting duplicate must find the record.
+            _gate,
+            ..
+        } = self;
+        if response.status().is_server_error() {
+            let _ = tx.rollback().await;
+            return response;
+        }
+        let (parts, body) = response.into_parts();
+        if body.size_hint().exact().is_none() {
+            let _ = tx.rollback().await;
+            return problem(
+                &problems,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "streaming-response",
+                "Streaming response on an idempotent route",
+                "the response has no known length, so it cannot be recorded; nothing was committed",
+            );
+        }
+        let limit = idem.max_response_bytes();
+        let bytes = match read_limited(body, limit).await {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                let _ = tx.rollback().await;
+                return unrecordable(&problems, e, limit);
+            }
+        };
+        if let Some(claimed) = claimed {
+            let recorded = RecordedResponse {
+                status: parts.status.as_u16(),
+                headers: parts
+                    .headers
+                    .iter()
+                    .filter_map(|(n, v)| Some((n.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+                    .collect(),
+                body: bytes.to_vec(),
+            };
+            if let Err(e) = idem.record(&mut tx, claimed, &recorded).await {
+                let _ = tx.rollback().await;
+                return error_response(&problems, &e);
+            }
+        }
+        if let Err(e) = tx.commit().await {
+            return error_response(&problems, &Error::Database(e));
+        }
+        if let Some(outbox) = outbox {
+            outbox.wake();
+        }
+        Response::from_parts(parts, Body::from(bytes))
+    }
+}
+
+impl<S> FromRequest<S> for Idempotent
+where
+    IdempotentRoute: FromRef<S>,
+    S: Send + Sync,
+{
+    type Rejection = Response;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        IdempotentRoute::from_ref(state).begin(req).await
+    }
+}
+
+/// The answer to a response whose body cannot be recorded: over `limit`
+/// bytes, or failing.
+fn unrecordable(problems: &ProblemTypes, e: ReadError, limit: usize) -> Response {
+    match e {
+        ReadError::TooLarge(size) => {
+            error_response(problems, &Error::ResponseTooLarge { size, limit })
+        }
+        ReadError::Body(e) => {
+            tracing::error!(error = %e, "idempotent response body failed");
+            problem(
+                problems,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "Internal error",
+                "nothing was committed; retry with the same key",
+            )
+        }
+    }
+}
+
+/// A recorded response as sent to a retry.
+fn replay(recorded: RecordedResponse) -> Response {
+    let mut response = Response::new(Body::from(recorded.body));
+    *response.status_mut() =
+        StatusCode::from_u16(recorded.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let headers = response.headers_mut();
+    for (name, value) in recorded.headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(&value),
+        ) {
+            headers.append(name, value);
+        }
+    }
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response
+}
