@@ -246,21 +246,6 @@ impl World {
     }
 }
 
-/// Commits events, 50 per transaction every 100 ms (about 500/s), until
-/// `stop`; returns their ids.
-fn produce_until(db: &TestDb, stop: CancellationToken) -> tokio::task::JoinHandle<Vec<String>> {
-    let db = db.clone();
-    tokio::spawn(async move {
-        let mut ids = Vec::new();
-        let mut tick = tokio::time::interval(Duration::from_millis(100));
-        while !stop.is_cancelled() {
-            tick.tick().await;
-            ids.extend(db.produce(50, 50, Duration::ZERO).await);
-        }
-        ids
-    })
-}
-
 /// Waits until a relay batch holds outbox rows: a broker fault now lands
 /// on a batch being published and confirmed.
 async fn relay_in_flight(w: &World, what: &str) {
@@ -301,7 +286,9 @@ async fn cluster_node_failures_lose_nothing() {
     let (relay, relay_stop, relay_task) = w.relay().await;
     let mut consumers = vec![w.consumer(1), w.consumer(2)];
     let stop_producing = CancellationToken::new();
-    let producer = produce_until(&w.db, stop_producing.clone());
+    // 50 events per transaction, 100 ms apart: a little under 500/s.
+    let producer =
+        w.db.produce_until(stop_producing.clone(), 50, Duration::from_millis(100));
     let mut report = Vec::new();
 
     // (a) The node the relay is connected to.

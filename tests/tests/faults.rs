@@ -356,19 +356,6 @@ fn produce(
     tokio::spawn(async move { db.produce(n, per_tx, pace).await })
 }
 
-/// Commits events, 20 per transaction, until `stop`; returns their ids.
-fn produce_until(db: &TestDb, stop: CancellationToken) -> tokio::task::JoinHandle<Vec<String>> {
-    let db = db.clone();
-    tokio::spawn(async move {
-        let mut ids = Vec::new();
-        while !stop.is_cancelled() {
-            ids.extend(db.produce(20, 20, Duration::ZERO).await);
-            tokio::time::sleep(Duration::from_millis(3)).await;
-        }
-        ids
-    })
-}
-
 /// Terminates the backends of `application_name` that are doing something
 /// (running a statement or inside a transaction, not idle) and whose query
 /// matches `query_like`; returns how many it terminated.
@@ -600,7 +587,8 @@ async fn connection_cut_between_publish_and_confirm() {
     let consumer = w.consumer(&format!("c-{}", suffix())).await;
     // Events flow through every fault.
     let stop = CancellationToken::new();
-    let producer = produce_until(&w.db, stop.clone());
+    let producer =
+        w.db.produce_until(stop.clone(), 20, Duration::from_millis(3));
     let faults = [
         Mode::CutAfter(3_000),
         Mode::Blackhole,

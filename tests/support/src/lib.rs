@@ -81,6 +81,26 @@ impl TestDb {
         .expect("count")
     }
 
+    /// Commits events in the background, `per_tx` per transaction with
+    /// `pace` between transactions, until `stop`; the task returns their
+    /// ids. For faults that must land while events keep arriving.
+    pub fn produce_until(
+        &self,
+        stop: tokio_util::sync::CancellationToken,
+        per_tx: usize,
+        pace: Duration,
+    ) -> tokio::task::JoinHandle<Vec<String>> {
+        let db = self.clone();
+        tokio::spawn(async move {
+            let mut ids = Vec::new();
+            while !stop.is_cancelled() {
+                ids.extend(db.produce(per_tx, per_tx, Duration::ZERO).await);
+                tokio::time::sleep(pace).await;
+            }
+            ids
+        })
+    }
+
     /// Commits `n` events, `per_tx` per transaction (default wake-up),
     /// pausing `pace` between transactions; returns their ids in order.
     pub async fn produce(&self, n: usize, per_tx: usize, pace: Duration) -> Vec<String> {

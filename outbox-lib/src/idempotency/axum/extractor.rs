@@ -13,7 +13,7 @@ use sqlx::{PgConnection, Postgres, Transaction};
 use super::body::{ReadError, read_limited};
 use super::finish::{FinishMarker, FinishState};
 use super::gate::Gate;
-use super::problem::{ProblemTypes, error_response, problem};
+use super::problem::{ProblemTypes, error_response, internal_error, problem};
 use super::route::{IdempotentRoute, KeySource};
 use super::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 use crate::error::Error;
@@ -388,13 +388,7 @@ fn unrecordable(problems: &ProblemTypes, e: ReadError, limit: usize) -> Response
         }
         ReadError::Body(e) => {
             tracing::error!(error = %e, "idempotent response body failed");
-            problem(
-                problems,
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "Internal error",
-                "nothing was committed; retry with the same key",
-            )
+            internal_error(problems)
         }
     }
 }

@@ -70,13 +70,7 @@ pub(super) fn error_response(problems: &ProblemTypes, e: &Error) -> Response {
         ),
         e => {
             tracing::error!(error = %e, "idempotent request failed");
-            problem(
-                problems,
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "Internal error",
-                "nothing was committed; retry with the same key",
-            )
+            internal_error(problems)
         }
     }
 }
@@ -110,4 +104,15 @@ pub(super) fn problem(
         body.to_string(),
     )
         .into_response()
+}
+
+/// 500 for a failure of our own: nothing was committed.
+pub(super) fn internal_error(problems: &ProblemTypes) -> Response {
+    problem(
+        problems,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "Internal error",
+        "nothing was committed; retry with the same key",
+    )
 }
