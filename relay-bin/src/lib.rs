@@ -68,6 +68,14 @@ mod worker;
 #[doc(hidden)]
 pub const FAULT_PANIC_EVENT_TYPE: &str = "outbox-relay.fault-injection.panic";
 
+/// Testing only (feature `fault-injection`, never in a release build): the
+/// worker about to publish an event of this type on its first attempt
+/// closes its own channel (not the connection) first, so the tests can
+/// prove one worker's channel failure restarts every worker.
+#[cfg(feature = "fault-injection")]
+#[doc(hidden)]
+pub const FAULT_CHANNEL_EVENT_TYPE: &str = "outbox-relay.fault-injection.close-channel";
+
 pub use crate::config::RelayConfig;
 pub use crate::error::{Error, Result};
 pub use crate::message::ClaimedEvent;

@@ -367,6 +367,11 @@ impl Publisher {
             if e.event_type == crate::FAULT_PANIC_EVENT_TYPE {
                 panic!("fault injection: event {} asked the relay to panic", e.id);
             }
+            #[cfg(feature = "fault-injection")]
+            if e.event_type == crate::FAULT_CHANNEL_EVENT_TYPE && e.attempts == 0 {
+                let close = self.channel.close(200, "fault injection".into());
+                let _ = tokio::time::timeout(self.broker_timeout, close).await;
+            }
             // Hands the frames to lapin's IO loop; the confirm comes later.
             let published = within(
                 "basic.publish",

@@ -371,6 +371,61 @@ async fn a_batch_that_panics_is_isolated_and_its_culprit_set_aside() {
     db.cleanup().await;
 }
 
+/// One worker's channel failing while the connection lives (injected: the
+/// worker closes its own channel just before publishing the culprit, in
+/// the middle of its batch) ends the session, so both workers start again:
+/// the ordered partitions the failed worker served are published too, and
+/// the culprit goes through on its retry.
+#[cfg(feature = "fault-injection")]
+#[tokio::test]
+async fn a_channel_failing_under_one_worker_restarts_every_worker() {
+    let db = TestDb::producer("chan_fail").await;
+    outbox::set_ordered(&db.pool, &db.schema, "order", true)
+        .await
+        .unwrap();
+    let broker = TestBroker::new("chan_fail", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    // Ordered events of 97 aggregates: both workers' partitions have some.
+    let mut ids = db.produce(970, 97, Duration::ZERO).await;
+    let culprit = insert(
+        &db,
+        &Row {
+            aggregate_type: "account".into(),
+            event_type: outbox_relay::FAULT_CHANNEL_EVENT_TYPE.into(),
+            ..Row::new("closes its worker's channel")
+        },
+    )
+    .await
+    .unwrap();
+    ids.push(culprit.to_string());
+    let mut config = relay_config(&db, &broker);
+    config.workers = 2;
+    config.archive = true;
+    let relay = Relay::new(db.pool.clone(), config).await.unwrap();
+    let (stop, task) = spawn(&relay);
+    wait_until(DEADLINE, "every event on the wire", || async {
+        collector.distinct() == ids.len()
+    })
+    .await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    // The fault landed: the culprit failed once (its channel closed under
+    // the batch), then was delivered.
+    let attempts: i32 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT attempts FROM \"{}\".outbox_published WHERE id = $1",
+        db.schema
+    )))
+    .bind(culprit)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, 2, "one failed attempt, then the delivery");
+    assert_eq!(db.count("outbox").await, 0);
+    collector.stop();
+    broker.cleanup().await;
+    db.cleanup().await;
+}
+
 /// An ordered row from before migration 4 that the CHECKs would refuse
 /// (they were added NOT VALID, so it stays) is never dead-lettered by the
 /// relay: its failure is recorded with an UPDATE, which the CHECKs let
