@@ -757,11 +757,8 @@ async fn ordering_with_a_batch_handler_is_refused() {
         }
     }
     let pool = sqlx::PgPool::connect_lazy(&db_url()).unwrap();
-    let cfg = {
-        let mut c = ConsumerConfig::new(amqp_url(), "q", "svc");
-        c.sequencing = Sequencing::by_sequence();
-        c
-    };
+    let mut cfg = ConsumerConfig::new(amqp_url(), "q", "svc");
+    cfg.sequencing = Sequencing::by_sequence();
     let refused = Consumer::with_batch_handler(cfg.clone(), pool.clone(), Batch);
     assert!(
         matches!(&refused, Err(Error::Config(m)) if m.contains("per-event Handler")),

@@ -45,11 +45,8 @@ async fn resumes_by_itself_once_the_queue_exists() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refuses_to_start_on_an_unmigrated_schema() {
     let env = Env::new().await;
-    let cfg = {
-        let mut c = env.config("svc");
-        c.schema = "t_c_not_migrated".into();
-        c
-    };
+    let mut cfg = env.config("svc");
+    cfg.schema = "t_c_not_migrated".into();
     let err = Consumer::new(cfg, env.pool.clone(), Ack)
         .unwrap()
         .run(Default::default())

@@ -179,13 +179,10 @@ async fn deterministic_id_enqueued_twice_yields_one_event() {
 #[tokio::test]
 async fn bad_input_gets_a_typed_error_and_writes_nothing() {
     let (pool, schema) = migrated("bad").await;
-    let config = {
-        let mut c = OutboxConfig::default();
-        c.schema = schema.to_string();
-        c.wakeup = Wakeup::PollOnly;
-        c.max_payload_bytes = 64;
-        c
-    };
+    let mut config = OutboxConfig::default();
+    config.schema = schema.to_string();
+    config.wakeup = Wakeup::PollOnly;
+    config.max_payload_bytes = 64;
     let outbox = Outbox::new(&pool, config).await.unwrap();
     let ok = || NewEvent::new("order", "o-1", "E", &json!({})).unwrap();
     type Case = (NewEvent, fn(&Error) -> bool);
@@ -352,12 +349,9 @@ async fn wakeup_after_commit_notifies_listeners_outside_the_transaction() {
 #[tokio::test]
 async fn wakeup_in_transaction_notifies_on_commit_only() {
     let (pool, schema) = migrated("wakeintx").await;
-    let config = {
-        let mut c = OutboxConfig::default();
-        c.schema = schema.to_string();
-        c.wakeup = Wakeup::InTransaction;
-        c
-    };
+    let mut config = OutboxConfig::default();
+    config.schema = schema.to_string();
+    config.wakeup = Wakeup::InTransaction;
     let outbox = Outbox::new(&pool, config).await.unwrap();
     let mut listener = sqlx::postgres::PgListener::connect_with(&pool)
         .await

@@ -157,12 +157,9 @@ async fn a_concurrent_claim_waits_for_the_first_then_replays() {
 #[tokio::test]
 async fn past_the_wait_bound_or_with_no_wait_a_concurrent_claim_gets_in_use() {
     let (pool, schema) = migrated("idem_busy").await;
-    let bounded = {
-        let mut c = IdempotencyConfig::default();
-        c.wait = Duration::from_millis(200);
-        c.retry_after = Duration::from_secs(2);
-        c
-    };
+    let mut bounded = IdempotencyConfig::default();
+    bounded.wait = Duration::from_millis(200);
+    bounded.retry_after = Duration::from_secs(2);
     let idem = idempotency(&pool, &schema, bounded).await;
     let no_wait = idempotency(&pool, &schema, {
         let mut c = IdempotencyConfig::default();

@@ -354,35 +354,27 @@ async fn connect_db(url: &str, max: u32) -> Result<PgPool> {
 }
 
 async fn run_relay(url: &str, schema: &Ident, r: &RunArgs) -> Result<ExitCode> {
-    let config = {
-        let mut c = RelayConfig::default();
-        c.amqp_url = r.amqp_url.join(",").into();
-        c.schema = schema.to_string();
-        c.default_exchange = r.exchange.clone();
-        c.declare_exchange = (r.declare_exchange != "none").then(|| r.declare_exchange.clone());
-        c.batch_size = r.batch_size;
-        c.workers = r.workers;
-        c.poll_interval = r.poll_interval;
-        c.listen = !r.no_listen;
-        c.max_attempts = r.max_attempts;
-        c.retry_base = r.retry_base;
-        c.retry_max = r.retry_max;
-        c.confirm_timeout = r.confirm_timeout;
-        c.broker_timeout = r.broker_timeout;
-        c.max_payload_bytes = r.max_payload_bytes;
-        c.archive = r.archive;
-        c.drain_timeout = r.drain_timeout;
-        c.lease_ttl = r.lease_ttl;
-        c
-    };
-    let config = match &r.name {
-        Some(name) => {
-            let mut c = config;
-            c.name = name.clone();
-            c
-        }
-        None => config,
-    };
+    let mut config = RelayConfig::default();
+    config.amqp_url = r.amqp_url.join(",").into();
+    config.schema = schema.to_string();
+    config.default_exchange = r.exchange.clone();
+    config.declare_exchange = (r.declare_exchange != "none").then(|| r.declare_exchange.clone());
+    config.batch_size = r.batch_size;
+    config.workers = r.workers;
+    config.poll_interval = r.poll_interval;
+    config.listen = !r.no_listen;
+    config.max_attempts = r.max_attempts;
+    config.retry_base = r.retry_base;
+    config.retry_max = r.retry_max;
+    config.confirm_timeout = r.confirm_timeout;
+    config.broker_timeout = r.broker_timeout;
+    config.max_payload_bytes = r.max_payload_bytes;
+    config.archive = r.archive;
+    config.drain_timeout = r.drain_timeout;
+    config.lease_ttl = r.lease_ttl;
+    if let Some(name) = &r.name {
+        config.name = name.clone();
+    }
     config.validate()?;
     let pool = connect_db(url, r.workers as u32 + 3).await?;
     let relay = Relay::new(pool.clone(), config).await?;

@@ -165,7 +165,7 @@ impl Relay {
 
     /// Records (health, metrics, log) that the relay is connected to node
     /// `i` of `urls`; the next reconnect starts with the node after it.
-    pub(crate) fn using_node(&self, urls: &[String], i: usize) {
+    fn using_node(&self, urls: &[String], i: usize) {
         let node = outbox::redact::host_port(&urls[i]);
         let previous = lock(&self.inner.health.node).replace(node.clone());
         if let Some(p) = previous.filter(|p| *p != node) {

@@ -184,11 +184,8 @@ async fn unroutable_event_is_retried_with_backoff_dead_lettered_and_replayable()
         .unwrap();
     ob.commit(tx).await.unwrap();
 
-    let cfg = {
-        let mut c = config(&db, &broker);
-        c.max_attempts = 4;
-        c
-    };
+    let mut cfg = config(&db, &broker);
+    cfg.max_attempts = 4;
     let relay = Relay::new(db.pool.clone(), cfg).await.unwrap();
     let (stop, task) = spawn(&relay);
     let schema = outbox::Ident::new("schema", &db.schema).unwrap();

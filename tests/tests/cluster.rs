@@ -91,20 +91,17 @@ impl World {
 
     async fn relay(&self) -> (Relay, CancellationToken, tokio::task::JoinHandle<()>) {
         let pool = e2e::pool(&format!("relay-{}", suffix()), 4).await;
-        let config = {
-            let mut c = RelayConfig::default();
-            c.amqp_url = self.urls_from(0).into();
-            c.schema = self.db.schema.clone();
-            c.default_exchange = self.exchange.clone();
-            c.declare_exchange = None;
-            c.batch_size = 100;
-            c.poll_interval = Duration::from_millis(200);
-            c.confirm_timeout = Duration::from_secs(5);
-            c.broker_timeout = Duration::from_secs(5);
-            c.reconnect_min = Duration::from_millis(50);
-            c.reconnect_max = Duration::from_millis(500);
-            c
-        };
+        let mut config = RelayConfig::default();
+        config.amqp_url = self.urls_from(0).into();
+        config.schema = self.db.schema.clone();
+        config.default_exchange = self.exchange.clone();
+        config.declare_exchange = None;
+        config.batch_size = 100;
+        config.poll_interval = Duration::from_millis(200);
+        config.confirm_timeout = Duration::from_secs(5);
+        config.broker_timeout = Duration::from_secs(5);
+        config.reconnect_min = Duration::from_millis(50);
+        config.reconnect_max = Duration::from_millis(500);
         let relay = Relay::new(pool, config).await.unwrap();
         let stop = CancellationToken::new();
         let task = tokio::spawn({

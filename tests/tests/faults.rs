@@ -103,20 +103,18 @@ impl World {
     }
 
     fn relay_config(&self, amqp: String) -> RelayConfig {
-        {
-            let mut c = RelayConfig::default();
-            c.amqp_url = amqp.into();
-            c.schema = self.db.schema.clone();
-            c.default_exchange = self.broker.exchange.clone();
-            c.declare_exchange = None;
-            c.batch_size = 100;
-            c.poll_interval = Duration::from_millis(200);
-            c.confirm_timeout = Duration::from_secs(2);
-            c.broker_timeout = Duration::from_secs(2);
-            c.reconnect_min = Duration::from_millis(50);
-            c.reconnect_max = Duration::from_millis(500);
-            c
-        }
+        let mut c = RelayConfig::default();
+        c.amqp_url = amqp.into();
+        c.schema = self.db.schema.clone();
+        c.default_exchange = self.broker.exchange.clone();
+        c.declare_exchange = None;
+        c.batch_size = 100;
+        c.poll_interval = Duration::from_millis(200);
+        c.confirm_timeout = Duration::from_secs(2);
+        c.broker_timeout = Duration::from_secs(2);
+        c.reconnect_min = Duration::from_millis(50);
+        c.reconnect_max = Duration::from_millis(500);
+        c
     }
 
     async fn relay(&self, app: &str, amqp: String) -> Running<outbox_relay::Error> {
@@ -127,11 +125,8 @@ impl World {
 
     async fn consumer(&self, app: &str) -> Running<outbox_consumer::Error> {
         let pool = e2e::pool(app, 4).await;
-        let mut config = {
-            let mut c = ConsumerConfig::new(amqp_url(), &self.broker.queue, "faults");
-            c.schema = self.consumer_schema.to_string();
-            c
-        };
+        let mut config = ConsumerConfig::new(amqp_url(), &self.broker.queue, "faults");
+        config.schema = self.consumer_schema.to_string();
         config.declare_retry_queues = false;
         config.max_reconnect_delay = Duration::from_millis(500);
         let insert = format!(

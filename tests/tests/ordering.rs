@@ -215,12 +215,9 @@ impl World {
         self.stop = CancellationToken::new();
         for q in &self.queues {
             let pool = e2e::pool(&format!("c-{}", suffix()), 4).await;
-            let mut config = {
-                let mut c = ConsumerConfig::new(amqp_url(), q, "ordered");
-                c.schema = self.consumer_schema.to_string();
-                c.sequencing = outbox_consumer::Sequencing::by_sequence();
-                c
-            };
+            let mut config = ConsumerConfig::new(amqp_url(), q, "ordered");
+            config.schema = self.consumer_schema.to_string();
+            config.sequencing = outbox_consumer::Sequencing::by_sequence();
             config.retry_delay = Duration::from_millis(100);
             config.max_retry_delay = Duration::from_millis(500);
             config.max_deferrals = 1_000;

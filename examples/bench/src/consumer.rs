@@ -375,11 +375,8 @@ async fn time_progress(
 }
 
 fn library(pool: &PgPool, url: &str, queue: &str, schema: &str, batch: bool) -> Result<Consumer> {
-    let mut cfg = {
-        let mut c = ConsumerConfig::new(url, queue, "bench");
-        c.schema = schema.to_string();
-        c
-    };
+    let mut cfg = ConsumerConfig::new(url, queue, "bench");
+    cfg.schema = schema.to_string();
     cfg.declare_retry_queues = false;
     let update = update_sql(schema);
     Ok(if batch {

@@ -121,11 +121,8 @@ pub(crate) async fn latency(
         }
     });
     let stop = CancellationToken::new();
-    let mut cfg = {
-        let mut c = ConsumerConfig::new(url, &effect_queue, "bench");
-        c.schema = consumer_schema.to_string();
-        c
-    };
+    let mut cfg = ConsumerConfig::new(url, &effect_queue, "bench");
+    cfg.schema = consumer_schema.to_string();
     cfg.declare_retry_queues = false;
     let handler = NotifyEffect {
         insert: format!(

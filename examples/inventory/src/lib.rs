@@ -39,11 +39,8 @@ pub fn consumer(
     pool: PgPool,
     stock: Stock,
 ) -> outbox_consumer::Result<Consumer> {
-    let config = {
-        let mut c = ConsumerConfig::new(amqp_url, queue, CONSUMER_NAME);
-        c.schema = schema.to_string();
-        c
-    };
+    let mut config = ConsumerConfig::new(amqp_url, queue, CONSUMER_NAME);
+    config.schema = schema.to_string();
     Consumer::new(config, pool, stock)
 }
 

@@ -47,11 +47,8 @@ async fn main() -> Result<()> {
         .max_connections(4)
         .connect_with(options.application_name(&format!("fault-consumer-{schema}")))
         .await?;
-    let mut config = {
-        let mut c = ConsumerConfig::new(env("AMQP_URL")?, env("QUEUE")?, "faults");
-        c.schema = schema.to_string();
-        c
-    };
+    let mut config = ConsumerConfig::new(env("AMQP_URL")?, env("QUEUE")?, "faults");
+    config.schema = schema.to_string();
     config.declare_retry_queues = false;
     config.max_reconnect_delay = std::time::Duration::from_millis(500);
     let insert = format!("INSERT INTO \"{schema}\".effects (event_id) VALUES ($1)");

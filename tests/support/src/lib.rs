@@ -104,11 +104,8 @@ impl TestDb {
     /// Commits `n` events, `per_tx` per transaction (default wake-up),
     /// pausing `pace` between transactions; returns their ids in order.
     pub async fn produce(&self, n: usize, per_tx: usize, pace: Duration) -> Vec<String> {
-        let config = {
-            let mut c = outbox::OutboxConfig::default();
-            c.schema = self.schema.to_string();
-            c
-        };
+        let mut config = outbox::OutboxConfig::default();
+        config.schema = self.schema.to_string();
         let ob = outbox::Outbox::new(&self.pool, config)
             .await
             .expect("outbox");
