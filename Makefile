@@ -9,7 +9,7 @@ export TEST_AMQP_URL ?= $(AMQP_URL)
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 
-.PHONY: help services cluster test-cluster package doc build test lint fmt demo bench bench-smoke soak clean-test-schemas
+.PHONY: help services browser cluster test-cluster package doc build test lint fmt demo bench bench-smoke soak clean-test-schemas
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-20s %s\n", $$1, $$2}'
@@ -17,13 +17,16 @@ help: ## list the targets
 services: ## make sure PostgreSQL and RabbitMQ run on loopback (install/start them if needed)
 	@./scripts/services.sh
 
+browser: ## make sure chromium and chromedriver are installed (the console's browser tests; installs them if needed)
+	@./scripts/browser.sh
+
 cluster: ## start a local three-node RabbitMQ cluster on ports 5701-5703 (for the cluster suite)
 	@./scripts/cluster.sh start
 
 build: ## build everything
 	$(CARGO) build --workspace --all-targets
 
-test: ## run every test (unit, database, broker, end-to-end, the cluster suite) against the real services
+test: ## run every test (unit, database, broker, end-to-end, browser, the cluster suite) against the real services
 	$(CARGO) nextest run --workspace --all-features --no-fail-fast -E 'not test(/^disruptive_/) and not test(/^cluster_/)'
 	@# Tests that restart the shared broker or database run alone, after the rest.
 	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^disruptive_/)'

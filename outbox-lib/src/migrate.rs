@@ -49,5 +49,10 @@ pub(crate) const PRODUCER: MigrationSet = MigrationSet {
             name: "relay_broker",
             sql: include_str!("../migrations/0008_relay_broker.sql"),
         },
+        Migration {
+            version: 9,
+            name: "console",
+            sql: include_str!("../migrations/0009_console.sql"),
+        },
     ],
 };

@@ -76,6 +76,41 @@ enum Command {
     /// (docs/ORDERING.md). Needs the rights of the schema's owner.
     #[command(subcommand)]
     Ordering(OrderingCommand),
+    /// Serve the operator console: a web UI to watch the outbox and mend it
+    /// (replay or purge dead letters, unblock ordered aggregates).
+    ///
+    /// Listens on loopback unless credentials are set, from the environment
+    /// only: OUTBOX_CONSOLE_PASSWORD (HTTP basic auth as --user) or
+    /// OUTBOX_CONSOLE_TOKEN (a bearer token). Every action is logged (log
+    /// target `outbox_console_audit`). See docs/OPERATIONS.md, "Console".
+    Console(ConsoleArgs),
+}
+
+#[derive(Debug, ClapArgs)]
+struct ConsoleArgs {
+    /// Address to listen on. Any non-loopback address is refused unless
+    /// OUTBOX_CONSOLE_PASSWORD or OUTBOX_CONSOLE_TOKEN is set.
+    #[arg(long, env = "OUTBOX_CONSOLE_LISTEN", default_value = "127.0.0.1:9180")]
+    listen: SocketAddr,
+    /// Show the outbox, change nothing: every action is refused.
+    #[arg(long, env = "OUTBOX_CONSOLE_READ_ONLY")]
+    read_only: bool,
+    /// Path prefix of every page, when a reverse proxy forwards
+    /// `/<prefix>/...` unchanged (for example `/outbox`).
+    #[arg(long, env = "OUTBOX_CONSOLE_BASE_PATH", default_value = "")]
+    base_path: String,
+    /// User name for HTTP basic auth (the password comes from
+    /// OUTBOX_CONSOLE_PASSWORD).
+    #[arg(long, env = "OUTBOX_CONSOLE_USER", default_value = "admin")]
+    user: String,
+    /// Consumers' dedup retention window: replaying an event older than
+    /// this is allowed but warned about (consumers may have forgotten it).
+    #[arg(long, env = "OUTBOX_RETENTION", default_value = "7d", value_parser = humantime::parse_duration)]
+    retention: Duration,
+    /// How often the overview's figures (estimates and index probes, never
+    /// a table scan) are read again.
+    #[arg(long, env = "OUTBOX_CONSOLE_REFRESH", default_value = "5s", value_parser = humantime::parse_duration)]
+    refresh: Duration,
 }
 
 #[derive(Debug, Subcommand)]
@@ -252,8 +287,10 @@ struct RunArgs {
 pub(crate) fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colours only on a terminal: a log file or collector gets plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
@@ -313,6 +350,23 @@ async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
         Command::Blocked(cmd) => blocked(&pool, schema, cmd).await?,
         Command::Ordering(cmd) => ordering(&pool, schema, cmd).await?,
         Command::Run(r) => return run_relay(url, schema, r).await,
+        Command::Console(c) => {
+            let options = crate::console::Options {
+                listen: c.listen,
+                base_path: c.base_path.trim_end_matches('/').to_owned(),
+                read_only: c.read_only,
+                credentials: crate::console::Credentials::from_env(&c.user),
+                retention: c.retention,
+                refresh: c.refresh.max(Duration::from_millis(100)),
+                database: redact_url(url),
+            };
+            let shutdown = CancellationToken::new();
+            let signals =
+                tokio::spawn(wait_for_signal(outbox::shutdown_signal(), shutdown.clone()));
+            let served = crate::console::serve(pool, schema.clone(), options, shutdown).await;
+            signals.abort();
+            served?;
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -32,6 +32,7 @@ impl Relay {
             Ok(held) => {
                 *last = Some(Instant::now());
                 self.record_broker_node().await;
+                self.record_publish_stats().await;
                 metrics::gauge!("outbox_relay_partitions_leased").set(held.len() as f64);
                 if inner.partitions.swap(held.len(), Ordering::Relaxed) != held.len() {
                     tracing::info!(
@@ -64,6 +65,31 @@ impl Relay {
         match written {
             Ok(_) => *lock(&inner.recorded_node) = node,
             Err(e) => tracing::debug!(error = %e, "could not record the broker node; next round"),
+        }
+    }
+
+    /// Adds what this relay settled since the last round to the minute's
+    /// row of `outbox_publish_stats` (the console's publish-rate chart). A
+    /// failed write is carried over to the next round.
+    async fn record_publish_stats(&self) {
+        let inner = &self.inner;
+        let now = (
+            inner.published.load(Ordering::Relaxed),
+            inner.dead_lettered.load(Ordering::Relaxed),
+        );
+        let last = *lock(&inner.stats_written);
+        let (published, dead) = (now.0 - last.0, now.1 - last.1);
+        if published == 0 && dead == 0 {
+            return;
+        }
+        let written = sqlx::query(inner.queries.publish_stats.clone())
+            .bind(published as i64)
+            .bind(dead as i64)
+            .execute(&inner.pool)
+            .await;
+        match written {
+            Ok(_) => *lock(&inner.stats_written) = now,
+            Err(e) => tracing::debug!(error = %e, "could not record publish stats; next round"),
         }
     }
 

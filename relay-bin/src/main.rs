@@ -1,6 +1,7 @@
 //! `outbox-relay`: publishes the transactional outbox to RabbitMQ.
 
 mod cli;
+mod console;
 mod http;
 
 use std::process::ExitCode;

@@ -20,6 +20,10 @@ pub(crate) struct Queries {
     pub(crate) lease_release: SqlStr,
     /// Record relay `$1`'s broker node `$2` in the relay list.
     pub(crate) record_broker: SqlStr,
+    /// Add `$1` published and `$2` dead-lettered events to this minute of
+    /// `outbox_publish_stats` (the console's rate chart); rows older than
+    /// 7 days go.
+    pub(crate) publish_stats: SqlStr,
     /// Remove delivered events. `$1` ids.
     pub(crate) delete: SqlStr,
     /// Move delivered events to `outbox_published`. `$1` ids.
@@ -57,6 +61,15 @@ impl Queries {
             )),
             record_broker: sql(format!(
                 "UPDATE {s}.outbox_relays SET broker = $2 WHERE id = $1"
+            )),
+            publish_stats: sql(format!(
+                "WITH up AS (
+                     INSERT INTO {s}.outbox_publish_stats AS t (minute, published, dead_lettered)
+                     VALUES (date_trunc('minute', now()), $1, $2)
+                     ON CONFLICT (minute) DO UPDATE
+                     SET published = t.published + EXCLUDED.published,
+                         dead_lettered = t.dead_lettered + EXCLUDED.dead_lettered)
+                 DELETE FROM {s}.outbox_publish_stats WHERE minute < now() - interval '7 days'"
             )),
             lease_release: sql(format!(
                 "WITH r AS (DELETE FROM {s}.outbox_relays WHERE id = $1)

@@ -107,6 +107,10 @@ pub(crate) struct Inner {
     pub(crate) broker_next: std::sync::atomic::AtomicUsize,
     /// Events confirmed by the broker and settled, since start.
     pub(crate) published: std::sync::atomic::AtomicU64,
+    /// Events dead-lettered by this relay, since start.
+    pub(crate) dead_lettered: std::sync::atomic::AtomicU64,
+    /// `(published, dead_lettered)` as last added to `outbox_publish_stats`.
+    pub(crate) stats_written: std::sync::Mutex<(u64, u64)>,
     /// The broker node last written to `outbox_relays`.
     pub(crate) recorded_node: std::sync::Mutex<Option<String>>,
     /// This relay's identity in `outbox_relays` and `outbox_leases`.
@@ -196,6 +200,8 @@ impl Relay {
                 broker_outage: Outage::new("broker", "outbox-relay"),
                 broker_next: Default::default(),
                 published: Default::default(),
+                dead_lettered: Default::default(),
+                stats_written: Default::default(),
                 recorded_node: Default::default(),
                 db_outage: Outage::new("database", "outbox-relay"),
                 id: Uuid::new_v4(),

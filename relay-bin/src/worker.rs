@@ -95,6 +95,9 @@ impl Relay {
         metrics::counter!("outbox_relay_failed_total").increment(settled.retried as u64);
         metrics::counter!("outbox_relay_dead_lettered_total")
             .increment(settled.dead_lettered as u64);
+        inner
+            .dead_lettered
+            .fetch_add(settled.dead_lettered as u64, Ordering::Relaxed);
         for (e, o) in events.iter().zip(receipts) {
             if let Some(error) = o.error() {
                 tracing::warn!(event_id = %e.id, event_type = %e.event_type, attempt = e.attempts + 1, error = %error, "event not delivered");

@@ -67,6 +67,51 @@ pub async fn blocked_aggregates(
     .await?)
 }
 
+/// An event waiting behind a blocked aggregate's failing head.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct WaitingEvent {
+    /// Aggregate type.
+    pub aggregate_type: String,
+    /// Aggregate id.
+    pub aggregate_id: String,
+    /// Event id.
+    pub id: Uuid,
+    /// Event type.
+    pub event_type: String,
+    /// Its sequence number.
+    pub aggregate_seq: i64,
+    /// When it was created.
+    pub created_at: DateTime<Utc>,
+}
+
+/// The first `per_aggregate` events waiting behind the head of each of
+/// the given aggregates (`(aggregate_type, aggregate_id)`), in sequence
+/// order: one index descent per aggregate.
+pub async fn waiting_events(
+    pool: &PgPool,
+    schema: &Ident,
+    aggregates: &[(String, String)],
+    per_aggregate: i64,
+) -> Result<Vec<WaitingEvent>> {
+    let (types, ids): (Vec<String>, Vec<String>) = aggregates.iter().cloned().unzip();
+    Ok(sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT a.t AS aggregate_type, a.i AS aggregate_id, w.id, w.event_type, w.aggregate_seq, w.created_at
+         FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS a(t, i, n)
+         CROSS JOIN LATERAL (
+             SELECT o.id, o.event_type, o.aggregate_seq, o.created_at FROM {}.outbox o
+             WHERE o.aggregate_type = a.t AND o.aggregate_id = a.i AND o.aggregate_seq IS NOT NULL
+             ORDER BY o.aggregate_seq OFFSET 1 LIMIT $3) w
+         ORDER BY a.n, w.aggregate_seq",
+        schema.quoted()
+    )))
+    .bind(&types)
+    .bind(&ids)
+    .bind(per_aggregate)
+    .fetch_all(pool)
+    .await?)
+}
+
 /// Moves the given events from the outbox to the dead-letter table with
 /// `reason`, so the aggregates they block move on (consumers see the gap
 /// in the sequence). Waits for any batch in flight on their partitions

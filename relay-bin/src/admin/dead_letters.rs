@@ -1,10 +1,15 @@
-//! The dead-letter table: list, replay into the outbox, purge
-//! (`outbox-relay dead-letters`).
+//! The dead-letter table: list, filter and page, read one, replay into the
+//! outbox, purge (`outbox-relay dead-letters` and the console).
+//!
+//! Every filter is served by an index (migration 9: event type; aggregate
+//! type and id; the time of dead-lettering), so a page costs its rows on any
+//! size of table. The error-text filter is a substring match: it walks the
+//! time index until a page is full, which on a rare text can read the table.
 
 use chrono::{DateTime, Utc};
 use outbox::Ident;
 use serde::Serialize;
-use sqlx::{AssertSqlSafe, PgPool};
+use sqlx::{AssertSqlSafe, PgPool, Postgres, QueryBuilder};
 use uuid::Uuid;
 
 use crate::error::Result;
@@ -31,22 +36,190 @@ pub struct DeadLetter {
     pub dead_lettered_at: DateTime<Utc>,
 }
 
+/// A dead letter in full: [`DeadLetter`] and what it carried.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct DeadLetterDetail {
+    /// The fields the list shows.
+    #[sqlx(flatten)]
+    #[serde(flatten)]
+    pub summary: DeadLetter,
+    /// The event's payload.
+    pub payload: serde_json::Value,
+    /// Its headers (a JSON object).
+    pub headers: serde_json::Value,
+    /// Exchange (`None`: the relay's default).
+    pub exchange: Option<String>,
+    /// Routing key (`None`: `<aggregate_type>.<event_type>`).
+    pub routing_key: Option<String>,
+    /// Its number in its aggregate, when ordered.
+    pub aggregate_seq: Option<i64>,
+    /// Earlier failures, oldest first: a JSON array of `{at, error}`.
+    pub error_history: serde_json::Value,
+}
+
+/// Which dead letters to list or act on: every set field must match; an
+/// empty filter matches all.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Filter {
+    /// Event type, exactly.
+    pub event_type: Option<String>,
+    /// Aggregate type, exactly.
+    pub aggregate_type: Option<String>,
+    /// Aggregate id, exactly.
+    pub aggregate_id: Option<String>,
+    /// Text the last error contains (case-insensitive).
+    pub error_contains: Option<String>,
+    /// Dead-lettered at or after this instant.
+    pub since: Option<DateTime<Utc>>,
+    /// Dead-lettered before this instant.
+    pub until: Option<DateTime<Utc>>,
+}
+
+impl Filter {
+    /// No field set: matches every dead letter.
+    pub fn is_empty(&self) -> bool {
+        *self == Filter::default()
+    }
+
+    /// Appends ` AND <condition>` per set field, on the table alias `d`.
+    fn push_conditions(&self, q: &mut QueryBuilder<Postgres>) {
+        let exact = [
+            ("d.event_type", &self.event_type),
+            ("d.aggregate_type", &self.aggregate_type),
+            ("d.aggregate_id", &self.aggregate_id),
+        ];
+        for (column, value) in exact {
+            if let Some(v) = value {
+                q.push(format_args!(" AND {column} = "))
+                    .push_bind(v.clone());
+            }
+        }
+        if let Some(text) = &self.error_contains {
+            q.push(" AND d.last_error ILIKE ")
+                .push_bind(format!("%{}%", escape_like(text)));
+        }
+        if let Some(t) = self.since {
+            q.push(" AND d.dead_lettered_at >= ").push_bind(t);
+        }
+        if let Some(t) = self.until {
+            q.push(" AND d.dead_lettered_at < ").push_bind(t);
+        }
+    }
+}
+
+/// `text` as a literal inside a LIKE pattern (backslash is the escape).
+fn escape_like(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '%' | '_' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// Which dead letters an action applies to.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub enum Selection {
     /// Every dead letter.
     All,
     /// These ids.
     Ids(Vec<Uuid>),
+    /// Those matching a filter (give it an `until` to leave out dead letters
+    /// that arrive after the operator confirmed).
+    Matching(Filter),
 }
 
 impl Selection {
-    fn ids(&self) -> Option<&[Uuid]> {
+    /// Appends ` AND <condition>` selecting these dead letters (alias `d`).
+    fn push_conditions(&self, q: &mut QueryBuilder<Postgres>) {
         match self {
-            Selection::All => None,
-            Selection::Ids(ids) => Some(ids),
+            Selection::All => {}
+            Selection::Ids(ids) => {
+                q.push(" AND d.id = ANY(").push_bind(ids.clone()).push(")");
+            }
+            Selection::Matching(filter) => filter.push_conditions(q),
         }
     }
+}
+
+/// Where a page of dead letters (newest first) starts: strictly after this
+/// one, as given by the last row of the previous page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageAfter {
+    /// The previous page's last `dead_lettered_at`.
+    pub dead_lettered_at: DateTime<Utc>,
+    /// The previous page's last id.
+    pub id: Uuid,
+}
+
+/// Up to `limit` dead letters matching `filter`, newest first, starting
+/// after `after` (keyset paging: a page costs its rows, however deep).
+pub async fn search_dead_letters(
+    pool: &PgPool,
+    schema: &Ident,
+    filter: &Filter,
+    after: Option<PageAfter>,
+    limit: i64,
+) -> Result<Vec<DeadLetter>> {
+    let mut q = QueryBuilder::new(format!(
+        "SELECT d.id, d.aggregate_type, d.aggregate_id, d.event_type, d.attempts, d.last_error,
+                d.created_at, d.dead_lettered_at
+         FROM {}.outbox_dead_letters d WHERE TRUE",
+        schema.quoted()
+    ));
+    filter.push_conditions(&mut q);
+    if let Some(a) = after {
+        q.push(" AND (d.dead_lettered_at, d.id) < (")
+            .push_bind(a.dead_lettered_at)
+            .push(", ")
+            .push_bind(a.id)
+            .push(")");
+    }
+    q.push(" ORDER BY d.dead_lettered_at DESC, d.id DESC LIMIT ")
+        .push_bind(limit);
+    Ok(q.build_query_as().fetch_all(pool).await?)
+}
+
+/// How many dead letters `selection` holds, counting at most `cap` of
+/// them when given (the answer is then `min(selected, cap)`).
+pub async fn count_dead_letters(
+    pool: &PgPool,
+    schema: &Ident,
+    selection: &Selection,
+    cap: Option<i64>,
+) -> Result<i64> {
+    let mut q = QueryBuilder::new(format!(
+        "SELECT count(*) FROM (SELECT 1 FROM {}.outbox_dead_letters d WHERE TRUE",
+        schema.quoted()
+    ));
+    selection.push_conditions(&mut q);
+    if let Some(cap) = cap {
+        q.push(" LIMIT ").push_bind(cap);
+    }
+    q.push(") AS m");
+    Ok(q.build_query_scalar().fetch_one(pool).await?)
+}
+
+/// One dead letter in full, or `None` when there is none with that id.
+pub async fn dead_letter(
+    pool: &PgPool,
+    schema: &Ident,
+    id: Uuid,
+) -> Result<Option<DeadLetterDetail>> {
+    Ok(sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at,
+                dead_lettered_at, payload, headers, exchange, routing_key, aggregate_seq, error_history
+         FROM {}.outbox_dead_letters WHERE id = $1",
+        schema.quoted()
+    )))
+    .bind(id)
+    .fetch_optional(pool)
+    .await?)
 }
 
 /// What a replay did.
@@ -100,7 +273,7 @@ pub async fn replay_dead_letters(
     let mut tx = pool.begin().await?;
     // Each selected dead letter, locked: whether its id is in the outbox,
     // and whether the outbox's CHECKs would take it.
-    let selected: Vec<(Uuid, bool, bool)> = sqlx::query_as(AssertSqlSafe(format!(
+    let mut q = QueryBuilder::new(format!(
         "SELECT d.id,
                 EXISTS (SELECT 1 FROM {s}.outbox o WHERE o.id = d.id),
                 octet_length(d.event_type) <= 255
@@ -108,13 +281,11 @@ pub async fn replay_dead_letters(
                 AND octet_length(coalesce(d.routing_key, d.aggregate_type || '.' || d.event_type)) <= 255
                 AND {s}.outbox_header_names_fit(d.headers)
          FROM {s}.outbox_dead_letters d
-         WHERE $1::uuid[] IS NULL OR d.id = ANY($1)
-         ORDER BY d.id
-         FOR UPDATE OF d"
-    )))
-    .bind(selection.ids())
-    .fetch_all(&mut *tx)
-    .await?;
+         WHERE TRUE"
+    ));
+    selection.push_conditions(&mut q);
+    q.push(" ORDER BY d.id FOR UPDATE OF d");
+    let selected: Vec<(Uuid, bool, bool)> = q.build_query_as().fetch_all(&mut *tx).await?;
     let wanted: Vec<Uuid> = selected
         .iter()
         .filter(|(_, in_outbox, ok)| !in_outbox && *ok)
@@ -182,12 +353,10 @@ pub async fn purge_dead_letters(
     schema: &Ident,
     selection: &Selection,
 ) -> Result<u64> {
-    Ok(sqlx::query(AssertSqlSafe(format!(
-        "DELETE FROM {}.outbox_dead_letters WHERE $1::uuid[] IS NULL OR id = ANY($1)",
+    let mut q = QueryBuilder::new(format!(
+        "DELETE FROM {}.outbox_dead_letters d WHERE TRUE",
         schema.quoted()
-    )))
-    .bind(selection.ids())
-    .execute(pool)
-    .await?
-    .rows_affected())
+    ));
+    selection.push_conditions(&mut q);
+    Ok(q.build().execute(pool).await?.rows_affected())
 }

@@ -1,14 +1,24 @@
 //! Operator views and actions, one file per subject: [`status`](mod@status) (the
-//! backlog at a glance, the gauges), [`blocked`] (ordered aggregates held
-//! up by a failing head) and [`dead_letters`] (list, replay, purge). The
-//! `outbox-relay` subcommands of the same names call these.
+//! backlog at a glance, the gauges, the relays), [`blocked`] (ordered
+//! aggregates held up by a failing head), [`dead_letters`] (filter, page,
+//! read, replay, purge) and [`backlog`] (the oldest due events, the backlog
+//! per type, the publish rate). The `outbox-relay` subcommands of the same
+//! names and the console (`outbox-relay console`) call these.
 
+pub mod backlog;
 pub mod blocked;
 pub mod dead_letters;
 pub mod status;
 
-pub use blocked::{BlockedAggregate, blocked_aggregates, retry_now, skip_events};
-pub use dead_letters::{
-    DeadLetter, Replayed, Selection, list_dead_letters, purge_dead_letters, replay_dead_letters,
+pub use backlog::{
+    BacklogByType, MinuteRate, PendingEvent, TypeBacklog, backlog_by_type, oldest_due,
+    publish_rates,
 };
-pub use status::{FailingEvent, Gauges, RelayLeases, Status, gauges, status};
+pub use blocked::{
+    BlockedAggregate, WaitingEvent, blocked_aggregates, retry_now, skip_events, waiting_events,
+};
+pub use dead_letters::{
+    DeadLetter, DeadLetterDetail, Filter, PageAfter, Replayed, Selection, count_dead_letters,
+    dead_letter, list_dead_letters, purge_dead_letters, replay_dead_letters, search_dead_letters,
+};
+pub use status::{FailingEvent, Gauges, RelayLeases, Status, gauges, relays, status};

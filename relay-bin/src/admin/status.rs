@@ -102,21 +102,7 @@ pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
     )))
     .fetch_one(pool)
     .await?;
-    let relays = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT r.name, count(l.partition) AS partitions,
-                extract(epoch FROM now() - r.heartbeat_at)::float8 AS heartbeat_age_s,
-                r.broker
-         FROM {s}.outbox_relays r
-         LEFT JOIN {s}.outbox_leases l ON l.owner = r.id AND l.expires_at > now()
-         GROUP BY r.id, r.name, r.heartbeat_at, r.broker ORDER BY r.name"
-    )))
-    .fetch_all(pool)
-    .await?;
-    let unleased_partitions = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM {s}.outbox_leases WHERE owner IS NULL OR expires_at <= now()"
-    )))
-    .fetch_one(pool)
-    .await?;
+    let (relays, unleased_partitions) = relays(pool, schema).await?;
     Ok(Status {
         backlog,
         due,
@@ -129,6 +115,28 @@ pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
         relays,
         unleased_partitions,
     })
+}
+
+/// The relays in `outbox_relays` with the partitions each leases, and how
+/// many partitions no live relay holds. Small tables: cheap at any backlog.
+pub async fn relays(pool: &PgPool, schema: &Ident) -> Result<(Vec<RelayLeases>, i64)> {
+    let s = schema.quoted();
+    let relays = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT r.name, count(l.partition) AS partitions,
+                extract(epoch FROM now() - r.heartbeat_at)::float8 AS heartbeat_age_s,
+                r.broker
+         FROM {s}.outbox_relays r
+         LEFT JOIN {s}.outbox_leases l ON l.owner = r.id AND l.expires_at > now()
+         GROUP BY r.id, r.name, r.heartbeat_at, r.broker ORDER BY r.name"
+    )))
+    .fetch_all(pool)
+    .await?;
+    let unleased = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {s}.outbox_leases WHERE owner IS NULL OR expires_at <= now()"
+    )))
+    .fetch_one(pool)
+    .await?;
+    Ok((relays, unleased))
 }
 
 /// The relay's gauges, cheap on any size of outbox: no statement scans

@@ -1,0 +1,70 @@
+//! Form fields, and the extractor every action goes through: a POSTed
+//! form that passed the read-only and CSRF checks.
+
+use std::collections::HashMap;
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
+use axum::response::{IntoResponse, Response};
+
+use super::Shared;
+use super::security::{CSRF_FIELD, CsrfToken, Principal, refuse_action};
+
+/// Form or query fields: every value of a name, in order.
+pub(crate) struct Fields(Vec<(String, String)>);
+
+impl Fields {
+    pub(crate) fn parse(body: &[u8]) -> Fields {
+        Fields(url::form_urlencoded::parse(body).into_owned().collect())
+    }
+
+    pub(crate) fn from_query(q: HashMap<String, String>) -> Fields {
+        Fields(q.into_iter().collect())
+    }
+
+    /// The first non-empty value of `name`, trimmed.
+    pub(crate) fn get(&self, name: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .filter(|(k, _)| k == name)
+            .map(|(_, v)| v.trim())
+            .find(|v| !v.is_empty())
+    }
+
+    pub(crate) fn all(&self, name: &str) -> impl Iterator<Item = &str> {
+        self.0
+            .iter()
+            .filter(move |(k, _)| k == name)
+            .map(|(_, v)| v.trim())
+    }
+}
+
+/// An action's form, accepted: the console is not read-only and the
+/// form carries this browser's CSRF token. Anything else is answered with
+/// the refusal page before the handler runs.
+pub(crate) struct ActionForm {
+    pub(crate) fields: Fields,
+    /// Who asked, for the audit log.
+    pub(crate) who: Principal,
+}
+
+impl FromRequest<Shared> for ActionForm {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, console: &Shared) -> Result<Self, Response> {
+        let csrf = req.extensions().get::<CsrfToken>().cloned();
+        let who = req.extensions().get::<Principal>().cloned();
+        let body = Bytes::from_request(req, console)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        let fields = Fields::parse(&body);
+        let (Some(csrf), Some(who)) = (csrf, who) else {
+            // Both are set by the console's own middleware on every request.
+            return Err(super::layout::not_found().await);
+        };
+        if let Some(refused) = refuse_action(console, &csrf, fields.get(CSRF_FIELD)) {
+            return Err(refused);
+        }
+        Ok(ActionForm { fields, who })
+    }
+}

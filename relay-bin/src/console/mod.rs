@@ -1,0 +1,264 @@
+//! `outbox-relay console`: the operator console, a web UI over the
+//! outbox (Overview, Dead letters, Blocked aggregates, Outbox). Pages are
+//! rendered on the server; the stylesheet and one small script are
+//! embedded in the binary, so nothing is fetched from elsewhere.
+//!
+//! Cheap on large tables: the overview's counts come from a background
+//! refresher (estimates and index probes, every few seconds), the lists
+//! page through indexes, and no page scans the outbox or the dead letters.
+//! Secure by default: see `security.rs`.
+
+mod blocked;
+mod dead_letters;
+mod form;
+mod layout;
+mod overview;
+mod security;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{HeaderName, HeaderValue, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use chrono::{DateTime, Utc};
+use outbox::Ident;
+use outbox_relay::admin::{self, BacklogByType, Gauges, MinuteRate, RelayLeases};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+pub(crate) use security::Credentials;
+
+/// How the console is served (`outbox-relay console`'s flags).
+#[derive(Debug, Clone)]
+pub(crate) struct Options {
+    /// Where to listen.
+    pub(crate) listen: SocketAddr,
+    /// Path prefix of every page (`""` or `/something`), for a reverse
+    /// proxy that forwards `/something/...` unchanged.
+    pub(crate) base_path: String,
+    /// Pages only: every action is refused.
+    pub(crate) read_only: bool,
+    /// Who may use it; required on a non-loopback address.
+    pub(crate) credentials: Option<Credentials>,
+    /// Consumers' dedup retention window (replays of older events warn).
+    pub(crate) retention: Duration,
+    /// How often the overview's figures are read again.
+    pub(crate) refresh: Duration,
+    /// The database, as shown in the header (no password).
+    pub(crate) database: String,
+}
+
+/// What every handler shares.
+pub(crate) struct Console {
+    pub(crate) pool: PgPool,
+    pub(crate) schema: Ident,
+    pub(crate) options: Options,
+    /// The overview's figures, read by the refresher.
+    pub(crate) snapshot: RwLock<Arc<Snapshot>>,
+}
+
+type Shared = Arc<Console>;
+
+/// The overview's figures at one instant.
+#[derive(Debug)]
+pub(crate) struct Snapshot {
+    pub(crate) taken_at: DateTime<Utc>,
+    pub(crate) gauges: Gauges,
+    pub(crate) relays: Vec<RelayLeases>,
+    pub(crate) unleased: i64,
+    pub(crate) rates: Vec<MinuteRate>,
+    pub(crate) by_type: BacklogByType,
+}
+
+impl Console {
+    pub(crate) fn snapshot(&self) -> Arc<Snapshot> {
+        self.snapshot
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// `path` under the base path.
+    pub(crate) fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.options.base_path)
+    }
+}
+
+async fn read_snapshot(pool: &PgPool, schema: &Ident) -> outbox_relay::Result<Snapshot> {
+    let gauges = admin::gauges(pool, schema).await?;
+    let (relays, unleased) = admin::relays(pool, schema).await?;
+    let rates = admin::publish_rates(pool, schema, 60).await?;
+    let by_type = admin::backlog_by_type(pool, schema).await?;
+    Ok(Snapshot {
+        taken_at: Utc::now(),
+        gauges,
+        relays,
+        unleased,
+        rates,
+        by_type,
+    })
+}
+
+/// Checks the options, reads the first snapshot and serves until
+/// `shutdown` is cancelled.
+pub(crate) async fn serve(
+    pool: PgPool,
+    schema: Ident,
+    options: Options,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    security::check_bind(&options)?;
+    if !options.base_path.is_empty() && !valid_base_path(&options.base_path) {
+        bail!(
+            "--base-path must start with '/', not end with '/', and hold only letters, digits and -._/ (got {:?})",
+            options.base_path
+        );
+    }
+    outbox::check_migrated(&pool, schema.as_str())
+        .await
+        .context("the console needs the outbox tables")?;
+    let first = read_snapshot(&pool, &schema)
+        .await
+        .context("reading the outbox")?;
+    let listener = tokio::net::TcpListener::bind(options.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", options.listen))?;
+    let local = listener.local_addr()?;
+    let console = Arc::new(Console {
+        pool,
+        schema,
+        options,
+        snapshot: RwLock::new(Arc::new(first)),
+    });
+    tokio::spawn(refresh(console.clone(), shutdown.clone()));
+    let app = router(console.clone());
+    tracing::info!(
+        addr = %local,
+        url = %format!("http://{local}{}/", console.options.base_path),
+        read_only = console.options.read_only,
+        auth = console.options.credentials.as_ref().map_or("none (loopback only)", Credentials::kind),
+        "console listening"
+    );
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown.cancelled_owned())
+    .await
+    .context("console server failed")
+}
+
+fn valid_base_path(p: &str) -> bool {
+    p.starts_with('/')
+        && !p.ends_with('/')
+        && p.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-._/".contains(c))
+}
+
+/// Reads the overview's figures every `refresh`; a failed read keeps the
+/// previous snapshot (its age is on the page) and is logged.
+async fn refresh(console: Shared, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(console.options.refresh) => {}
+        }
+        match read_snapshot(&console.pool, &console.schema).await {
+            Ok(s) => {
+                *console.snapshot.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(s);
+            }
+            Err(e) => tracing::warn!(error = %e, "console: could not refresh the overview"),
+        }
+    }
+}
+
+fn router(console: Shared) -> Router {
+    let base = console.options.base_path.clone();
+    let at = |p: &str| format!("{base}{p}");
+    let mut app = Router::new()
+        .route(&at("/"), get(overview::overview))
+        .route(&at("/outbox"), get(overview::outbox))
+        .route(&at("/dead-letters"), get(dead_letters::list))
+        .route(&at("/dead-letters/{id}"), get(dead_letters::detail))
+        .route(&at("/dead-letters/confirm"), post(dead_letters::confirm))
+        .route(&at("/dead-letters/act"), post(dead_letters::act))
+        .route(&at("/blocked"), get(blocked::list))
+        .route(&at("/blocked/act"), post(blocked::act))
+        .route(&at("/assets/console.css"), get(layout::css))
+        .route(&at("/assets/console.js"), get(layout::js));
+    if !base.is_empty() {
+        let to = at("/");
+        app = app.route(&base, get(move || async move { Redirect::to(&to) }));
+    }
+    app.fallback(layout::not_found)
+        .layer(middleware::from_fn_with_state(
+            console.clone(),
+            security::csrf_cookie,
+        ))
+        .layer(middleware::from_fn_with_state(
+            console.clone(),
+            security::authenticate,
+        ))
+        .layer(middleware::from_fn(headers))
+        .with_state(console)
+}
+
+/// Security headers on every response, and the server's own time for the
+/// request (`Server-Timing: app;dur=<ms>`; the benchmark reads it).
+async fn headers(req: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let mut res = next.run(req).await;
+    let h = res.headers_mut();
+    let fixed = [
+        (
+            header::CONTENT_SECURITY_POLICY,
+            "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
+             connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::REFERRER_POLICY, "no-referrer"),
+        (header::CACHE_CONTROL, "no-store"),
+    ];
+    for (name, value) in fixed {
+        h.insert(name, HeaderValue::from_static(value));
+    }
+    let ms = started.elapsed().as_secs_f64() * 1000.0;
+    if let Ok(v) = HeaderValue::from_str(&format!("app;dur={ms:.2}")) {
+        h.insert(HeaderName::from_static("server-timing"), v);
+    }
+    res
+}
+
+/// A page's error: logged, shown as a one-line message (never a URL or a
+/// password: database errors name tables and constraints, not connections).
+pub(crate) struct PageError(anyhow::Error);
+
+impl<E: Into<anyhow::Error>> From<E> for PageError {
+    fn from(e: E) -> Self {
+        PageError(e.into())
+    }
+}
+
+impl IntoResponse for PageError {
+    fn into_response(self) -> Response {
+        let line = crate::cli::scrub_secrets(&format!("{:#}", self.0));
+        tracing::warn!(error = %line, "console: request failed");
+        layout::error_page(
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            "Something went wrong",
+            &line,
+        )
+    }
+}
+
+pub(crate) type PageResult = std::result::Result<Response, PageError>;
+
+/// Keeps the shared state type usable in handlers' signatures.
+pub(crate) type ConsoleState = State<Shared>;

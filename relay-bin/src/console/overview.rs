@@ -1,0 +1,145 @@
+//! The Overview page (from the refresher's snapshot: no query per request)
+//! and the read-only Outbox page.
+
+use axum::http::HeaderMap;
+use chrono::Utc;
+use maud::{Markup, html};
+use outbox_relay::admin::{self, MinuteRate};
+
+use super::layout::{age, count, page, time};
+use super::{ConsoleState, PageResult};
+
+pub(crate) async fn overview(state: ConsoleState, headers: HeaderMap) -> PageResult {
+    let console = &state.0;
+    let s = console.snapshot();
+    let g = &s.gauges;
+    let last_hour: i64 = s.rates.iter().map(|r| r.published).sum();
+    let this_minute = s.rates.last().map_or(0, |r| r.published);
+    let body = html! {
+        h1 { "Overview" }
+        div.cards {
+            (card("backlog", "Backlog", &count(g.backlog), "events in the outbox", g.backlog > 0, false))
+            (card("oldest-due", "Oldest due", &age(g.oldest_due_age_s), "longest an unordered event has been due", g.oldest_due_age_s > 60.0, false))
+            (card("dead-letters", "Dead letters", &count(g.dead_letters), "gave up after their attempts", false, g.dead_letters > 0))
+            (card("blocked", "Blocked aggregates", &count(g.blocked_aggregates), "ordered, held by a failing head", false, g.blocked_aggregates > 0))
+            (card("published-hour", "Published, last hour", &count(last_hour), &format!("{} in the current minute", count(this_minute)), false, false))
+            (card("relays", "Relays", &count(s.relays.len() as i64), &format!("{} of 64 partitions unleased", s.unleased), s.relays.is_empty(), false))
+        }
+        h2 { "Published per minute, last hour" }
+        div.chart { (chart(&s.rates)) }
+        h2 { "Relays" }
+        @if s.relays.is_empty() {
+            p.muted id="no-relays" { "No relay has a heartbeat in this schema." }
+        } @else {
+            table id="relay-table" {
+                thead { tr { th { "name" } th.num { "partitions leased" } th.num { "heartbeat age" } th { "broker node" } } }
+                tbody {
+                    @for r in &s.relays {
+                        tr {
+                            td { (r.name) }
+                            td.num { (r.partitions) }
+                            td.num { (age(r.heartbeat_age_s)) }
+                            td { (r.broker.as_deref().unwrap_or("unknown")) }
+                        }
+                    }
+                }
+            }
+        }
+        p.muted {
+            "Figures as of " (time(s.taken_at)) " UTC ("
+            (age((Utc::now() - s.taken_at).as_seconds_f64())) " ago); counts above "
+            (count(admin::status::EXACT_COUNT_UP_TO)) " rows are the planner's estimates. This page refreshes by itself."
+        }
+    };
+    Ok(page(console, &headers, "/", "Overview", Some(5), body))
+}
+
+fn card(id: &str, label: &str, value: &str, note: &str, warn: bool, bad: bool) -> Markup {
+    let class = if bad {
+        "card bad"
+    } else if warn {
+        "card warn"
+    } else {
+        "card"
+    };
+    html! {
+        div class=(class) {
+            div.label { (label) }
+            div.value id=(id) { (value) }
+            div.note { (note) }
+        }
+    }
+}
+
+/// Bars per minute as an inline SVG (no script, no external asset).
+fn chart(rates: &[MinuteRate]) -> Markup {
+    let (w, h) = (600.0_f64, 140.0_f64);
+    let peak = rates.iter().map(|r| r.published).max().unwrap_or(0);
+    let max = peak.max(1) as f64;
+    let n = rates.len().max(1) as f64;
+    let bar = w / n;
+    html! {
+        svg viewBox=(format!("0 0 {w} {}", h + 14.0)) preserveAspectRatio="none" role="img"
+            aria-label="events published per minute over the last hour" id="rate-chart" {
+            line x1="0" y1=(h) x2=(w) y2=(h) stroke="#d8dde4" {}
+            @for (i, r) in rates.iter().enumerate() {
+                @let bh = r.published as f64 / max * (h - 4.0);
+                rect x=(format!("{:.2}", i as f64 * bar + 1.0)) y=(format!("{:.2}", h - bh))
+                    width=(format!("{:.2}", (bar - 2.0).max(1.0))) height=(format!("{bh:.2}"))
+                    fill=(if r.dead_lettered > 0 { "#b3261e" } else { "#2457c5" }) {
+                    title { (r.minute.format("%H:%M")) ": " (count(r.published)) " published, " (count(r.dead_lettered)) " dead-lettered" }
+                }
+            }
+            text x="0" y=(h + 12.0) font-size="10" fill="#5b6675" { "-60 min" }
+            text x=(w) y=(h + 12.0) font-size="10" fill="#5b6675" text-anchor="end" { "now · peak " (count(peak)) "/min" }
+        }
+    }
+}
+
+pub(crate) async fn outbox(state: ConsoleState, headers: HeaderMap) -> PageResult {
+    let console = &state.0;
+    let due = admin::oldest_due(&console.pool, &console.schema, 50).await?;
+    let s = console.snapshot();
+    let now = Utc::now();
+    let body = html! {
+        h1 { "Outbox" }
+        p.muted { "Read-only. Events leave the outbox when a relay has them confirmed by the broker." }
+        h2 { "Backlog by type" }
+        p.muted {
+            @if s.by_type.exact { "Exact counts" } @else { "Estimated from a sample of the table's pages" }
+            ", as of " (time(s.taken_at)) " UTC."
+        }
+        table id="backlog-by-type" {
+            thead { tr { th { "aggregate type" } th { "event type" } th.num { "events" } } }
+            tbody {
+                @for t in &s.by_type.types {
+                    tr { td { (t.aggregate_type) } td { (t.event_type) } td.num { (count(t.events)) } }
+                }
+                @if s.by_type.types.is_empty() { tr { td colspan="3" .muted { "The outbox is empty." } } }
+            }
+        }
+        h2 { "Due first (unordered events, in the relay's claim order)" }
+        table id="oldest-due" {
+            thead { tr { th { "event" } th { "aggregate" } th { "type" } th.num { "attempts" } th { "created" } th { "due" } th { "last error" } } }
+            tbody {
+                @for e in &due {
+                    tr {
+                        td { code { (e.id) } }
+                        td { (e.aggregate_type) "/" (e.aggregate_id) }
+                        td { (e.event_type) }
+                        td.num { (e.attempts) }
+                        td { (time(e.created_at)) }
+                        td {
+                            @if e.available_at <= now { "due " (age((now - e.available_at).as_seconds_f64())) " ago" }
+                            @else { "in " (age((e.available_at - now).as_seconds_f64())) }
+                        }
+                        td.err { (e.last_error.as_deref().unwrap_or("")) }
+                    }
+                }
+                @if due.is_empty() { tr { td colspan="7" .muted { "No unordered event waits." } } }
+            }
+        }
+        p.muted { "Ordered events wait in their aggregate's order; those held by a failing event are on " a href=(console.url("/blocked")) { "Blocked aggregates" } "." }
+    };
+    Ok(page(console, &headers, "/outbox", "Outbox", None, body))
+}

@@ -1,0 +1,724 @@
+//! The operator console (`outbox-relay console`) in a real browser:
+//! Debian's chromium, headless, driven through chromedriver (WebDriver;
+//! `make browser` installs both). Each test runs its own console process
+//! on its own schema, and saves screenshots under
+//! `target/console-screenshots/`.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use e2e::{Collector, KillOnDrop, TestBroker, TestDb, amqp_url, database_url, wait_until};
+use fantoccini::{Client, ClientBuilder, Locator};
+use lapin::types::FieldTable;
+use sqlx::AssertSqlSafe;
+use uuid::Uuid;
+
+const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+async fn wait_for_port(port: u16, what: &str) {
+    wait_until(Duration::from_secs(30), what, || async move {
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+    })
+    .await;
+}
+
+fn artifacts(dir: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../target")
+        .join(dir);
+    std::fs::create_dir_all(&d).expect("artifact dir");
+    d
+}
+
+/// Headless chromium behind its own chromedriver.
+struct Browser {
+    client: Client,
+    _driver: KillOnDrop,
+}
+
+impl Browser {
+    async fn start() -> Browser {
+        let port = free_port();
+        let driver = Command::new("chromedriver")
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("chromedriver not found: run `make browser` (installs chromium and chromium-driver)");
+        let driver = KillOnDrop(driver);
+        wait_for_port(port, "chromedriver to listen").await;
+        let mut caps = serde_json::Map::new();
+        caps.insert(
+            "goog:chromeOptions".to_owned(),
+            serde_json::json!({ "args": [
+                "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1280,1000", "--no-first-run", "--disable-extensions"
+            ] }),
+        );
+        let client = ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+            .capabilities(caps)
+            .connect(&format!("http://127.0.0.1:{port}"))
+            .await
+            .expect("a chromium session (is chromium installed? `make browser`)");
+        Browser {
+            client,
+            _driver: driver,
+        }
+    }
+
+    async fn goto(&self, url: &str) {
+        self.client.goto(url).await.expect("navigate");
+    }
+
+    /// The text of the first element matching `css`, waiting up to 10 s
+    /// for it (the overview replaces its content as it refreshes).
+    async fn text(&self, css: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let got = match self.client.find(Locator::Css(css)).await {
+                Ok(e) => e.text().await,
+                Err(e) => Err(e),
+            };
+            match got {
+                Ok(t) => return t,
+                Err(e) if Instant::now() > deadline => panic!("no text at {css}: {e}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+
+    async fn attr(&self, css: &str, name: &str) -> Option<String> {
+        let e = self
+            .client
+            .wait()
+            .at_most(Duration::from_secs(10))
+            .for_element(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("no element {css}: {e}"));
+        e.attr(name).await.expect("attribute")
+    }
+
+    async fn click(&self, css: &str) {
+        self.client
+            .wait()
+            .at_most(Duration::from_secs(10))
+            .for_element(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("no element {css}: {e}"))
+            .click()
+            .await
+            .unwrap_or_else(|e| panic!("click {css}: {e}"));
+    }
+
+    async fn type_into(&self, css: &str, text: &str) {
+        let e = self
+            .client
+            .find(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("no element {css}: {e}"));
+        e.clear().await.expect("clear");
+        e.send_keys(text).await.expect("type");
+    }
+
+    async fn exists(&self, css: &str) -> bool {
+        !self
+            .client
+            .find_all(Locator::Css(css))
+            .await
+            .expect("find")
+            .is_empty()
+    }
+
+    async fn screenshot(&self, name: &str) {
+        let png = self.client.screenshot().await.expect("screenshot");
+        let path = artifacts("console-screenshots").join(format!("{name}.png"));
+        std::fs::write(&path, png).expect("write screenshot");
+    }
+
+    async fn close(self) {
+        let _ = self.client.close().await;
+    }
+}
+
+/// A console process on its own port; its log goes to a file under
+/// `target/console-logs/` (for the audit-log checks).
+struct Console {
+    _child: KillOnDrop,
+    url: String,
+    log: PathBuf,
+}
+
+fn console_cmd(db: &TestDb, listen: &str, log: &PathBuf) -> Command {
+    let mut c = Command::new(BIN);
+    c.env("DATABASE_URL", database_url())
+        .env("OUTBOX_SCHEMA", &db.schema)
+        .env("RUST_LOG", "info")
+        .env_remove("OUTBOX_CONSOLE_PASSWORD")
+        .env_remove("OUTBOX_CONSOLE_TOKEN")
+        .args(["console", "--listen", listen, "--refresh", "200ms"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).expect("log file"));
+    c
+}
+
+impl Console {
+    async fn start(db: &TestDb, configure: impl FnOnce(&mut Command)) -> Console {
+        let port = free_port();
+        let log = artifacts("console-logs").join(format!("{}.log", db.schema));
+        let mut cmd = console_cmd(db, &format!("127.0.0.1:{port}"), &log);
+        configure(&mut cmd);
+        let child = KillOnDrop(cmd.spawn().expect("console"));
+        wait_for_port(port, "the console to listen").await;
+        Console {
+            _child: child,
+            url: format!("http://127.0.0.1:{port}"),
+            log,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// A relay process publishing `db`'s outbox to `broker`'s exchange.
+fn start_relay(db: &TestDb, broker: &TestBroker) -> KillOnDrop {
+    let child = Command::new(BIN)
+        .env("DATABASE_URL", database_url())
+        .env("AMQP_URL", amqp_url())
+        .env("OUTBOX_SCHEMA", &db.schema)
+        .env("OUTBOX_EXCHANGE", &broker.exchange)
+        .env("OUTBOX_DECLARE_EXCHANGE", "none")
+        .env("OUTBOX_POLL_INTERVAL", "100ms")
+        .env("OUTBOX_LEASE_TTL", "3s")
+        .env("RUST_LOG", "warn")
+        .arg("run")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("relay");
+    KillOnDrop(child)
+}
+
+/// Dead letters of `event_type`, as the relay would have left them:
+/// `n` rows for aggregates `<prefix>-1..n`, one second apart. Returns
+/// their ids.
+async fn dead_letters(
+    db: &TestDb,
+    event_type: &str,
+    prefix: &str,
+    n: i32,
+    error: &str,
+) -> Vec<Uuid> {
+    sqlx::query_scalar(AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".outbox_dead_letters
+             (id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts,
+              last_error, error_history, dead_lettered_at)
+         SELECT gen_random_uuid(), 'payment', $2 || '-' || g, $1, jsonb_build_object('n', g, 'note', 'x'),
+                '{{\"x-tenant\": \"acme\"}}', now() - interval '1 hour', 10, $3,
+                jsonb_build_array(jsonb_build_object('at', now() - interval '5 minutes', 'error', 'first try: ' || $3)),
+                now() - g * interval '1 second'
+         FROM generate_series(1, $4) g RETURNING id",
+        db.schema
+    )))
+    .bind(event_type)
+    .bind(prefix)
+    .bind(error)
+    .bind(n)
+    .fetch_all(&db.pool)
+    .await
+    .expect("dead letters")
+}
+
+async fn count_where(db: &TestDb, table: &str, condition: &str) -> i64 {
+    sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM \"{}\".{table} WHERE {condition}",
+        db.schema
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .expect("count")
+}
+
+/// An ordered aggregate `account/<id>` with `n` events whose head has
+/// failed and waits an hour for its next attempt. Returns the ids in
+/// sequence order.
+async fn blocked_aggregate(db: &TestDb, id: &str, n: usize) -> Vec<Uuid> {
+    outbox::set_ordered(&db.pool, &db.schema, "account", true)
+        .await
+        .expect("order account");
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id: Uuid = sqlx::query_scalar(AssertSqlSafe(format!(
+            "INSERT INTO \"{}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('account', $1, $2, '{{}}') RETURNING id",
+            db.schema
+        )))
+        .bind(id)
+        .bind(format!("AccountEvent{}", i + 1))
+        .fetch_one(&db.pool)
+        .await
+        .expect("ordered event");
+        ids.push(id);
+    }
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE \"{}\".outbox SET attempts = 3, last_error = 'NO_ROUTE: nobody listens for AccountEvent1',
+             available_at = now() + interval '1 hour' WHERE id = $1",
+        db.schema
+    )))
+    .bind(ids[0])
+    .execute(&db.pool)
+    .await
+    .expect("fail the head");
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_overview_shows_the_outbox_with_real_numbers() {
+    let db = TestDb::producer("console_overview").await;
+    db.produce(25, 5, Duration::ZERO).await;
+    dead_letters(&db, "PaymentFailed", "p", 7, "NO_ROUTE: no queue bound").await;
+    blocked_aggregate(&db, "a-1", 3).await;
+    let console = Console::start(&db, |_| {}).await;
+    let browser = Browser::start().await;
+
+    browser.goto(&format!("{}/", console.url)).await;
+    assert_eq!(browser.text("h1").await, "Overview");
+    // 25 unordered + 3 ordered events; 7 dead letters; one blocked aggregate.
+    assert_eq!(browser.text("#backlog").await, "28");
+    assert_eq!(browser.text("#dead-letters").await, "7");
+    assert_eq!(browser.text("#blocked").await, "1");
+    assert!(
+        browser.exists("#rate-chart").await,
+        "the publish-rate chart"
+    );
+    browser.screenshot("overview").await;
+
+    // The overview refreshes by itself: a change shows without a reload.
+    dead_letters(&db, "PaymentFailed", "q", 2, "NO_ROUTE: no queue bound").await;
+    wait_until(
+        Duration::from_secs(20),
+        "the overview to refresh",
+        || async { browser.text("#dead-letters").await == "9" },
+    )
+    .await;
+
+    browser.goto(&format!("{}/outbox", console.url)).await;
+    let by_type = browser.text("#backlog-by-type").await;
+    assert!(by_type.contains("order OrderPlaced 25"), "{by_type}");
+    assert!(by_type.contains("account AccountEvent1 1"), "{by_type}");
+    assert!(browser.text("#oldest-due").await.contains("OrderPlaced"));
+    browser.screenshot("outbox").await;
+
+    browser.goto(&format!("{}/blocked", console.url)).await;
+    let card = browser.text("div.blocked").await;
+    assert!(card.contains("account / a-1"), "{card}");
+    assert!(card.contains("NO_ROUTE: nobody listens"), "{card}");
+    assert!(
+        card.contains("2 event(s): #2 AccountEvent2, #3 AccountEvent3"),
+        "{card}"
+    );
+    // No page shows the database password or any credential.
+    let source = browser.client.source().await.expect("source");
+    assert!(!source.contains("password"), "a page mentions a password");
+    browser.close().await;
+    drop(console);
+    db.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_filtered_replay_moves_exactly_the_matching_dead_letters_and_the_relay_publishes_them()
+ {
+    let db = TestDb::producer("console_replay").await;
+    let broker = TestBroker::new("console_replay", FieldTable::default()).await;
+    let wanted = dead_letters(&db, "PaymentFailed", "p", 12, "NO_ROUTE: no queue bound").await;
+    let others = dead_letters(&db, "RefundFailed", "r", 18, "timeout waiting for confirms").await;
+    let collector = Collector::start(&broker.queue);
+    let _relay = start_relay(&db, &broker);
+    let console = Console::start(&db, |_| {}).await;
+    let browser = Browser::start().await;
+
+    browser.goto(&format!("{}/dead-letters", console.url)).await;
+    assert_eq!(browser.text("#matching-count").await, "30");
+    browser
+        .type_into("input[name=event_type]", "PaymentFailed")
+        .await;
+    browser.click("#apply-filter").await;
+    assert_eq!(browser.text("#matching-count").await, "12");
+    let rows = browser.text("#dead-letter-table tbody").await;
+    assert!(
+        rows.contains("PaymentFailed") && !rows.contains("RefundFailed"),
+        "{rows}"
+    );
+    browser.screenshot("dead-letters-filtered").await;
+
+    browser.click("#replay-matching").await;
+    assert_eq!(
+        browser
+            .attr("#confirm-count", "data-count")
+            .await
+            .as_deref(),
+        Some("12")
+    );
+    browser.screenshot("dead-letters-confirm").await;
+    browser.click("#confirm").await;
+    assert_eq!(
+        browser.attr("#result", "data-count").await.as_deref(),
+        Some("12")
+    );
+
+    // Exactly the matching ones left the dead letters...
+    assert_eq!(
+        count_where(&db, "outbox_dead_letters", "event_type = 'PaymentFailed'").await,
+        0
+    );
+    assert_eq!(
+        count_where(&db, "outbox_dead_letters", "event_type = 'RefundFailed'").await,
+        18
+    );
+    // ...and the relay published them: each on the broker, nothing else.
+    wait_until(
+        Duration::from_secs(60),
+        "the replayed events on the broker",
+        || async { wanted.iter().all(|id| collector.has(&id.to_string())) },
+    )
+    .await;
+    wait_until(Duration::from_secs(30), "the outbox to empty", || async {
+        db.count("outbox").await == 0
+    })
+    .await;
+    collector.drain(Duration::from_secs(30)).await;
+    assert_eq!(
+        collector.distinct(),
+        12,
+        "only the replayed events were published"
+    );
+    assert!(others.iter().all(|id| !collector.has(&id.to_string())));
+
+    // The action is in the audit log, with what it touched.
+    let log = console.log();
+    assert!(
+        log.contains("outbox_console_audit")
+            && log.contains("replayed=12")
+            && log.contains("PaymentFailed"),
+        "audit log: {log}"
+    );
+    // The relay recorded its rate: the overview's last hour counts them.
+    browser.goto(&format!("{}/", console.url)).await;
+    wait_until(
+        Duration::from_secs(30),
+        "the published count on the overview",
+        || async { browser.text("#published-hour").await == "12" },
+    )
+    .await;
+    assert!(
+        browser.text("#relay-table").await.contains("64"),
+        "the relay holds every partition"
+    );
+    browser.screenshot("overview-after-replay").await;
+    browser.close().await;
+    drop(console);
+    broker.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_skip_unblocks_an_ordered_aggregate() {
+    let db = TestDb::producer("console_skip").await;
+    let broker = TestBroker::new("console_skip", FieldTable::default()).await;
+    let ids = blocked_aggregate(&db, "a-7", 4).await;
+    let collector = Collector::start(&broker.queue);
+    let _relay = start_relay(&db, &broker);
+    let console = Console::start(&db, |_| {}).await;
+    let browser = Browser::start().await;
+
+    browser.goto(&format!("{}/blocked", console.url)).await;
+    assert_eq!(browser.text("#blocked-count").await, "1");
+    assert_eq!(
+        browser.text("div.blocked code.event-id").await,
+        ids[0].to_string()
+    );
+    browser.screenshot("blocked").await;
+    // Skipping needs a reason.
+    browser.click("div.blocked button.skip").await;
+    assert_eq!(browser.text("#error-title").await, "A reason is required");
+    assert_eq!(
+        db.count("outbox").await,
+        4,
+        "nothing skipped without a reason"
+    );
+
+    browser.goto(&format!("{}/blocked", console.url)).await;
+    browser
+        .type_into(
+            "div.blocked input.reason",
+            "bad payload, fixed by hand in ticket 42",
+        )
+        .await;
+    browser.click("div.blocked button.skip").await;
+    assert!(
+        browser
+            .text("#result")
+            .await
+            .contains("moved to the dead letters")
+    );
+
+    // The head is a dead letter with the reason; the three behind it go out.
+    let error: String = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT last_error FROM \"{}\".outbox_dead_letters WHERE id = $1",
+        db.schema
+    )))
+    .bind(ids[0])
+    .fetch_one(&db.pool)
+    .await
+    .expect("the skipped event is a dead letter");
+    assert!(
+        error.contains("bad payload, fixed by hand in ticket 42"),
+        "{error}"
+    );
+    wait_until(
+        Duration::from_secs(60),
+        "the aggregate's later events on the broker",
+        || async { ids[1..].iter().all(|id| collector.has(&id.to_string())) },
+    )
+    .await;
+    assert!(
+        !collector.has(&ids[0].to_string()),
+        "the skipped event is not published"
+    );
+    browser.goto(&format!("{}/blocked", console.url)).await;
+    wait_until(
+        Duration::from_secs(20),
+        "the blocked list to empty",
+        || async {
+            browser.goto(&format!("{}/blocked", console.url)).await;
+            browser.exists("#no-blocked").await
+        },
+    )
+    .await;
+    let log = console.log();
+    assert!(
+        log.contains("action=\"skip\"") || log.contains("action=skip"),
+        "audit log: {log}"
+    );
+    browser.close().await;
+    drop(console);
+    broker.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_refuses_a_non_loopback_address_without_credentials_and_requests_without_them() {
+    let db = TestDb::producer("console_auth").await;
+    dead_letters(&db, "PaymentFailed", "p", 3, "NO_ROUTE").await;
+
+    // No credentials on a non-loopback address: it does not start.
+    let port = free_port();
+    let log = artifacts("console-logs").join(format!("{}-refused.log", db.schema));
+    let mut refused = KillOnDrop(
+        console_cmd(&db, &format!("0.0.0.0:{port}"), &log)
+            .spawn()
+            .expect("console"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = refused.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a console without credentials kept running on 0.0.0.0"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(!status.success());
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        said.contains("refusing to serve the console on 0.0.0.0"),
+        "{said}"
+    );
+
+    // With a token on 0.0.0.0: the browser without it is refused. (A
+    // basic-auth challenge would open chromium's sign-in prompt instead of
+    // a page, so basic auth is checked over plain HTTP below.)
+    let token = format!("tok-{}", Uuid::new_v4().simple());
+    let port = free_port();
+    let log = artifacts("console-logs").join(format!("{}-token.log", db.schema));
+    let mut cmd = console_cmd(&db, &format!("0.0.0.0:{port}"), &log);
+    cmd.env("OUTBOX_CONSOLE_TOKEN", &token);
+    let _console = KillOnDrop(cmd.spawn().expect("console"));
+    wait_for_port(port, "the console to listen").await;
+    let password = format!("pw-{}", Uuid::new_v4().simple());
+    let basic_port = free_port();
+    let basic_log = artifacts("console-logs").join(format!("{}-basic.log", db.schema));
+    let mut cmd = console_cmd(&db, &format!("0.0.0.0:{basic_port}"), &basic_log);
+    cmd.env("OUTBOX_CONSOLE_PASSWORD", &password)
+        .env("OUTBOX_CONSOLE_USER", "ops");
+    let _basic_console = KillOnDrop(cmd.spawn().expect("console"));
+    wait_for_port(basic_port, "the basic-auth console to listen").await;
+    let browser = Browser::start().await;
+    browser
+        .goto(&format!("http://127.0.0.1:{port}/dead-letters"))
+        .await;
+    assert_eq!(browser.text("#error-title").await, "Sign-in required");
+    assert!(!browser.exists("#dead-letter-table").await);
+    browser.screenshot("unauthenticated").await;
+    browser.close().await;
+
+    // Over plain HTTP: no credentials or wrong ones get 401; the right
+    // token or user and password get the page.
+    let get = |port: u16, auth: Option<String>| {
+        let url = format!("http://127.0.0.1:{port}/dead-letters");
+        async move { http_get(&url, auth).await }
+    };
+    use base64::Engine;
+    let basic = |u: &str, p: &str| {
+        format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(format!("{u}:{p}"))
+        )
+    };
+    assert_eq!(get(port, None).await.0, 401);
+    assert_eq!(get(port, Some("Bearer wrong".into())).await.0, 401);
+    assert_eq!(get(port, Some(format!("Bearer {token}x"))).await.0, 401);
+    let (status, body) = get(port, Some(format!("Bearer {token}"))).await;
+    assert_eq!(status, 200);
+    assert!(body.contains("PaymentFailed"));
+    let (status, refused) = get(basic_port, None).await;
+    assert_eq!(status, 401);
+    assert!(
+        refused.contains("WWW-Authenticate: Basic") || refused.contains("www-authenticate: Basic")
+    );
+    assert_eq!(get(basic_port, Some(basic("ops", "wrong"))).await.0, 401);
+    assert_eq!(get(basic_port, Some(basic("root", &password))).await.0, 401);
+    assert_eq!(
+        get(basic_port, Some(format!("Bearer {password}"))).await.0,
+        401
+    );
+    let (status, body_basic) = get(basic_port, Some(basic("ops", &password))).await;
+    assert_eq!(status, 200);
+    // Neither secret is ever printed.
+    let said = std::fs::read_to_string(&log).unwrap_or_default()
+        + &std::fs::read_to_string(&basic_log).unwrap_or_default();
+    assert!(said.contains("console listening"), "{said}");
+    assert!(
+        !said.contains(&token) && !said.contains(&password),
+        "{said}"
+    );
+    assert!(!body.contains(&token) && !body_basic.contains(&password));
+    db.cleanup().await;
+}
+
+/// `GET url` with an optional `Authorization` header: (status, body).
+async fn http_get(url: &str, authorization: Option<String>) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let u = url::Url::parse(url).expect("url");
+    let mut s = tokio::net::TcpStream::connect((u.host_str().unwrap(), u.port().unwrap()))
+        .await
+        .expect("connect");
+    let auth = authorization.map_or(String::new(), |a| format!("Authorization: {a}\r\n"));
+    let req = format!(
+        "GET {} HTTP/1.1\r\nHost: {}\r\n{auth}Connection: close\r\n\r\n",
+        u.path(),
+        u.host_str().unwrap()
+    );
+    s.write_all(req.as_bytes()).await.expect("send");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.expect("read");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_refuses_a_forged_post_and_any_action_when_read_only() {
+    let db = TestDb::producer("console_csrf").await;
+    dead_letters(&db, "PaymentFailed", "p", 5, "NO_ROUTE").await;
+    let console = Console::start(&db, |_| {}).await;
+    let browser = Browser::start().await;
+    browser.goto(&format!("{}/dead-letters", console.url)).await;
+    assert!(browser.exists("#purge-matching").await);
+
+    // A form another page could submit: the right action, no token.
+    let forge = |base: &str, token: Option<&str>| {
+        let field = token.map_or(String::new(), |t| format!("add('csrf', '{t}');"));
+        format!(
+            "const f = document.createElement('form'); f.method = 'post'; f.action = '{base}/dead-letters/act';
+             const add = (n, v) => {{ const i = document.createElement('input'); i.name = n; i.value = v; f.appendChild(i); }};
+             add('action', 'purge'); add('scope', 'matching'); {field}
+             document.body.appendChild(f); f.submit();"
+        )
+    };
+    browser
+        .client
+        .execute(&forge(&console.url, None), vec![])
+        .await
+        .expect("submit");
+    assert_eq!(browser.text("#error-title").await, "Request refused");
+    browser.screenshot("forged-post").await;
+    browser.goto(&format!("{}/dead-letters", console.url)).await;
+    let wrong = "0".repeat(64);
+    browser
+        .client
+        .execute(&forge(&console.url, Some(&wrong)), vec![])
+        .await
+        .expect("submit");
+    assert_eq!(browser.text("#error-title").await, "Request refused");
+    assert_eq!(db.count("outbox_dead_letters").await, 5, "nothing purged");
+
+    // The same purge through the page's own form goes through (the check
+    // above refused the token, not the action).
+    browser.goto(&format!("{}/dead-letters", console.url)).await;
+    browser.click("#purge-matching").await;
+    assert_eq!(
+        browser
+            .attr("#confirm-count", "data-count")
+            .await
+            .as_deref(),
+        Some("5")
+    );
+    browser.click("#confirm").await;
+    assert_eq!(
+        browser.attr("#result", "data-count").await.as_deref(),
+        Some("5")
+    );
+    assert_eq!(db.count("outbox_dead_letters").await, 0);
+    browser.close().await;
+    drop(console);
+
+    // Read-only: no action buttons, and a POST is refused whatever it carries.
+    dead_letters(&db, "PaymentFailed", "p", 2, "NO_ROUTE").await;
+    let console = Console::start(&db, |c| {
+        c.arg("--read-only");
+    })
+    .await;
+    let browser = Browser::start().await;
+    browser.goto(&format!("{}/dead-letters", console.url)).await;
+    assert_eq!(browser.text("#matching-count").await, "2");
+    assert!(!browser.exists("#purge-matching").await && !browser.exists("#replay-selected").await);
+    browser
+        .client
+        .execute(&forge(&console.url, None), vec![])
+        .await
+        .expect("submit");
+    assert_eq!(browser.text("#error-title").await, "Read-only console");
+    assert_eq!(db.count("outbox_dead_letters").await, 2);
+    browser.close().await;
+    drop(console);
+    db.cleanup().await;
+}
