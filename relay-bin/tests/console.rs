@@ -722,3 +722,56 @@ async fn console_refuses_a_forged_post_and_any_action_when_read_only() {
     drop(console);
     db.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_serves_under_a_base_path_for_a_reverse_proxy() {
+    let db = TestDb::producer("console_prefix").await;
+    let ids = dead_letters(&db, "PaymentFailed", "p", 3, "NO_ROUTE").await;
+    let console = Console::start(&db, |c| {
+        c.args(["--base-path", "/ops/outbox"]);
+    })
+    .await;
+    let browser = Browser::start().await;
+    // The bare prefix redirects to the overview; links stay under it.
+    browser.goto(&format!("{}/ops/outbox", console.url)).await;
+    assert_eq!(browser.text("h1").await, "Overview");
+    browser
+        .click("header nav a[href='/ops/outbox/dead-letters']")
+        .await;
+    assert_eq!(browser.text("#matching-count").await, "3");
+    // The embedded stylesheet loads from under the prefix too.
+    let styled: serde_json::Value = browser
+        .client
+        .execute(
+            "return getComputedStyle(document.querySelector('header')).display",
+            vec![],
+        )
+        .await
+        .expect("style");
+    assert_eq!(styled, "flex", "console.css applied");
+    // An action round trip under the prefix (the CSRF cookie's path).
+    browser.click(&format!("input[value='{}']", ids[0])).await;
+    browser.click("#replay-selected").await;
+    assert_eq!(
+        browser
+            .attr("#confirm-count", "data-count")
+            .await
+            .as_deref(),
+        Some("1")
+    );
+    browser.click("#confirm").await;
+    assert_eq!(
+        browser.attr("#result", "data-count").await.as_deref(),
+        Some("1")
+    );
+    assert_eq!(db.count("outbox_dead_letters").await, 2);
+    assert_eq!(db.count("outbox").await, 1);
+    let url = browser.client.current_url().await.expect("url");
+    assert_eq!(url.path(), "/ops/outbox/dead-letters/act");
+    // Nothing is served outside the prefix.
+    browser.goto(&format!("{}/dead-letters", console.url)).await;
+    assert_eq!(browser.text("#error-title").await, "Not found");
+    browser.close().await;
+    drop(console);
+    db.cleanup().await;
+}

@@ -4,6 +4,7 @@
 //! prints a table and writes JSON. `--smoke` runs tiny counts (CI).
 
 mod common;
+mod console;
 mod consumer;
 mod latency;
 mod publish;
@@ -56,7 +57,7 @@ struct Args {
     #[arg(long, default_value = "target/bench/results.json")]
     out: std::path::PathBuf,
     /// Run only these sections (relay, growth, ordered, write, latency,
-    /// consumer, quorum); all by default.
+    /// consumer, quorum, console); all by default.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Internal: run a consumer for the memory measurement (queue, count).
@@ -64,8 +65,8 @@ struct Args {
     child_consumer: Option<Vec<String>>,
 }
 
-const SECTIONS: [&str; 7] = [
-    "relay", "growth", "ordered", "write", "latency", "consumer", "quorum",
+const SECTIONS: [&str; 8] = [
+    "relay", "growth", "ordered", "write", "latency", "consumer", "quorum", "console",
 ];
 
 /// Counts and durations; `--smoke` shrinks all of them.
@@ -87,6 +88,7 @@ struct Sizes {
     latency_warm: f64,
     latency_secs: f64,
     memory_n: usize,
+    console: console::Seed,
 }
 
 #[tokio::main]
@@ -124,6 +126,11 @@ async fn main() -> Result<()> {
             latency_warm: 0.5,
             latency_secs: 1.0,
             memory_n: 1_000,
+            console: console::Seed {
+                outbox: 20_000,
+                dead_letters: 2_000,
+                requests: 3,
+            },
         }
     } else {
         Sizes {
@@ -141,6 +148,11 @@ async fn main() -> Result<()> {
             latency_warm: 2.0,
             latency_secs: 10.0,
             memory_n: 50_000,
+            console: console::Seed {
+                outbox: 2_000_000,
+                dead_letters: 200_000,
+                requests: 40,
+            },
         }
     };
     let mut r = Report::default();
@@ -180,10 +192,51 @@ async fn main() -> Result<()> {
         common::use_quorum_queues(false);
         done?;
     }
+    if run("console") {
+        console_section(&mut r, &pool, &args.database_url, &sizes).await?;
+    }
     r.tuning("load_average_at_end", load_average());
     r.print();
     r.write(&args.out, args.smoke)?;
     println!("\nwrote {}", args.out.display());
+    Ok(())
+}
+
+/// The console's page times on a seeded 2M-row outbox and 200k dead
+/// letters (server time, p95 and median of each page's requests).
+async fn console_section(
+    r: &mut Report,
+    pool: &sqlx::PgPool,
+    database_url: &str,
+    sizes: &Sizes,
+) -> Result<()> {
+    let s = &sizes.console;
+    eprintln!(
+        "bench: console pages ({} outbox rows, {} dead letters, {} requests per page)",
+        s.outbox, s.dead_letters, s.requests
+    );
+    let t = console::measure(pool, database_url, s).await?;
+    r.tuning(
+        "console_seed",
+        format!(
+            "{} outbox rows and {} dead letters seeded in {:.0} s",
+            s.outbox, s.dead_letters, t.seed_secs
+        ),
+    );
+    for p in &t.pages {
+        r.add(
+            &format!("console_{}_p95_ms", p.name),
+            p.p95,
+            &format!("console {}: p95 server ms (median {:.1})", p.name, p.p50),
+            "< 100",
+        );
+    }
+    r.add(
+        "console_refresh_p95_ms",
+        t.refresh_p95,
+        "console overview refresh (background): p95 ms",
+        "",
+    );
     Ok(())
 }
 

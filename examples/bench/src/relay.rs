@@ -245,13 +245,7 @@ pub(crate) fn spawn_relay(
     schema: &str,
     exchange: &str,
 ) -> Result<Child> {
-    let bin = std::env::current_exe()?.with_file_name("outbox-relay");
-    anyhow::ensure!(
-        bin.exists(),
-        "{} missing: build it with `cargo build --release -p relay-bin`",
-        bin.display()
-    );
-    Command::new(&bin)
+    Command::new(relay_binary()?)
         .env("DATABASE_URL", database_url)
         .env("AMQP_URL", url)
         .env("OUTBOX_SCHEMA", schema)
@@ -262,6 +256,17 @@ pub(crate) fn spawn_relay(
         .stdout(Stdio::null())
         .spawn()
         .context("starting outbox-relay")
+}
+
+/// The `outbox-relay` binary beside this one (same profile).
+pub(crate) fn relay_binary() -> Result<std::path::PathBuf> {
+    let bin = std::env::current_exe()?.with_file_name("outbox-relay");
+    anyhow::ensure!(
+        bin.exists(),
+        "{} missing: build it with `cargo build --release -p relay-bin`",
+        bin.display()
+    );
+    Ok(bin)
 }
 
 /// SIGTERM, then wait (the relay finishes its batch and exits).

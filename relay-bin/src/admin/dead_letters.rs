@@ -2,9 +2,8 @@
 //! outbox, purge (`outbox-relay dead-letters` and the console).
 //!
 //! Every filter is served by an index (migration 9: event type; aggregate
-//! type and id; the time of dead-lettering), so a page costs its rows on any
-//! size of table. The error-text filter is a substring match: it walks the
-//! time index until a page is full, which on a rare text can read the table.
+//! type and id; the words of the last error; the time of dead-lettering),
+//! so a page costs its rows on any size of table.
 
 use chrono::{DateTime, Utc};
 use outbox::Ident;
@@ -69,8 +68,11 @@ pub struct Filter {
     pub aggregate_type: Option<String>,
     /// Aggregate id, exactly.
     pub aggregate_id: Option<String>,
-    /// Text the last error contains (case-insensitive).
-    pub error_contains: Option<String>,
+    /// Words the last error contains, in this order: whole words,
+    /// case-insensitive (`no route`, `PRECONDITION_FAILED`, `timeout`).
+    /// A full-text match (PostgreSQL's `simple` configuration), served by an
+    /// index: `NO_ROUTE` finds `NO_ROUTE: no queue bound`, `ROUT` does not.
+    pub error_words: Option<String>,
     /// Dead-lettered at or after this instant.
     pub since: Option<DateTime<Utc>>,
     /// Dead-lettered before this instant.
@@ -96,9 +98,10 @@ impl Filter {
                     .push_bind(v.clone());
             }
         }
-        if let Some(text) = &self.error_contains {
-            q.push(" AND d.last_error ILIKE ")
-                .push_bind(format!("%{}%", escape_like(text)));
+        if let Some(words) = &self.error_words {
+            q.push(" AND to_tsvector('simple', d.last_error) @@ phraseto_tsquery('simple', ")
+                .push_bind(words.clone())
+                .push(")");
         }
         if let Some(t) = self.since {
             q.push(" AND d.dead_lettered_at >= ").push_bind(t);
@@ -107,18 +110,6 @@ impl Filter {
             q.push(" AND d.dead_lettered_at < ").push_bind(t);
         }
     }
-}
-
-/// `text` as a literal inside a LIKE pattern (backslash is the escape).
-fn escape_like(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        if matches!(c, '%' | '_' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
 }
 
 /// Which dead letters an action applies to.

@@ -39,7 +39,7 @@ fn filter_of(f: &Fields) -> Result<Filter, String> {
     filter.event_type = text("event_type");
     filter.aggregate_type = text("aggregate_type");
     filter.aggregate_id = text("aggregate_id");
-    filter.error_contains = text("error");
+    filter.error_words = text("error");
     filter.since = f.get("since").map(|t| parse_time("since", t)).transpose()?;
     filter.until = f.get("until").map(|t| parse_time("until", t)).transpose()?;
     Ok(filter)
@@ -56,7 +56,7 @@ fn filter_pairs(f: &Filter) -> Vec<(&'static str, String)> {
     add("event_type", f.event_type.clone());
     add("aggregate_type", f.aggregate_type.clone());
     add("aggregate_id", f.aggregate_id.clone());
-    add("error", f.error_contains.clone());
+    add("error", f.error_words.clone());
     add("since", f.since.map(|t| t.to_rfc3339()));
     add("until", f.until.map(|t| t.to_rfc3339()));
     out
@@ -76,13 +76,20 @@ fn hidden_filter(f: &Filter) -> Markup {
     }
 }
 
+/// An RFC 3339 time as the pages show it (UTC, to the second).
+fn shown(rfc3339: &str) -> String {
+    DateTime::parse_from_rfc3339(rfc3339).map_or(rfc3339.to_owned(), |t| {
+        format!("{} UTC", time(t.with_timezone(&Utc)))
+    })
+}
+
 fn describe(f: &Filter) -> String {
     let parts: Vec<String> = filter_pairs(f)
         .into_iter()
         .map(|(k, v)| match k {
-            "error" => format!("error contains {v:?}"),
-            "since" => format!("dead-lettered at or after {v}"),
-            "until" => format!("dead-lettered before {v}"),
+            "error" => format!("error has the words {v:?}"),
+            "since" => format!("dead-lettered at or after {}", shown(&v)),
+            "until" => format!("dead-lettered before {}", shown(&v)),
             _ => format!("{} = {v:?}", k.replace('_', " ")),
         })
         .collect();
@@ -155,7 +162,7 @@ pub(crate) async fn list(
             label { "event type" input name="event_type" value=[filter.event_type.as_deref()]; }
             label { "aggregate type" input name="aggregate_type" value=[filter.aggregate_type.as_deref()]; }
             label { "aggregate id" input name="aggregate_id" value=[filter.aggregate_id.as_deref()]; }
-            label { "error contains" input name="error" value=[filter.error_contains.as_deref()]; }
+            label { "error words" input name="error" placeholder="NO_ROUTE" value=[filter.error_words.as_deref()]; }
             label { "since (UTC)" input name="since" placeholder="2026-12-01T10:00" value=[filter.since.map(|t| t.format("%Y-%m-%dT%H:%M:%S").to_string())]; }
             label { "until (UTC)" input name="until" placeholder="2026-12-01T12:00" value=[filter.until.map(|t| t.format("%Y-%m-%dT%H:%M:%S").to_string())]; }
             button.primary type="submit" id="apply-filter" { "Filter" }
@@ -207,7 +214,7 @@ pub(crate) async fn list(
         }
         div.pager {
             @if after.is_some() { a href=(console.url(&format!("/dead-letters?{}", query_string(&pairs)))) { "« First page" } }
-            @if let Some(n) = next { a href=(n) id="next-page" { "Next page »" } }
+            @if let Some(n) = next { a id="next-page" href=(n) { "Next page »" } }
         }
     };
     Ok(page(
