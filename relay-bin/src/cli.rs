@@ -358,7 +358,7 @@ async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
                 credentials: crate::console::Credentials::from_env(&c.user),
                 retention: c.retention,
                 refresh: c.refresh.max(Duration::from_millis(100)),
-                database: redact_url(url),
+                database_url: url.to_owned(),
             };
             let shutdown = CancellationToken::new();
             let signals =
@@ -633,36 +633,46 @@ async fn dead_letters(pool: &PgPool, schema: &Ident, cmd: &DeadLetterCommand) ->
             }
         }
         DeadLetterCommand::Replay { target, retention } => {
-            let r =
-                admin::replay_dead_letters(pool, schema, &target.selection(), *retention).await?;
+            let r = admin::replay_dead_letters(pool, schema, &target.selection(), *retention, None)
+                .await?;
             say!("replayed {} event(s) into the outbox", r.replayed);
             if !r.conflicts.is_empty() {
                 eprintln!(
-                    "kept {} dead letter(s) whose id is already in the outbox (enqueued again or replayed before); purge them if the outbox copy is the one to keep: {:?}",
+                    "kept {} dead letter(s) whose id is already in the outbox (enqueued again or replayed before); purge them if the outbox copy is the one to keep: {}",
                     r.conflicts.len(),
-                    r.conflicts
+                    some_ids(&r.conflicts)
                 );
             }
             if !r.unpublishable.is_empty() {
                 eprintln!(
-                    "kept {} dead letter(s) the outbox refuses (a name over 255 bytes); they can never be published as they are: {:?}",
+                    "kept {} dead letter(s) the outbox refuses (a name over 255 bytes); they can never be published as they are: {}",
                     r.unpublishable.len(),
-                    r.unpublishable
+                    some_ids(&r.unpublishable)
                 );
             }
             if !r.older_than_retention.is_empty() {
                 eprintln!(
-                    "warning: {} replayed event(s) are older than the retention window ({}); consumers may apply them again: {:?}",
+                    "warning: {} replayed event(s) are older than the retention window ({}); consumers may apply them again: {}",
                     r.older_than_retention.len(),
                     humantime::format_duration(*retention),
-                    r.older_than_retention
+                    some_ids(&r.older_than_retention)
                 );
             }
         }
         DeadLetterCommand::Purge { target } => {
-            let n = admin::purge_dead_letters(pool, schema, &target.selection()).await?;
-            say!("purged {n} dead letter(s)");
+            let ids = admin::purge_dead_letters(pool, schema, &target.selection(), None).await?;
+            say!("purged {} dead letter(s)", ids.len());
         }
     }
     Ok(())
+}
+
+/// The first 20 of `ids`, and how many more (a replay of every dead letter
+/// may name hundreds of thousands).
+fn some_ids(ids: &[Uuid]) -> String {
+    let shown: Vec<String> = ids.iter().take(20).map(Uuid::to_string).collect();
+    match ids.len().saturating_sub(shown.len()) {
+        0 => shown.join(", "),
+        more => format!("{} and {more} more", shown.join(", ")),
+    }
 }

@@ -48,6 +48,17 @@ pub enum Error {
         "batches in flight did not finish within the drain timeout of {0:?}; their events stay in the outbox and will be published again"
     )]
     DrainTimedOut(std::time::Duration),
+    /// An operator action found more dead letters than the operator
+    /// confirmed (more arrived or came to match since): it changed nothing.
+    #[error(
+        "{found} dead letters match now, more than the {confirmed} confirmed: nothing was changed; look again and confirm the new count"
+    )]
+    SelectionGrew {
+        /// How many the operator confirmed.
+        confirmed: u64,
+        /// How many the action found.
+        found: u64,
+    },
     /// A broker operation did not finish within its timeout.
     #[error("broker did not answer {what} within {timeout:?}")]
     BrokerTimeout {
@@ -83,7 +94,7 @@ impl Error {
     /// True when a later retry of the same operation may succeed.
     pub fn is_transient(&self) -> bool {
         match self {
-            Error::Config(_) | Error::DrainTimedOut(_) => false,
+            Error::Config(_) | Error::DrainTimedOut(_) | Error::SelectionGrew { .. } => false,
             Error::Outbox(e) => e.is_transient(),
             Error::Database(e) => outbox_core::db::is_transient(e),
             Error::BrokerConnect { .. } | Error::Broker { .. } => !self.is_refusal(),

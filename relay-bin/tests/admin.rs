@@ -158,10 +158,12 @@ async fn filtered_replay_and_purge_touch_only_the_matching_dead_letters() {
         &schema,
         &Selection::Matching(filter(|f| f.event_type = Some("Type2".into()))),
         std::time::Duration::from_secs(3600),
+        Some(type2.len() as u64),
     )
     .await
     .unwrap();
     assert_eq!(replayed.replayed as usize, type2.len());
+    assert_eq!(replayed.ids.iter().copied().collect::<HashSet<_>>(), type2);
     let in_outbox: HashSet<Uuid> = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT id FROM \"{}\".outbox",
         db.schema
@@ -172,18 +174,45 @@ async fn filtered_replay_and_purge_touch_only_the_matching_dead_letters() {
     .into_iter()
     .collect();
     assert_eq!(in_outbox, type2, "exactly the matching events are back");
-    let purged = admin::purge_dead_letters(
-        &db.pool,
-        &schema,
-        &Selection::Matching(filter(|f| f.error_words = Some("NO_ROUTE".into()))),
-    )
-    .await
-    .unwrap();
     let no_route = rows
         .iter()
         .filter(|r| r.1 != "Type2" && r.3.starts_with("NO_ROUTE"))
         .count();
-    assert_eq!(purged as usize, no_route);
+    let selection = Selection::Matching(filter(|f| f.error_words = Some("NO_ROUTE".into())));
+    // Confirmed fewer than match now: refused, nothing deleted.
+    let grew = admin::purge_dead_letters(&db.pool, &schema, &selection, Some(no_route as u64 - 1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(grew, outbox_relay::Error::SelectionGrew { found, .. } if found as usize == no_route),
+        "{grew}"
+    );
+    assert_eq!(
+        db.count("outbox_dead_letters").await as usize,
+        rows.len() - type2.len()
+    );
+    let replay_grew = admin::replay_dead_letters(
+        &db.pool,
+        &schema,
+        &selection,
+        std::time::Duration::from_secs(3600),
+        Some(1),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(
+        replay_grew,
+        outbox_relay::Error::SelectionGrew { .. }
+    ));
+    assert_eq!(
+        db.count("outbox").await as usize,
+        type2.len(),
+        "nothing replayed"
+    );
+    let purged = admin::purge_dead_letters(&db.pool, &schema, &selection, Some(no_route as u64))
+        .await
+        .unwrap();
+    assert_eq!(purged.len(), no_route);
     assert_eq!(
         db.count("outbox_dead_letters").await as usize,
         rows.len() - type2.len() - no_route

@@ -407,6 +407,12 @@ async fn a_channel_failing_under_one_worker_restarts_every_worker() {
         collector.distinct() == ids.len()
     })
     .await;
+    // Quiet before judging: events of the failed batch may be on the wire
+    // already and still in the outbox, waiting for their retry.
+    wait_until(DEADLINE, "the outbox to empty", || async {
+        db.count("outbox").await == 0
+    })
+    .await;
     stop.cancel();
     task.await.unwrap().unwrap();
     // The fault landed: the culprit failed once (its channel closed under

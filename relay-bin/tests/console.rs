@@ -241,6 +241,12 @@ async fn dead_letters(
     .expect("dead letters")
 }
 
+/// The text between `start` and the next `end` after it.
+fn between<'a>(text: &'a str, start: &str, end: &str) -> &'a str {
+    let from = text.find(start).unwrap_or_else(|| panic!("no {start:?}")) + start.len();
+    &text[from..from + text[from..].find(end).expect("end")]
+}
+
 async fn count_where(db: &TestDb, table: &str, condition: &str) -> i64 {
     sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM \"{}\".{table} WHERE {condition}",
@@ -372,6 +378,9 @@ async fn console_filtered_replay_moves_exactly_the_matching_dead_letters_and_the
         Some("12")
     );
     browser.screenshot("dead-letters-confirm").await;
+    browser
+        .type_into("#reason", "consumer fixed, see ticket 7")
+        .await;
     browser.click("#confirm").await;
     assert_eq!(
         browser.attr("#result", "data-count").await.as_deref(),
@@ -622,16 +631,33 @@ async fn console_refuses_a_non_loopback_address_without_credentials_and_requests
 
 /// `GET url` with an optional `Authorization` header: (status, body).
 async fn http_get(url: &str, authorization: Option<String>) -> (u16, String) {
+    let auth = authorization.map(|a| ("Authorization", a));
+    http("GET", url, auth.as_slice(), "").await
+}
+
+/// One HTTP/1.1 request with these headers (`Host` is the URL's unless
+/// given): (status, the whole response as text).
+async fn http(method: &str, url: &str, headers: &[(&str, String)], body: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let u = url::Url::parse(url).expect("url");
     let mut s = tokio::net::TcpStream::connect((u.host_str().unwrap(), u.port().unwrap()))
         .await
         .expect("connect");
-    let auth = authorization.map_or(String::new(), |a| format!("Authorization: {a}\r\n"));
+    let mut head = String::new();
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        head.push_str(&format!(
+            "Host: {}:{}\r\n",
+            u.host_str().unwrap(),
+            u.port().unwrap()
+        ));
+    }
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
     let req = format!(
-        "GET {} HTTP/1.1\r\nHost: {}\r\n{auth}Connection: close\r\n\r\n",
+        "{method} {} HTTP/1.1\r\n{head}Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         u.path(),
-        u.host_str().unwrap()
+        body.len()
     );
     s.write_all(req.as_bytes()).await.expect("send");
     let mut raw = Vec::new();
@@ -672,6 +698,44 @@ async fn console_refuses_a_forged_post_and_any_action_when_read_only() {
     assert_eq!(browser.text("#error-title").await, "Request refused");
     browser.screenshot("forged-post").await;
     browser.goto(&format!("{}/dead-letters", console.url)).await;
+    // Another site's page POSTing with this browser's cookie and token
+    // (as if it had them) is still refused: its Origin gives it away.
+    let (_, page) = http("GET", &format!("{}/dead-letters", console.url), &[], "").await;
+    let cookie = between(&page, "outbox_console_csrf=", ";").to_owned();
+    let purge = format!(
+        "csrf={cookie}&action=purge&scope=matching&until=2099-01-01T00:00:00Z&expected=5&reason=x"
+    );
+    let with = |origin: &str| {
+        vec![
+            ("Cookie", format!("outbox_console_csrf={cookie}")),
+            ("Origin", origin.to_owned()),
+        ]
+    };
+    let act = format!("{}/dead-letters/act", console.url);
+    let (status, _) = http("POST", &act, &with("http://evil.example"), &purge).await;
+    assert_eq!(status, 403, "a cross-origin POST");
+    let (status, _) = http("POST", &act, &with("http://127.0.0.1:1"), &purge).await;
+    assert_eq!(status, 403, "another local port is another origin");
+    // Without credentials the console answers only direct loopback
+    // requests: a DNS name pointed at 127.0.0.1 (rebinding) or a proxy is refused.
+    let overview = format!("{}/", console.url);
+    let (status, _) = http(
+        "GET",
+        &overview,
+        &[("Host", "evil.example:80".to_owned())],
+        "",
+    )
+    .await;
+    assert_eq!(status, 403, "a non-loopback Host");
+    let (status, _) = http(
+        "GET",
+        &overview,
+        &[("X-Forwarded-For", "203.0.113.9".to_owned())],
+        "",
+    )
+    .await;
+    assert_eq!(status, 403, "a proxied request");
+    assert_eq!(db.count("outbox_dead_letters").await, 5, "nothing purged");
     let wrong = "0".repeat(64);
     browser
         .client
@@ -692,6 +756,9 @@ async fn console_refuses_a_forged_post_and_any_action_when_read_only() {
             .as_deref(),
         Some("5")
     );
+    browser
+        .type_into("#reason", "consumer fixed, see ticket 7")
+        .await;
     browser.click("#confirm").await;
     assert_eq!(
         browser.attr("#result", "data-count").await.as_deref(),
@@ -727,13 +794,33 @@ async fn console_refuses_a_forged_post_and_any_action_when_read_only() {
 async fn console_serves_under_a_base_path_for_a_reverse_proxy() {
     let db = TestDb::producer("console_prefix").await;
     let ids = dead_letters(&db, "PaymentFailed", "p", 3, "NO_ROUTE").await;
+    // Behind a proxy the console needs credentials: without, it refuses
+    // to start.
+    let log = artifacts("console-logs").join(format!("{}-nocreds.log", db.schema));
+    let status = console_cmd(&db, &format!("127.0.0.1:{}", free_port()), &log)
+        .args(["--base-path", "/ops/outbox"])
+        .status()
+        .expect("console");
+    assert!(!status.success());
+    assert!(
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .contains("refusing to serve the console under --base-path without credentials")
+    );
+    let password = format!("pw-{}", Uuid::new_v4().simple());
     let console = Console::start(&db, |c| {
-        c.args(["--base-path", "/ops/outbox"]);
+        c.args(["--base-path", "/ops/outbox"])
+            .env("OUTBOX_CONSOLE_USER", "ops")
+            .env("OUTBOX_CONSOLE_PASSWORD", &password);
     })
     .await;
     let browser = Browser::start().await;
     // The bare prefix redirects to the overview; links stay under it.
-    browser.goto(&format!("{}/ops/outbox", console.url)).await;
+    // (Credentials in the URL: chromium sends them to the whole origin.)
+    let signed_in = console
+        .url
+        .replace("http://", &format!("http://ops:{password}@"));
+    browser.goto(&format!("{signed_in}/ops/outbox")).await;
     assert_eq!(browser.text("h1").await, "Overview");
     browser
         .click("header nav a[href='/ops/outbox/dead-letters']")
@@ -759,6 +846,9 @@ async fn console_serves_under_a_base_path_for_a_reverse_proxy() {
             .as_deref(),
         Some("1")
     );
+    browser
+        .type_into("#reason", "consumer fixed, see ticket 7")
+        .await;
     browser.click("#confirm").await;
     assert_eq!(
         browser.attr("#result", "data-count").await.as_deref(),
@@ -769,7 +859,7 @@ async fn console_serves_under_a_base_path_for_a_reverse_proxy() {
     let url = browser.client.current_url().await.expect("url");
     assert_eq!(url.path(), "/ops/outbox/dead-letters/act");
     // Nothing is served outside the prefix.
-    browser.goto(&format!("{}/dead-letters", console.url)).await;
+    browser.goto(&format!("{signed_in}/dead-letters")).await;
     assert_eq!(browser.text("#error-title").await, "Not found");
     browser.close().await;
     drop(console);

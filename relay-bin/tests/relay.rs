@@ -260,6 +260,7 @@ async fn unroutable_event_is_retried_with_backoff_dead_lettered_and_replayable()
         &schema,
         &outbox_relay::admin::Selection::Ids(vec![id]),
         Duration::from_secs(3600),
+        None,
     )
     .await
     .unwrap();
@@ -522,6 +523,7 @@ async fn replaying_a_dead_letter_whose_id_is_in_the_outbox_keeps_it() {
         &schema,
         &outbox_relay::admin::Selection::All,
         Duration::from_secs(3600),
+        None,
     )
     .await
     .unwrap();

@@ -8,7 +8,7 @@ use serde::Serialize;
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
-use crate::admin::status::EXACT_COUNT_UP_TO;
+use crate::admin::status::{EXACT_COUNT_UP_TO, estimated_rows};
 use crate::error::Result;
 
 /// An event waiting in the outbox.
@@ -74,13 +74,15 @@ pub struct BacklogByType {
 const SAMPLE_ROWS: f64 = 20_000.0;
 
 /// The backlog per event type: exact on an outbox of at most
-/// [`EXACT_COUNT_UP_TO`] rows (by the planner's estimate), otherwise from a
+/// [`EXACT_COUNT_UP_TO`] rows (by the planner's estimate, scaled to the
+/// table's current size), otherwise from a
 /// `TABLESAMPLE SYSTEM` of about 20,000 rows scaled to the estimated row
 /// count, so the cost stays the same on any size of outbox.
 pub async fn backlog_by_type(pool: &PgPool, schema: &Ident) -> Result<BacklogByType> {
     let s = schema.quoted();
     let estimate: f64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT coalesce((SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass('{s}.outbox')), -1)"
+        "SELECT coalesce({}, 0)",
+        estimated_rows(&s, "outbox")
     )))
     .fetch_one(pool)
     .await?;

@@ -28,9 +28,14 @@ pub struct BlockedAggregate {
     pub last_error: Option<String>,
     /// When it is tried again.
     pub next_attempt_at: DateTime<Utc>,
-    /// Later events of the aggregate waiting behind it.
+    /// Later events of the aggregate waiting behind it, counted up to
+    /// [`WAITING_COUNTED_UP_TO`] (a larger queue shows as that).
     pub waiting: i64,
 }
+
+/// How far [`BlockedAggregate::waiting`] counts: an aggregate with a
+/// million events queued behind its head costs no more than this to list.
+pub const WAITING_COUNTED_UP_TO: i64 = 10_000;
 
 /// The condition on `outbox o` that makes `o` a blocked aggregate's head:
 /// ordered, failed at least once, nothing earlier of its aggregate left.
@@ -55,9 +60,9 @@ pub async fn blocked_aggregates(
     Ok(sqlx::query_as(AssertSqlSafe(format!(
         "SELECT o.aggregate_type, o.aggregate_id, o.id AS event_id, o.aggregate_seq, o.attempts, o.last_error,
                 o.available_at AS next_attempt_at,
-                (SELECT count(*) FROM {s}.outbox w
+                (SELECT count(*) FROM (SELECT 1 FROM {s}.outbox w
                  WHERE w.aggregate_type = o.aggregate_type AND w.aggregate_id = o.aggregate_id
-                   AND w.aggregate_seq > o.aggregate_seq) AS waiting
+                   AND w.aggregate_seq > o.aggregate_seq LIMIT {WAITING_COUNTED_UP_TO}) x) AS waiting
          FROM {s}.outbox o {}
          ORDER BY o.created_at LIMIT $1",
         blocked_heads(&s)
@@ -112,13 +117,18 @@ pub async fn waiting_events(
     .await?)
 }
 
+/// The longest skip reason kept, in characters (the rest is cut).
+pub const REASON_MAX_CHARS: usize = 1_000;
+
 /// Moves the given events from the outbox to the dead-letter table with
-/// `reason`, so the aggregates they block move on (consumers see the gap
-/// in the sequence). Waits for any batch in flight on their partitions
-/// and keeps relays off them until done. Returns how many were moved; a
-/// moved event can be replayed like any dead letter.
+/// `reason` (its first [`REASON_MAX_CHARS`] characters), so the aggregates
+/// they block move on (consumers see the gap in the sequence). Waits for
+/// any batch in flight on their partitions and keeps relays off them until
+/// done. Returns how many were moved; a moved event can be replayed like
+/// any dead letter.
 pub async fn skip_events(pool: &PgPool, schema: &Ident, ids: &[Uuid], reason: &str) -> Result<u64> {
     let s = schema.quoted();
+    let reason: String = reason.chars().take(REASON_MAX_CHARS).collect();
     let mut tx = pool.begin().await?;
     // The partitions' lease rows, exclusively: relays publish a partition
     // only while holding its row FOR KEY SHARE.

@@ -219,6 +219,8 @@ pub async fn dead_letter(
 pub struct Replayed {
     /// Events put back in the outbox.
     pub replayed: u64,
+    /// Their ids.
+    pub ids: Vec<Uuid>,
     /// Replayed events created before the retention window: consumers may
     /// have forgotten them already and would apply them again.
     pub older_than_retention: Vec<Uuid>,
@@ -247,6 +249,10 @@ pub async fn list_dead_letters(
     .await?)
 }
 
+/// How long one operator action (replay, purge) may run: a selection of
+/// hundreds of thousands of dead letters is one transaction.
+const ACTION_TIMEOUT: &str = "SET LOCAL statement_timeout = '10min'";
+
 /// Puts dead letters back in the outbox, due now with attempts reset, in
 /// one transaction. The event keeps its id, so consumers still deduplicate
 /// it. Events older than `retention` are replayed but reported. A dead
@@ -254,14 +260,20 @@ pub async fn list_dead_letters(
 /// stays where it is and is reported ([`Replayed::conflicts`],
 /// [`Replayed::unpublishable`]): a dead letter is deleted only once its
 /// event is back in the outbox.
+///
+/// `at_most`: the count an operator confirmed. When the selection holds
+/// more dead letters than that by now, nothing changes and the answer is
+/// [`Error::SelectionGrew`](crate::Error::SelectionGrew).
 pub async fn replay_dead_letters(
     pool: &PgPool,
     schema: &Ident,
     selection: &Selection,
     retention: std::time::Duration,
+    at_most: Option<u64>,
 ) -> Result<Replayed> {
     let s = schema.quoted();
     let mut tx = pool.begin().await?;
+    sqlx::query(ACTION_TIMEOUT).execute(&mut *tx).await?;
     // Each selected dead letter, locked: whether its id is in the outbox,
     // and whether the outbox's CHECKs would take it.
     let mut q = QueryBuilder::new(format!(
@@ -277,6 +289,7 @@ pub async fn replay_dead_letters(
     selection.push_conditions(&mut q);
     q.push(" ORDER BY d.id FOR UPDATE OF d");
     let selected: Vec<(Uuid, bool, bool)> = q.build_query_as().fetch_all(&mut *tx).await?;
+    check_at_most(at_most, selected.len())?;
     let wanted: Vec<Uuid> = selected
         .iter()
         .filter(|(_, in_outbox, ok)| !in_outbox && *ok)
@@ -325,29 +338,51 @@ pub async fn replay_dead_letters(
         .filter(|(_, in_outbox, ok)| !in_outbox && !ok)
         .map(|(id, ..)| *id)
         .collect();
+    // In the outbox already (whether or not the table would take it), or
+    // inserted there by a producer meanwhile.
     let conflicts: Vec<Uuid> = selected
         .iter()
-        .filter(|(id, _, ok)| *ok && !replayed_set.contains(id))
+        .filter(|(id, in_outbox, ok)| *in_outbox || (*ok && !replayed_set.contains(id)))
         .map(|(id, ..)| *id)
         .collect();
     Ok(Replayed {
         replayed: replayed.len() as u64,
+        ids: replayed,
         older_than_retention: older,
         conflicts,
         unpublishable,
     })
 }
 
-/// Deletes dead letters for good. Returns how many.
+/// Deletes dead letters for good. Returns their ids. `at_most` as for
+/// [`replay_dead_letters`]: more than that, and nothing is deleted.
 pub async fn purge_dead_letters(
     pool: &PgPool,
     schema: &Ident,
     selection: &Selection,
-) -> Result<u64> {
+    at_most: Option<u64>,
+) -> Result<Vec<Uuid>> {
+    let mut tx = pool.begin().await?;
+    sqlx::query(ACTION_TIMEOUT).execute(&mut *tx).await?;
     let mut q = QueryBuilder::new(format!(
         "DELETE FROM {}.outbox_dead_letters d WHERE TRUE",
         schema.quoted()
     ));
     selection.push_conditions(&mut q);
-    Ok(q.build().execute(pool).await?.rows_affected())
+    q.push(" RETURNING d.id");
+    let ids: Vec<Uuid> = q.build_query_scalar().fetch_all(&mut *tx).await?;
+    // Dropping the transaction rolls the delete back.
+    check_at_most(at_most, ids.len())?;
+    tx.commit().await?;
+    Ok(ids)
+}
+
+fn check_at_most(at_most: Option<u64>, found: usize) -> Result<()> {
+    match at_most {
+        Some(confirmed) if found as u64 > confirmed => Err(crate::Error::SelectionGrew {
+            confirmed,
+            found: found as u64,
+        }),
+        _ => Ok(()),
+    }
 }

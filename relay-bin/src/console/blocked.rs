@@ -57,7 +57,7 @@ pub(crate) async fn list(
                         " (" (time(b.next_attempt_at)) " UTC)"
                     }
                     dt { "waiting behind it" } dd {
-                        (count(b.waiting)) " event(s)"
+                        (count(b.waiting)) @if b.waiting >= admin::blocked::WAITING_COUNTED_UP_TO { "+" } " event(s)"
                         @if !behind.is_empty() {
                             ": "
                             @for (i, w) in behind.iter().enumerate() {
@@ -69,12 +69,20 @@ pub(crate) async fn list(
                     }
                 }
                 @if !read_only {
-                    form.actions method="post" action=(console.url("/blocked/act")) {
-                        input type="hidden" name=(CSRF_FIELD) value=(csrf.0);
-                        input type="hidden" name="id" value=(b.event_id);
-                        button.retry type="submit" name="action" value="retry" { "Retry now" }
-                        input.reason type="text" name="reason" placeholder="reason (required to skip)" size="36";
-                        button.danger.skip type="submit" name="action" value="skip" { "Skip to dead letters" }
+                    div.actions {
+                        form method="post" action=(console.url("/blocked/act")) {
+                            input type="hidden" name=(CSRF_FIELD) value=(csrf.0);
+                            input type="hidden" name="id" value=(b.event_id);
+                            button.retry type="submit" name="action" value="retry" { "Retry now" }
+                        }
+                        form method="post" action=(console.url("/blocked/act")) {
+                            input type="hidden" name=(CSRF_FIELD) value=(csrf.0);
+                            input type="hidden" name="id" value=(b.event_id);
+                            input type="hidden" name="action" value="skip";
+                            input.reason type="text" name="reason" placeholder="why skip it (required)" size="36" maxlength="1000";
+                            " "
+                            button.danger.skip type="submit" { "Skip to dead letters" }
+                        }
                     }
                 }
             }
@@ -106,7 +114,7 @@ pub(crate) async fn act(
     let message = match fields.get("action") {
         Some("retry") => {
             let n = admin::retry_now(&console.pool, &console.schema, &[id]).await?;
-            tracing::info!(target: "outbox_console_audit", who = %who.0, action = "retry", event_id = %id, rescheduled = n, "console: retry a blocked aggregate's head now");
+            tracing::info!(target: "outbox_console_audit", who = %who.who, peer = %who.peer, action = "retry", event_id = %id, reason = ?fields.get("reason"), rescheduled = n, "console: retry a blocked aggregate's head now");
             if n == 1 {
                 format!("Event {id} is due now: a relay tries it at its next claim.")
             } else {
@@ -124,7 +132,7 @@ pub(crate) async fn act(
                 ));
             };
             let n = admin::skip_events(&console.pool, &console.schema, &[id], reason).await?;
-            tracing::info!(target: "outbox_console_audit", who = %who.0, action = "skip", event_id = %id, reason = %reason, skipped = n, "console: skipped a blocked aggregate's head to the dead letters");
+            tracing::info!(target: "outbox_console_audit", who = %who.who, peer = %who.peer, action = "skip", event_id = %id, reason = ?reason, skipped = n, "console: skipped a blocked aggregate's head to the dead letters");
             if n == 1 {
                 format!("Event {id} moved to the dead letters; its aggregate moves on.")
             } else {

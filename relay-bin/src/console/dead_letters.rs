@@ -345,11 +345,13 @@ fn request_of(fields: &Fields) -> Result<Request, String> {
     };
     match fields.get("scope") {
         Some("ids") => {
-            let ids = fields
+            let mut ids = fields
                 .all("ids")
                 .filter(|v| !v.is_empty())
                 .map(|v| Uuid::parse_str(v).map_err(|_| format!("not an event id: {v:?}")))
                 .collect::<Result<Vec<_>, _>>()?;
+            ids.sort_unstable();
+            ids.dedup();
             if ids.is_empty() {
                 return Err("select at least one dead letter first".to_owned());
             }
@@ -388,7 +390,10 @@ pub(crate) async fn confirm(
         Err(e) => return bad_request(&e),
     };
     if let Selection::Matching(f) = &mut req.selection {
-        let now = Utc::now();
+        // The database's clock: `dead_lettered_at` is its `now()`.
+        let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
+            .fetch_one(&console.pool)
+            .await?;
         f.until = Some(f.until.map_or(now, |u| u.min(now)));
         req.described = format!("dead letters matching {}", describe(f));
     }
@@ -427,6 +432,8 @@ pub(crate) async fn confirm(
                     _ => {}
                 }
                 div.actions {
+                    input #reason type="text" name="reason" required size="48" maxlength="1000"
+                        placeholder="why (recorded in the audit log)";
                     button type="submit" id="confirm" class=(if req.action == Action::Purge { "danger" } else { "primary" }) {
                         (verb) " " (count(n)) " event(s)"
                     }
@@ -456,7 +463,17 @@ pub(crate) async fn act(
         Ok(r) => r,
         Err(e) => return bad_request(&e),
     };
-    let expected = fields.get("expected").unwrap_or("?").to_owned();
+    let Some(expected) = fields.get("expected").and_then(|v| v.parse::<u64>().ok()) else {
+        return bad_request("no confirmed count: confirm the action on its confirmation page");
+    };
+    if matches!(&req.selection, Selection::Matching(f) if f.until.is_none()) {
+        return bad_request(
+            "an action on a filter needs the time it was confirmed at (until): confirm it on its confirmation page",
+        );
+    }
+    let Some(reason) = fields.get("reason").map(str::to_owned) else {
+        return bad_request("say why: the reason is recorded in the audit log");
+    };
     let body = match req.action {
         Action::Replay => {
             let r = admin::replay_dead_letters(
@@ -464,13 +481,15 @@ pub(crate) async fn act(
                 &console.schema,
                 &req.selection,
                 console.options.retention,
+                Some(expected),
             )
             .await?;
             tracing::info!(
                 target: "outbox_console_audit",
-                who = %who.0, action = "replay", selection = %req.described, confirmed = %expected,
-                replayed = r.replayed, kept_conflicts = r.conflicts.len(),
-                kept_unpublishable = r.unpublishable.len(), older_than_retention = r.older_than_retention.len(),
+                who = %who.who, peer = %who.peer, action = "replay", selection = %req.described,
+                reason = ?reason, confirmed = expected, replayed = r.replayed, ids = ?first_ids(&r.ids),
+                kept_conflicts = r.conflicts.len(), kept_unpublishable = r.unpublishable.len(),
+                older_than_retention = r.older_than_retention.len(),
                 "console: replayed dead letters"
             );
             html! {
@@ -491,21 +510,32 @@ pub(crate) async fn act(
             }
         }
         Action::Purge => {
-            let n =
-                admin::purge_dead_letters(&console.pool, &console.schema, &req.selection).await?;
+            let ids = admin::purge_dead_letters(
+                &console.pool,
+                &console.schema,
+                &req.selection,
+                Some(expected),
+            )
+            .await?;
             tracing::info!(
                 target: "outbox_console_audit",
-                who = %who.0, action = "purge", selection = %req.described, confirmed = %expected,
-                purged = n, "console: purged dead letters"
+                who = %who.who, peer = %who.peer, action = "purge", selection = %req.described,
+                reason = ?reason, confirmed = expected, purged = ids.len(), ids = ?first_ids(&ids),
+                "console: purged dead letters"
             );
             html! {
                 h1 { "Purged" }
-                div.flash.ok id="result" data-count=(n) {
-                    "Purged " strong { (n) } " dead letter(s) (" (req.described) "; confirmed " (expected) ")."
+                div.flash.ok id="result" data-count=(ids.len()) {
+                    "Purged " strong { (ids.len()) } " dead letter(s) (" (req.described) "; confirmed " (expected) ")."
                 }
                 p { a href=(console.url("/dead-letters")) { "« Dead letters" } }
             }
         }
     };
     Ok(page(console, &headers, "/dead-letters", "Done", None, body))
+}
+
+/// The ids an audit line names: the first 20 (the line gives the count).
+fn first_ids(ids: &[Uuid]) -> &[Uuid] {
+    &ids[..ids.len().min(20)]
 }

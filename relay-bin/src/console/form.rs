@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
 use super::Shared;
@@ -54,15 +55,21 @@ impl FromRequest<Shared> for ActionForm {
     async fn from_request(req: Request, console: &Shared) -> Result<Self, Response> {
         let csrf = req.extensions().get::<CsrfToken>().cloned();
         let who = req.extensions().get::<Principal>().cloned();
+        let headers = req.headers().clone();
         let body = Bytes::from_request(req, console)
             .await
             .map_err(IntoResponse::into_response)?;
         let fields = Fields::parse(&body);
         let (Some(csrf), Some(who)) = (csrf, who) else {
             // Both are set by the console's own middleware on every request.
-            return Err(super::layout::not_found().await);
+            return Err(super::layout::error_page(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Something went wrong",
+                "the request missed the console's own checks",
+            ));
         };
-        if let Some(refused) = refuse_action(console, &csrf, fields.get(CSRF_FIELD)) {
+        if let Some(refused) = refuse_action(console, &headers, &csrf, &who, fields.get(CSRF_FIELD))
+        {
             return Err(refused);
         }
         Ok(ActionForm { fields, who })

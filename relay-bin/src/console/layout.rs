@@ -65,7 +65,7 @@ pub(crate) fn page(
                     }
                     span.where {
                         @if o.read_only { span.ro { "read-only" } " " }
-                        (o.database) " · schema " (console.schema.as_str())
+                        (outbox::redact::redact_url(&o.database_url)) " · schema " (console.schema.as_str())
                     }
                 }
                 main data-refresh=[refresh_s] { (body) }
@@ -85,7 +85,7 @@ pub(crate) fn error_page(status: StatusCode, title: &str, message: &str) -> Resp
                 main {
                     h1 id="error-title" { (title) }
                     p id="error-message" { (message) }
-                    p { a href="javascript:history.back()" { "Back" } }
+                    p { a href=(super::home()) { "Back to the console" } }
                 }
             }
         }

@@ -16,7 +16,7 @@ mod overview;
 mod security;
 
 use std::net::SocketAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -50,8 +50,36 @@ pub(crate) struct Options {
     pub(crate) retention: Duration,
     /// How often the overview's figures are read again.
     pub(crate) refresh: Duration,
-    /// The database, as shown in the header (no password).
-    pub(crate) database: String,
+    /// The database URL: shown without its password, and scrubbed from
+    /// every error the console shows or logs.
+    pub(crate) database_url: String,
+}
+
+/// What error pages and messages need without a handle on the console:
+/// the base path (their link home) and the URL to scrub from errors. Set
+/// once by [`serve`]; one console per process.
+struct Process {
+    base_path: String,
+    database_url: String,
+}
+
+static PROCESS: OnceLock<Process> = OnceLock::new();
+
+/// The console's home page, for links on error pages.
+pub(crate) fn home() -> String {
+    PROCESS
+        .get()
+        .map_or("/".to_owned(), |p| format!("{}/", p.base_path))
+}
+
+/// `text` without the database URL's password (nor those of the URLs in
+/// the environment).
+pub(crate) fn scrub(text: &str) -> String {
+    let text = crate::cli::scrub_secrets(text);
+    match PROCESS.get() {
+        Some(p) => outbox::redact::scrub(&text, &p.database_url),
+        None => text,
+    }
 }
 
 /// What every handler shares.
@@ -61,6 +89,8 @@ pub(crate) struct Console {
     pub(crate) options: Options,
     /// The overview's figures, read by the refresher.
     pub(crate) snapshot: RwLock<Arc<Snapshot>>,
+    /// Signs the CSRF cookies.
+    pub(crate) csrf_key: security::CsrfKey,
 }
 
 type Shared = Arc<Console>;
@@ -113,13 +143,17 @@ pub(crate) async fn serve(
     options: Options,
     shutdown: CancellationToken,
 ) -> Result<()> {
-    security::check_bind(&options)?;
     if !options.base_path.is_empty() && !valid_base_path(&options.base_path) {
         bail!(
             "--base-path must start with '/', not end with '/', and hold only letters, digits and -._/ (got {:?})",
             options.base_path
         );
     }
+    security::check_bind(&options)?;
+    let _ = PROCESS.set(Process {
+        base_path: options.base_path.clone(),
+        database_url: options.database_url.clone(),
+    });
     outbox::check_migrated(&pool, schema.as_str())
         .await
         .context("the console needs the outbox tables")?;
@@ -135,6 +169,7 @@ pub(crate) async fn serve(
         schema,
         options,
         snapshot: RwLock::new(Arc::new(first)),
+        csrf_key: security::CsrfKey::random(),
     });
     tokio::spawn(refresh(console.clone(), shutdown.clone()));
     let app = router(console.clone());
@@ -156,6 +191,7 @@ pub(crate) async fn serve(
 
 fn valid_base_path(p: &str) -> bool {
     p.starts_with('/')
+        && !p.starts_with("//")
         && !p.ends_with('/')
         && p.chars()
             .all(|c| c.is_ascii_alphanumeric() || "-._/".contains(c))
@@ -173,7 +209,10 @@ async fn refresh(console: Shared, shutdown: CancellationToken) {
             Ok(s) => {
                 *console.snapshot.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(s);
             }
-            Err(e) => tracing::warn!(error = %e, "console: could not refresh the overview"),
+            Err(e) => {
+                let error = scrub(&e.to_string());
+                tracing::warn!(%error, "console: could not refresh the overview");
+            }
         }
     }
 }
@@ -223,7 +262,9 @@ async fn headers(req: Request, next: Next) -> Response {
         ),
         (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
         (header::X_FRAME_OPTIONS, "DENY"),
-        (header::REFERRER_POLICY, "no-referrer"),
+        // Not no-referrer: with it, browsers send `Origin: null` on form POSTs,
+        // which the cross-origin check must refuse.
+        (header::REFERRER_POLICY, "same-origin"),
         (header::CACHE_CONTROL, "no-store"),
     ];
     for (name, value) in fixed {
@@ -248,7 +289,15 @@ impl<E: Into<anyhow::Error>> From<E> for PageError {
 
 impl IntoResponse for PageError {
     fn into_response(self) -> Response {
-        let line = crate::cli::scrub_secrets(&format!("{:#}", self.0));
+        // Operator actions that found more than was confirmed: say so.
+        if let Some(e @ outbox_relay::Error::SelectionGrew { .. }) = self.0.downcast_ref() {
+            return layout::error_page(
+                axum::http::StatusCode::CONFLICT,
+                "Nothing was changed",
+                &e.to_string(),
+            );
+        }
+        let line = scrub(&format!("{:#}", self.0));
         tracing::warn!(error = %line, "console: request failed");
         layout::error_page(
             axum::http::StatusCode::INTERNAL_SERVER_ERROR,

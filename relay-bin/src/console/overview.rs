@@ -51,7 +51,8 @@ pub(crate) async fn overview(state: ConsoleState, headers: HeaderMap) -> PageRes
             (count(admin::status::EXACT_COUNT_UP_TO)) " rows are the planner's estimates. This page refreshes by itself."
         }
     };
-    Ok(page(console, &headers, "/", "Overview", Some(5), body))
+    let every = console.options.refresh.as_secs_f64().ceil().max(1.0) as u64;
+    Ok(page(console, &headers, "/", "Overview", Some(every), body))
 }
 
 fn card(id: &str, label: &str, value: &str, note: &str, warn: bool, bad: bool) -> Markup {
