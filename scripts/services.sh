@@ -44,6 +44,18 @@ else
     wait_for postgresql pg_ready
     say "postgresql started"
 fi
+# Logical decoding (the relay's write-ahead-log capture mode reads a
+# logical replication slot) needs wal_level = logical: set it once, which
+# takes a restart. Slots and WAL senders: the defaults (10 each) suffice.
+if [ "$(pg_psql -d postgres -c 'SHOW wal_level')" != logical ]; then
+    pg_psql -d postgres -c "ALTER SYSTEM SET wal_level = logical"
+    ver=$(ls /etc/postgresql | sort -V | tail -n1)
+    say "postgresql: wal_level = logical, restarting $ver once"
+    as_root pg_ctlcluster --skip-systemctl-redirect "$ver" main restart
+    wait_for postgresql pg_ready
+    [ "$(pg_psql -d postgres -c 'SHOW wal_level')" = logical ] ||
+        { say "postgresql: wal_level is still not logical (is it set in postgresql.conf by something else?)" >&2; exit 1; }
+fi
 for db in test root; do
     if [ "$(pg_psql -d postgres -c "SELECT 1 FROM pg_database WHERE datname = '$db'")" != 1 ]; then
         pg_psql -d postgres -c "CREATE DATABASE \"$db\""
