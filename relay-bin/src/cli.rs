@@ -96,7 +96,8 @@ struct ConsoleArgs {
     #[arg(long, env = "OUTBOX_CONSOLE_READ_ONLY")]
     read_only: bool,
     /// Path prefix of every page, when a reverse proxy forwards
-    /// `/<prefix>/...` unchanged (for example `/outbox`).
+    /// `/<prefix>/...` unchanged (for example `/outbox`). Needs
+    /// credentials: behind a proxy every visitor arrives from loopback.
     #[arg(long, env = "OUTBOX_CONSOLE_BASE_PATH", default_value = "")]
     base_path: String,
     /// User name for HTTP basic auth (the password comes from

@@ -778,6 +778,7 @@ async fn console_refuses_a_forged_post_and_any_action_when_read_only() {
     browser.goto(&format!("{}/dead-letters", console.url)).await;
     assert_eq!(browser.text("#matching-count").await, "2");
     assert!(!browser.exists("#purge-matching").await && !browser.exists("#replay-selected").await);
+    browser.screenshot("read-only").await;
     browser
         .client
         .execute(&forge(&console.url, None), vec![])
@@ -836,6 +837,7 @@ async fn console_serves_under_a_base_path_for_a_reverse_proxy() {
         .await
         .expect("style");
     assert_eq!(styled, "flex", "console.css applied");
+    browser.screenshot("base-path-dead-letters").await;
     // An action round trip under the prefix (the CSRF cookie's path).
     browser.click(&format!("input[value='{}']", ids[0])).await;
     browser.click("#replay-selected").await;

@@ -170,7 +170,7 @@ pub(crate) async fn list(
         }
         p id="matching" {
             span id="matching-count" { @if approx { "about " } (count(matching)) @if approx && !filter.is_empty() { "+" } }
-            " dead letters match " (describe(&filter)) "."
+            @if filter.is_empty() { " dead letters in all." } @else { " dead letters match " (describe(&filter)) "." }
         }
         @if !read_only && matching > 0 {
             form.actions method="post" action=(console.url("/dead-letters/confirm")) id="matching-actions" {
