@@ -617,6 +617,26 @@ async fn console_refuses_a_non_loopback_address_without_credentials_and_requests
     );
     let (status, body_basic) = get(basic_port, Some(basic("ops", &password))).await;
     assert_eq!(status, 200);
+    assert!(
+        !body_basic.contains("; Secure"),
+        "plain HTTP: no Secure cookie"
+    );
+    // Behind a TLS-terminating proxy the CSRF cookie is Secure.
+    let (status, behind_tls) = http(
+        "GET",
+        &format!("http://127.0.0.1:{basic_port}/dead-letters"),
+        &[
+            ("Authorization", basic("ops", &password)),
+            ("X-Forwarded-Proto", "https".to_owned()),
+        ],
+        "",
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(
+        behind_tls.contains("HttpOnly; SameSite=Strict; Secure"),
+        "{behind_tls}"
+    );
     // Neither secret is ever printed.
     let said = std::fs::read_to_string(&log).unwrap_or_default()
         + &std::fs::read_to_string(&basic_log).unwrap_or_default();

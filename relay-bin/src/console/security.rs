@@ -272,6 +272,14 @@ pub(crate) async fn csrf_cookie(
 ) -> Response {
     let existing = csrf_cookies(&req, &console.csrf_key);
     let token = existing.clone().unwrap_or_else(|| console.csrf_key.issue());
+    // Behind a TLS-terminating proxy (which needs credentials, so the
+    // header comes from a proxy the operator set up), the cookie is
+    // `Secure`: never sent over plain HTTP.
+    let secure = console.options.credentials.is_some()
+        && req
+            .headers()
+            .get("x-forwarded-proto")
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"https"));
     req.extensions_mut().insert(CsrfToken(token.clone()));
     let mut res = next.run(req).await;
     if existing.is_none() {
@@ -280,7 +288,9 @@ pub(crate) async fn csrf_cookie(
         } else {
             console.options.base_path.clone()
         };
-        let cookie = format!("{CSRF_COOKIE}={token}; Path={path}; HttpOnly; SameSite=Strict");
+        let secure = if secure { "; Secure" } else { "" };
+        let cookie =
+            format!("{CSRF_COOKIE}={token}; Path={path}; HttpOnly; SameSite=Strict{secure}");
         if let Ok(v) = HeaderValue::from_str(&cookie) {
             res.headers_mut().append(header::SET_COOKIE, v);
         }
