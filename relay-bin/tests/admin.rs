@@ -219,3 +219,37 @@ async fn filtered_replay_and_purge_touch_only_the_matching_dead_letters() {
     );
     db.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_big_outbox_is_estimated_at_its_current_size_not_its_last_analyze() {
+    let db = TestDb::producer("admin_estimate").await;
+    let schema = outbox::Ident::new("schema", &db.schema).unwrap();
+    let s = format!("\"{}\"", db.schema);
+    let fill = format!(
+        "INSERT INTO {s}.outbox (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'order', 'o-' || g, 'OrderPlaced', jsonb_build_object('g', g, 'pad', repeat('x', 200))
+         FROM generate_series(1, 120000) g"
+    );
+    // No autovacuum: the statistics are exactly those of the ANALYZE below.
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "ALTER TABLE {s}.outbox SET (autovacuum_enabled = false); {fill}; ANALYZE {s}.outbox; {fill}"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // 240,000 rows now, 120,000 at the last ANALYZE: above the exact-count
+    // bound, so estimated, at the table's current size.
+    let backlog = admin::gauges(&db.pool, &schema).await.unwrap().backlog;
+    assert!(
+        (204_000..=276_000).contains(&backlog),
+        "estimated {backlog} rows of 240,000"
+    );
+    let by_type = admin::backlog_by_type(&db.pool, &schema).await.unwrap();
+    assert!(!by_type.exact);
+    let sampled: i64 = by_type.types.iter().map(|t| t.events).sum();
+    assert!(
+        (204_000..=276_000).contains(&sampled),
+        "sampled {sampled} of 240,000"
+    );
+    db.cleanup().await;
+}

@@ -140,6 +140,31 @@ impl Browser {
             .is_empty()
     }
 
+    /// On an action's confirmation page: checks it counts `n` events
+    /// (screenshot `shot` of it, if given), gives a reason, confirms, and
+    /// checks the result says it touched `n`.
+    async fn confirm_action(&self, n: usize, shot: Option<&str>) {
+        let n = n.to_string();
+        let counted = self.attr("#confirm-count", "data-count").await;
+        assert_eq!(
+            counted.as_deref(),
+            Some(n.as_str()),
+            "the confirmation's count"
+        );
+        if let Some(name) = shot {
+            self.screenshot(name).await;
+        }
+        self.type_into("#reason", "consumer fixed, see ticket 7")
+            .await;
+        self.click("#confirm").await;
+        let touched = self.attr("#result", "data-count").await;
+        assert_eq!(
+            touched.as_deref(),
+            Some(n.as_str()),
+            "what the action touched"
+        );
+    }
+
     async fn screenshot(&self, name: &str) {
         let png = self.client.screenshot().await.expect("screenshot");
         let path = artifacts("console-screenshots").join(format!("{name}.png"));
@@ -370,22 +395,9 @@ async fn console_filtered_replay_moves_exactly_the_matching_dead_letters_and_the
     browser.screenshot("dead-letters-filtered").await;
 
     browser.click("#replay-matching").await;
-    assert_eq!(
-        browser
-            .attr("#confirm-count", "data-count")
-            .await
-            .as_deref(),
-        Some("12")
-    );
-    browser.screenshot("dead-letters-confirm").await;
     browser
-        .type_into("#reason", "consumer fixed, see ticket 7")
+        .confirm_action(12, Some("dead-letters-confirm"))
         .await;
-    browser.click("#confirm").await;
-    assert_eq!(
-        browser.attr("#result", "data-count").await.as_deref(),
-        Some("12")
-    );
 
     // Exactly the matching ones left the dead letters...
     assert_eq!(
@@ -769,21 +781,7 @@ async fn console_refuses_a_forged_post_and_any_action_when_read_only() {
     // above refused the token, not the action).
     browser.goto(&format!("{}/dead-letters", console.url)).await;
     browser.click("#purge-matching").await;
-    assert_eq!(
-        browser
-            .attr("#confirm-count", "data-count")
-            .await
-            .as_deref(),
-        Some("5")
-    );
-    browser
-        .type_into("#reason", "consumer fixed, see ticket 7")
-        .await;
-    browser.click("#confirm").await;
-    assert_eq!(
-        browser.attr("#result", "data-count").await.as_deref(),
-        Some("5")
-    );
+    browser.confirm_action(5, None).await;
     assert_eq!(db.count("outbox_dead_letters").await, 0);
     browser.close().await;
     drop(console);
@@ -861,21 +859,7 @@ async fn console_serves_under_a_base_path_for_a_reverse_proxy() {
     // An action round trip under the prefix (the CSRF cookie's path).
     browser.click(&format!("input[value='{}']", ids[0])).await;
     browser.click("#replay-selected").await;
-    assert_eq!(
-        browser
-            .attr("#confirm-count", "data-count")
-            .await
-            .as_deref(),
-        Some("1")
-    );
-    browser
-        .type_into("#reason", "consumer fixed, see ticket 7")
-        .await;
-    browser.click("#confirm").await;
-    assert_eq!(
-        browser.attr("#result", "data-count").await.as_deref(),
-        Some("1")
-    );
+    browser.confirm_action(1, None).await;
     assert_eq!(db.count("outbox_dead_letters").await, 2);
     assert_eq!(db.count("outbox").await, 1);
     let url = browser.client.current_url().await.expect("url");

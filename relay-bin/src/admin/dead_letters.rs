@@ -239,14 +239,7 @@ pub async fn list_dead_letters(
     schema: &Ident,
     limit: i64,
 ) -> Result<Vec<DeadLetter>> {
-    Ok(sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at, dead_lettered_at
-         FROM {}.outbox_dead_letters ORDER BY dead_lettered_at DESC LIMIT $1",
-        schema.quoted()
-    )))
-    .bind(limit)
-    .fetch_all(pool)
-    .await?)
+    search_dead_letters(pool, schema, &Filter::default(), None, limit).await
 }
 
 /// How long one operator action (replay, purge) may run: a selection of
