@@ -45,12 +45,18 @@ else
     say "postgresql started"
 fi
 # Logical decoding (the relay's write-ahead-log capture mode reads a
-# logical replication slot) needs wal_level = logical: set it once, which
-# takes a restart. Slots and WAL senders: the defaults (10 each) suffice.
-if [ "$(pg_psql -d postgres -c 'SHOW wal_level')" != logical ]; then
+# logical replication slot) needs wal_level = logical; the test suite runs
+# several slots and replication sessions at once (one per WAL test, two
+# relays in the handover tests): 20 of each. Set once, which takes a
+# restart; a no-op after that.
+if [ "$(pg_psql -d postgres -c 'SHOW wal_level')" != logical ] ||
+   [ "$(pg_psql -d postgres -c 'SHOW max_replication_slots')" -lt 20 ] ||
+   [ "$(pg_psql -d postgres -c 'SHOW max_wal_senders')" -lt 20 ]; then
     pg_psql -d postgres -c "ALTER SYSTEM SET wal_level = logical"
+    pg_psql -d postgres -c "ALTER SYSTEM SET max_replication_slots = 20"
+    pg_psql -d postgres -c "ALTER SYSTEM SET max_wal_senders = 20"
     ver=$(ls /etc/postgresql | sort -V | tail -n1)
-    say "postgresql: wal_level = logical, restarting $ver once"
+    say "postgresql: wal_level = logical, 20 replication slots and WAL senders, restarting $ver once"
     as_root pg_ctlcluster --skip-systemctl-redirect "$ver" main restart
     wait_for postgresql pg_ready
     [ "$(pg_psql -d postgres -c 'SHOW wal_level')" = logical ] ||

@@ -61,6 +61,18 @@ pub fn wakeup_channel(schema: &Ident) -> String {
     format!("outbox_{}", schema.as_str())
 }
 
+/// The logical replication slot (and the publication) the write-ahead-log
+/// capture of `schema` reads: `outbox_<schema>`, at most 63 bytes.
+pub fn wal_slot_name(schema: &Ident) -> String {
+    format!("outbox_{}", schema.as_str())
+}
+
+/// The prefix of the logical decoding messages that carry `schema`'s events
+/// in the write-ahead log: `outbox:<schema>` (function `outbox_emit`).
+pub fn wal_message_prefix(schema: &Ident) -> String {
+    format!("outbox:{}", schema.as_str())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

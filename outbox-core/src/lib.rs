@@ -24,7 +24,9 @@ pub mod migrate;
 pub mod outage;
 pub mod redact;
 
-pub use crate::ident::{Ident, InvalidIdentifier, MAX_SCHEMA_LEN, wakeup_channel};
+pub use crate::ident::{
+    Ident, InvalidIdentifier, MAX_SCHEMA_LEN, wakeup_channel, wal_message_prefix, wal_slot_name,
+};
 
 /// 64 random bits, different at every call: good for jitter and trace
 /// ids, not for secrets. (The standard library's per-process random hash

@@ -104,6 +104,19 @@ pub enum Error {
         /// The schema.
         schema: String,
     },
+    /// [`Capture::Wal`](crate::Capture::Wal) was asked for, but events
+    /// written that way would never be read: the database's `wal_level` is
+    /// not `logical`, or the schema's replication slot does not exist.
+    /// Nothing was written.
+    #[error(
+        "write-ahead-log capture is not set up for schema {schema:?}: {reason}; run `outbox-relay migrate --capture wal` (docs/WAL_CAPTURE.md)"
+    )]
+    WalCaptureNotReady {
+        /// The schema.
+        schema: String,
+        /// What is missing.
+        reason: String,
+    },
     /// The database returned an error.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),

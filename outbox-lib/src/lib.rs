@@ -78,7 +78,9 @@ use sqlx::PgPool;
 pub use crate::error::{Error, MigrateError, Result};
 pub use crate::event::{EVENT_ID_NAMESPACE, NewEvent};
 pub use crate::ordered_types::{ALL_TYPES, ordered_types, set_ordered};
-pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, OrderedAggregates, Outbox, OutboxConfig};
+pub use crate::outbox::{
+    Capture, DEFAULT_MAX_PAYLOAD_BYTES, OrderedAggregates, Outbox, OutboxConfig,
+};
 #[cfg(feature = "signal")]
 #[cfg_attr(docsrs, doc(cfg(feature = "signal")))]
 pub use crate::signal::shutdown_signal;
@@ -86,7 +88,7 @@ pub use crate::wakeup::Wakeup;
 /// Passwords in URLs never reach a log line, an error or `--help`: the
 /// helpers the toolkit's own binaries use, for yours.
 pub use outbox_core::redact;
-pub use outbox_core::{Ident, wakeup_channel};
+pub use outbox_core::{Ident, wakeup_channel, wal_message_prefix, wal_slot_name};
 
 /// Applies the producer's migrations (outbox, dead letters, idempotency
 /// keys) to `schema`, creating it if needed. Safe to run concurrently and

@@ -54,5 +54,10 @@ pub(crate) const PRODUCER: MigrationSet = MigrationSet {
             name: "console",
             sql: include_str!("../migrations/0009_console.sql"),
         },
+        Migration {
+            version: 10,
+            name: "wal_capture",
+            sql: include_str!("../migrations/0010_wal_capture.sql"),
+        },
     ],
 };

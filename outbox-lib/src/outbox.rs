@@ -51,6 +51,26 @@ impl OrderedAggregates {
     }
 }
 
+/// How an [`Outbox`] writes events: which capture path the relay reads
+/// them from ([`docs/WAL_CAPTURE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/WAL_CAPTURE.md)).
+/// The AMQP message, the consumer and every guarantee are the same for both.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Capture {
+    /// A row in the outbox table (default): any relay mode publishes it,
+    /// and services in any language can insert rows directly.
+    #[default]
+    Table,
+    /// A transactional logical decoding message in the write-ahead log
+    /// (SQL function `outbox_emit`): no table row, no index, no vacuum;
+    /// decoded only if the transaction commits, in commit order. Needs
+    /// `wal_level = logical` and the schema's replication slot
+    /// (`outbox-relay migrate --capture wal`), which [`Outbox::new`]
+    /// checks, and a relay running `--capture wal`. An id written twice is
+    /// published twice (no primary key to absorb it; consumers dedup).
+    Wal,
+}
+
 /// Settings of an [`Outbox`] handle.
 ///
 /// Like every configuration of the toolkit: start from
@@ -86,6 +106,8 @@ pub struct OutboxConfig {
     /// ends: transactions writing events of the same aggregate commit one
     /// after the other. See [`docs/ORDERING.md`](https://github.com/outbox-rs/outbox/blob/main/docs/ORDERING.md).
     pub ordering: OrderedAggregates,
+    /// Where events go (default [`Capture::Table`]).
+    pub capture: Capture,
 }
 
 impl Default for OutboxConfig {
@@ -95,6 +117,7 @@ impl Default for OutboxConfig {
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             wakeup: Wakeup::default(),
             ordering: OrderedAggregates::None,
+            capture: Capture::Table,
         }
     }
 }
@@ -115,6 +138,7 @@ struct Inner {
     channel: String,
     wakeup: Wakeup,
     notifier: Option<Notifier>,
+    capture: Capture,
 }
 
 impl Outbox {
@@ -128,21 +152,36 @@ impl Outbox {
         ensure_migrated(pool, &PRODUCER, &schema).await?;
         crate::ordered_types::ensure(pool, &schema, &config.ordering).await?;
         let channel = wakeup_channel(&schema);
-        let notifier = match config.wakeup {
-            Wakeup::AfterCommit => Some(Notifier::start(pool, channel.clone())),
-            Wakeup::InTransaction | Wakeup::PollOnly => None,
+        // The relay reading the slot learns of commits from the log itself.
+        let notifier = match (config.capture, config.wakeup) {
+            (Capture::Wal, _) => None,
+            (Capture::Table, Wakeup::AfterCommit) => Some(Notifier::start(pool, channel.clone())),
+            (Capture::Table, Wakeup::InTransaction | Wakeup::PollOnly) => None,
+        };
+        let (insert_one, insert_many) = match config.capture {
+            Capture::Table => (insert_one_sql(&schema), insert_many_sql(&schema)),
+            Capture::Wal => {
+                ensure_wal_ready(pool, &schema).await?;
+                (emit_one_sql(&schema), emit_many_sql(&schema))
+            }
         };
         Ok(Self {
             inner: Arc::new(Inner {
-                insert_one: insert_one_sql(&schema),
-                insert_many: insert_many_sql(&schema),
+                insert_one,
+                insert_many,
                 schema,
                 max_payload_bytes: config.max_payload_bytes,
                 channel,
                 wakeup: config.wakeup,
                 notifier,
+                capture: config.capture,
             }),
         })
+    }
+
+    /// How this handle writes events.
+    pub fn capture(&self) -> Capture {
+        self.inner.capture
     }
 
     /// The schema this outbox writes to.
@@ -155,7 +194,9 @@ impl Outbox {
     /// The row commits or rolls back with the caller's transaction: an event
     /// of a transaction that rolls back is never published. Enqueueing an id
     /// that is still in the outbox is a no-op (the first write wins) and
-    /// returns the same id.
+    /// returns the same id. With [`Capture::Wal`] the event is a logical
+    /// decoding message instead of a row, with the same commit-or-nothing
+    /// rule (an id written twice is then published twice).
     ///
     /// ```no_run
     /// # async fn demo(pool: sqlx::PgPool, outbox: outbox::Outbox) -> anyhow::Result<()> {
@@ -246,7 +287,7 @@ impl Outbox {
     }
 
     async fn notify_in_transaction(&self, conn: &mut PgConnection) -> Result<()> {
-        if self.inner.wakeup == Wakeup::InTransaction {
+        if self.inner.wakeup == Wakeup::InTransaction && self.inner.capture == Capture::Table {
             sqlx::query("SELECT pg_notify($1, '')")
                 .bind(&self.inner.channel)
                 .execute(&mut *conn)
@@ -274,7 +315,58 @@ impl Outbox {
     }
 }
 
-// The schema is a validated `Ident`; everything else is bound.
+/// [`Capture::Wal`] writes into nothing unless the database decodes the
+/// log and the schema's slot exists: refuse it at start-up instead.
+async fn ensure_wal_ready(pool: &PgPool, schema: &Ident) -> Result<()> {
+    let (wal_level, slot): (String, bool) = sqlx::query_as(
+        "SELECT current_setting('wal_level'),
+                EXISTS (SELECT 1 FROM pg_replication_slots
+                        WHERE slot_name = $1 AND database = current_database())",
+    )
+    .bind(outbox_core::wal_slot_name(schema))
+    .fetch_one(pool)
+    .await?;
+    let reason = if wal_level != "logical" {
+        format!("the database's wal_level is {wal_level:?}, not \"logical\"")
+    } else if !slot {
+        format!(
+            "replication slot {:?} does not exist",
+            outbox_core::wal_slot_name(schema)
+        )
+    } else {
+        return Ok(());
+    };
+    Err(crate::Error::WalCaptureNotReady {
+        schema: schema.to_string(),
+        reason,
+    })
+}
+
+// The schema is a validated `Ident`; everything else is bound. The emit
+// statements take the insert statements' binds, in the same order.
+fn emit_one_sql(schema: &Ident) -> SqlStr {
+    AssertSqlSafe(format!(
+        "SELECT {}.outbox_emit($2, $3, $4, $5::jsonb, $6::jsonb, $7, $8, $1)",
+        schema.quoted()
+    ))
+    .into_sql_str()
+}
+
+/// In aggregate key order (input order within an aggregate), like the
+/// insert: ordered aggregates' counters are taken in one order by every
+/// writer. A sorted subquery is never flattened, so the messages are
+/// emitted in that order.
+fn emit_many_sql(schema: &Ident) -> SqlStr {
+    AssertSqlSafe(format!(
+        "SELECT {}.outbox_emit(aggregate_type, aggregate_id, event_type, payload::jsonb, headers::jsonb, exchange, routing_key, id)
+         FROM (SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[])
+                    WITH ORDINALITY AS e(id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key, n)
+               ORDER BY aggregate_type, aggregate_id, n) e",
+        schema.quoted()
+    ))
+    .into_sql_str()
+}
+
 fn insert_one_sql(schema: &Ident) -> SqlStr {
     AssertSqlSafe(format!(
         "INSERT INTO {}.outbox (id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key)

@@ -9,7 +9,7 @@ use clap::{Args as ClapArgs, Parser, Subcommand, ValueEnum};
 use outbox::Ident;
 use outbox::redact::{redact_url, redact_urls, scrub};
 use outbox_relay::admin::{self, Selection};
-use outbox_relay::{Relay, RelayConfig};
+use outbox_relay::{Relay, RelayConfig, WalCapture};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -45,6 +45,15 @@ pub(crate) struct Args {
     command: Command,
 }
 
+/// Which capture path: the outbox table, or the table and the write-ahead log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CaptureArg {
+    /// The outbox table only.
+    Table,
+    /// The outbox table and the write-ahead log (`outbox::Capture::Wal`).
+    Wal,
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub(crate) enum LogFormat {
     /// Human-readable lines.
@@ -58,7 +67,15 @@ enum Command {
     /// Publish the outbox until SIGTERM or SIGINT (then drain and exit 0).
     Run(Box<RunArgs>),
     /// Create or upgrade the outbox tables (a no-op when up to date).
-    Migrate,
+    Migrate {
+        /// `wal` also creates what the write-ahead-log capture reads
+        /// (docs/WAL_CAPTURE.md): an empty publication and the logical
+        /// replication slot `outbox_<schema>`, where missing. Needs
+        /// wal_level = logical and a role with REPLICATION. From then on
+        /// the slot keeps the WAL until a relay runs with `--capture wal`.
+        #[arg(long, value_enum, default_value_t = CaptureArg::Table)]
+        capture: CaptureArg,
+    },
     /// Backlog, age of the oldest pending event, retries and dead letters.
     Status {
         /// Machine-readable output.
@@ -283,6 +300,17 @@ struct RunArgs {
     /// This relay's name in `status` (default `<hostname>-<pid>`).
     #[arg(long, env = "OUTBOX_RELAY_NAME")]
     name: Option<String>,
+    /// `wal` also publishes the events producers write to the write-ahead
+    /// log (`outbox::Capture::Wal`), read from the replication slot
+    /// `outbox_<schema>` (create it with `migrate --capture wal`). One
+    /// relay reads the slot; others wait as standbys and take over when it
+    /// stops. The outbox table is served either way. docs/WAL_CAPTURE.md.
+    #[arg(long, env = "OUTBOX_CAPTURE", value_enum, default_value_t = CaptureArg::Table)]
+    capture: CaptureArg,
+    /// With `--capture wal`: how long PostgreSQL waits for a silent reader
+    /// (a frozen or cut-off relay) before it frees the slot for a standby.
+    #[arg(long, env = "OUTBOX_WAL_SENDER_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    wal_sender_timeout: Duration,
 }
 
 pub(crate) fn init_logging(format: LogFormat) {
@@ -327,7 +355,7 @@ fn amqp_url(args: &Args) -> String {
 async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
     let pool = connect_db(url, 8).await?;
     match &args.command {
-        Command::Migrate => {
+        Command::Migrate { capture } => {
             let applied = outbox::migrate(&pool, schema.as_str())
                 .await
                 .context("migration failed")?;
@@ -335,6 +363,25 @@ async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
                 say!("schema {schema} is up to date");
             } else {
                 say!("schema {schema}: applied migrations {applied:?}");
+            }
+            if *capture == CaptureArg::Wal {
+                let done = admin::create_wal_slot(&pool, schema)
+                    .await
+                    .context("setting up the write-ahead-log capture")?;
+                let slot = outbox::wal_slot_name(schema);
+                say!(
+                    "publication {slot} {}; replication slot {slot} {}",
+                    if done.publication_created {
+                        "created"
+                    } else {
+                        "exists"
+                    },
+                    if done.slot_created {
+                        "created"
+                    } else {
+                        "exists"
+                    }
+                );
             }
         }
         Command::Status { json } => {
@@ -430,6 +477,12 @@ async fn run_relay(url: &str, schema: &Ident, r: &RunArgs) -> Result<ExitCode> {
     if let Some(name) = &r.name {
         config.name = name.clone();
     }
+    if r.capture == CaptureArg::Wal {
+        // The replication connection goes where the pool goes.
+        let mut wal = WalCapture::new(url);
+        wal.sender_timeout = r.wal_sender_timeout;
+        config.wal = Some(wal);
+    }
     config.validate()?;
     let pool = connect_db(url, r.workers as u32 + 3).await?;
     let relay = Relay::new(pool.clone(), config).await?;
@@ -487,6 +540,28 @@ fn print_status(s: &admin::Status) -> Result<()> {
     say!("{:<24}{}", "dead letters", s.dead_letters);
     say!("{:<24}{}", "blocked aggregates", s.blocked_aggregates);
     say!("{:<24}{}", "unleased partitions", s.unleased_partitions);
+    if let Some(w) = &s.wal {
+        let lag = w.lag_bytes.map_or("-".to_owned(), |b| format!("{b} bytes"));
+        let reader = match (&w.reader, w.active) {
+            (Some(r), true) => r.clone(),
+            (None, true) => "a session".to_owned(),
+            (_, false) => "NONE (no relay reads it; the WAL piles up)".to_owned(),
+        };
+        say!(
+            "{:<24}{} ({})",
+            "wal slot",
+            w.slot,
+            w.wal_status.as_deref().unwrap_or("?")
+        );
+        say!("{:<24}{}", "wal reader", reader);
+        say!("{:<24}{}", "wal lag", lag);
+        if let Some(t) = w.lag_s {
+            say!("{:<24}{t:.3}s", "wal lag (time)");
+        }
+        if let Some(safe) = w.safe_wal_size {
+            say!("{:<24}{safe} bytes", "wal until invalidated");
+        }
+    }
     for r in &s.relays {
         say!(
             "  relay {:<30} {:>2} partitions, heartbeat {:.1}s ago, broker {}",

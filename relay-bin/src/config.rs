@@ -64,6 +64,43 @@ pub struct RelayConfig {
     /// This relay's name in `outbox-relay status` (which relay holds which
     /// partitions). Default `<hostname>-<pid>`.
     pub name: String,
+    /// Also publish the events written to the write-ahead log
+    /// (`outbox::Capture::Wal`), read from the schema's replication slot
+    /// ([`docs/WAL_CAPTURE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/WAL_CAPTURE.md)).
+    /// `None` (default): the outbox table only. The table is served in
+    /// both cases: events the log's reader could not deliver go there.
+    pub wal: Option<WalCapture>,
+}
+
+/// The write-ahead-log capture's settings ([`RelayConfig::wal`]).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct WalCapture {
+    /// PostgreSQL URL of the replication connection: usually the relay's
+    /// own database URL; its user needs the `REPLICATION` attribute (or
+    /// superuser). TLS is not supported on this connection yet: use a
+    /// loopback or private-network address, or a Unix socket
+    /// (`postgres://user@%2Fvar%2Frun%2Fpostgresql/db`).
+    pub database_url: SecretUrl,
+    /// How often a standby relay (another relay holds the slot) checks
+    /// whether the slot became free.
+    pub standby_poll: Duration,
+    /// How long the database waits for a silent reader before it ends the
+    /// replication session and frees the slot for a standby
+    /// (`wal_sender_timeout` of the session). The reader reports its
+    /// position several times within it.
+    pub sender_timeout: Duration,
+}
+
+impl WalCapture {
+    /// Reads the slot over `database_url`, with the default timings.
+    pub fn new(database_url: impl Into<SecretUrl>) -> Self {
+        Self {
+            database_url: database_url.into(),
+            standby_poll: Duration::from_secs(1),
+            sender_timeout: Duration::from_secs(10),
+        }
+    }
 }
 
 impl Default for RelayConfig {
@@ -89,6 +126,7 @@ impl Default for RelayConfig {
             reconnect_max: Duration::from_secs(10),
             lease_ttl: Duration::from_secs(10),
             name: default_name(),
+            wal: None,
         }
     }
 }
@@ -170,6 +208,15 @@ impl RelayConfig {
         }
         if self.reconnect_max < self.reconnect_min {
             return bad("reconnect max must be at least reconnect min".to_owned());
+        }
+        if let Some(wal) = &self.wal {
+            crate::wal::source(wal.database_url.expose()).map_err(Error::Config)?;
+            if wal.standby_poll.is_zero() {
+                return bad("standby poll must be greater than zero".to_owned());
+            }
+            if wal.sender_timeout < Duration::from_secs(2) {
+                return bad("WAL sender timeout must be at least 2s".to_owned());
+            }
         }
         Ok(schema)
     }

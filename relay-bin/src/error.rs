@@ -59,6 +59,18 @@ pub enum Error {
         /// How many the action found.
         found: u64,
     },
+    /// The replication connection of the write-ahead-log capture failed
+    /// (connect, authentication, or the stream broke); the reader
+    /// reconnects and reads again from the slot's confirmed position.
+    #[error("replication stream: {0}")]
+    Replication(String),
+    /// The write-ahead-log capture cannot run and no retry will fix it: the
+    /// slot is missing, was invalidated (`wal_status = lost`: the WAL it
+    /// needed was removed, so events written meanwhile are not in it any
+    /// more), or the replication connection was refused. `Relay::run`
+    /// returns it.
+    #[error("write-ahead-log capture: {0}")]
+    WalRefused(String),
     /// A broker operation did not finish within its timeout.
     #[error("broker did not answer {what} within {timeout:?}")]
     BrokerTimeout {
@@ -87,6 +99,7 @@ impl Error {
         match self {
             Error::BrokerConnect { source, .. } => is_refusal("connect", source),
             Error::Broker { what, source } => is_refusal(what, source),
+            Error::WalRefused(_) => true,
             _ => false,
         }
     }
@@ -94,7 +107,11 @@ impl Error {
     /// True when a later retry of the same operation may succeed.
     pub fn is_transient(&self) -> bool {
         match self {
-            Error::Config(_) | Error::DrainTimedOut(_) | Error::SelectionGrew { .. } => false,
+            Error::Config(_)
+            | Error::DrainTimedOut(_)
+            | Error::SelectionGrew { .. }
+            | Error::WalRefused(_) => false,
+            Error::Replication(_) => true,
             Error::Outbox(e) => e.is_transient(),
             Error::Database(e) => outbox_core::db::is_transient(e),
             Error::BrokerConnect { .. } | Error::Broker { .. } => !self.is_refusal(),

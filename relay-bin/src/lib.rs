@@ -59,6 +59,7 @@ mod relay;
 mod settle;
 mod supervisor;
 mod wake;
+mod wal;
 mod worker;
 
 /// Testing only (feature `fault-injection`, never in a release build): an
@@ -76,7 +77,7 @@ pub const FAULT_PANIC_EVENT_TYPE: &str = "outbox-relay.fault-injection.panic";
 #[doc(hidden)]
 pub const FAULT_CHANNEL_EVENT_TYPE: &str = "outbox-relay.fault-injection.close-channel";
 
-pub use crate::config::RelayConfig;
+pub use crate::config::{RelayConfig, WalCapture};
 pub use crate::error::{Error, Result};
 pub use crate::message::ClaimedEvent;
 pub use crate::publish::Receipt;

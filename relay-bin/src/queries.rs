@@ -36,6 +36,17 @@ pub(crate) struct Queries {
     pub(crate) dead_letter: SqlStr,
     /// The `aggregate_seq` of event `$1` (no row: it left the outbox).
     pub(crate) event_seq: SqlStr,
+    /// Of the ordered aggregates `$1` types, `$2` ids, those with events in
+    /// the outbox table: the log's reader queues their events behind them.
+    pub(crate) wal_queued: SqlStr,
+    /// Events of the log the reader did not deliver, into the outbox table
+    /// as never attempted (the settle that follows records the attempt).
+    /// `$1`..`$10`: ids, aggregate types and ids, event types, payloads,
+    /// headers, exchanges, routing keys, creation times, sequences.
+    pub(crate) wal_divert: SqlStr,
+    /// Messages of the log that are no event, into the dead letters. `$1`
+    /// ids, `$2` positions, `$3` contents, `$4` errors.
+    pub(crate) wal_unreadable: SqlStr,
 }
 
 pub(crate) fn sql(text: String) -> SqlStr {
@@ -78,6 +89,33 @@ impl Queries {
             )),
             delete: sql(format!("DELETE FROM {s}.outbox WHERE id = ANY($1)")),
             event_seq: sql(format!("SELECT aggregate_seq FROM {s}.outbox WHERE id = $1")),
+            wal_queued: sql(format!(
+                "SELECT DISTINCT o.aggregate_type, o.aggregate_id
+                 FROM unnest($1::text[], $2::text[]) AS a(aggregate_type, aggregate_id)
+                 JOIN {s}.outbox o ON o.aggregate_type = a.aggregate_type AND o.aggregate_id = a.aggregate_id
+                 WHERE o.aggregate_seq IS NOT NULL"
+            )),
+            wal_divert: sql(format!(
+                "INSERT INTO {s}.outbox
+                     (id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key,
+                      created_at, aggregate_seq)
+                 SELECT id, aggregate_type, aggregate_id, event_type, payload::jsonb, headers::jsonb, exchange,
+                        routing_key, created_at, aggregate_seq
+                 FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+                             $8::text[], $9::timestamptz[], $10::bigint[])
+                      AS e(id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key,
+                           created_at, aggregate_seq)
+                 ON CONFLICT DO NOTHING"
+            )),
+            wal_unreadable: sql(format!(
+                "INSERT INTO {s}.outbox_dead_letters
+                     (id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts,
+                      last_error, error_history)
+                 SELECT id, '(unreadable)', 'lsn ' || lsn, '(unreadable)', to_jsonb(content), '{{}}'::jsonb, now(), 0,
+                        error, jsonb_build_array(jsonb_build_object('at', now(), 'error', error))
+                 FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[]) AS u(id, lsn, content, error)
+                 ON CONFLICT (id) DO NOTHING"
+            )),
             archive: sql(format!(
                 "WITH d AS (DELETE FROM {s}.outbox WHERE id = ANY($1) RETURNING *)
                  INSERT INTO {s}.outbox_published

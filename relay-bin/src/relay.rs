@@ -103,6 +103,8 @@ pub(crate) struct Inner {
     pub(crate) health: Arc<Health>,
     pub(crate) broker_outage: Outage,
     pub(crate) db_outage: Outage,
+    /// The write-ahead log's replication stream.
+    pub(crate) wal_outage: Outage,
     /// Index of the broker URL the next connection tries first.
     pub(crate) broker_next: std::sync::atomic::AtomicUsize,
     /// Events confirmed by the broker and settled, since start.
@@ -187,6 +189,14 @@ impl Relay {
     pub async fn new(pool: PgPool, config: RelayConfig) -> Result<Self> {
         let schema = config.validate()?;
         outbox::check_migrated(&pool, schema.as_str()).await?;
+        if config.wal.is_some() {
+            // Fail at start, not in the background: no slot, nothing read.
+            let slot = outbox::wal_slot_name(&schema);
+            let row = crate::wal::slot_row(&pool, &slot).await?;
+            if let Some(e) = crate::wal::refusal(&slot, row.as_ref()) {
+                return Err(e);
+            }
+        }
         let (wake, _) = watch::channel(0);
         Ok(Self {
             inner: Arc::new(Inner {
@@ -204,6 +214,7 @@ impl Relay {
                 stats_written: Default::default(),
                 recorded_node: Default::default(),
                 db_outage: Outage::new("database", "outbox-relay"),
+                wal_outage: Outage::new("replication stream", "outbox-relay"),
                 id: Uuid::new_v4(),
                 last_lease_tick: tokio::sync::Mutex::new(None),
                 partitions: AtomicUsize::new(usize::MAX),

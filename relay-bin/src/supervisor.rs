@@ -31,7 +31,37 @@ impl Relay {
     /// broker connection (reconnecting with backoff), and runs the
     /// configured number of workers. On shutdown, workers stop claiming,
     /// finish the batch in flight (confirm and settle) and return.
+    ///
+    /// With [`RelayConfig::wal`](crate::RelayConfig::wal) it also reads the
+    /// schema's replication slot (or waits as its standby), on its own
+    /// broker connection; the table workers run beside it, serving the
+    /// events it could not deliver. A reader that cannot go on
+    /// ([`Error::WalRefused`]) stops the relay with that error.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
+        if self.inner.config.wal.is_none() {
+            return self.run_table(shutdown).await;
+        }
+        // Both in this future: dropping it drops the reader too (its
+        // replication session ends and frees the slot).
+        let stop = shutdown.child_token();
+        let (read, table) = tokio::join!(
+            async {
+                let read = self.read_wal(stop.clone()).await;
+                if read.is_err() {
+                    stop.cancel();
+                }
+                read
+            },
+            async {
+                let table = self.run_table(stop.clone()).await;
+                stop.cancel();
+                table
+            }
+        );
+        read.and(table)
+    }
+
+    async fn run_table(&self, shutdown: CancellationToken) -> Result<()> {
         let inner = &self.inner;
         let cfg = &inner.config;
         let mut listener = None;

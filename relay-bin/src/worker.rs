@@ -88,16 +88,7 @@ impl Relay {
         let inner = &self.inner;
         let cfg = &inner.config;
         metrics::histogram!("outbox_relay_batch_size").record(events.len() as f64);
-        metrics::counter!("outbox_relay_published_total").increment(settled.delivered as u64);
-        inner
-            .published
-            .fetch_add(settled.delivered as u64, Ordering::Relaxed);
-        metrics::counter!("outbox_relay_failed_total").increment(settled.retried as u64);
-        metrics::counter!("outbox_relay_dead_lettered_total")
-            .increment(settled.dead_lettered as u64);
-        inner
-            .dead_lettered
-            .fetch_add(settled.dead_lettered as u64, Ordering::Relaxed);
+        self.add_counts(settled.delivered, settled);
         for (e, o) in events.iter().zip(receipts) {
             if let Some(error) = o.error() {
                 tracing::warn!(event_id = %e.id, event_type = %e.event_type, attempt = e.attempts + 1, error = %error, "event not delivered");
@@ -110,6 +101,22 @@ impl Relay {
                 "the broker was too slow to finish the batch within its publish deadline; the rest goes in the next batch"
             );
         }
+    }
+
+    /// Adds `delivered` and what `settled` retried and dead-lettered to the
+    /// relay's counters and metrics.
+    pub(crate) fn add_counts(&self, delivered: usize, settled: &Settled) {
+        let inner = &self.inner;
+        metrics::counter!("outbox_relay_published_total").increment(delivered as u64);
+        inner
+            .published
+            .fetch_add(delivered as u64, Ordering::Relaxed);
+        metrics::counter!("outbox_relay_failed_total").increment(settled.retried as u64);
+        metrics::counter!("outbox_relay_dead_lettered_total")
+            .increment(settled.dead_lettered as u64);
+        inner
+            .dead_lettered
+            .fetch_add(settled.dead_lettered as u64, Ordering::Relaxed);
     }
 
     /// What the receipts say about the session: confirms that timed out or

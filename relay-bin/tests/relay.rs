@@ -138,25 +138,15 @@ async fn rolled_back_events_are_never_published_and_committed_ones_carry_the_con
         assert_eq!(got.counts.len(), 3, "the witnesses and the committed event");
         assert_eq!(got.duplicates(), 0, "no fault: no copy");
         let d = &got.first[&id.to_string()];
-        let p = &d.properties;
-        assert_eq!(p.message_id().as_ref().unwrap().as_str(), id.to_string());
-        assert_eq!(p.kind().as_ref().unwrap().as_str(), "OrderPlaced");
-        assert_eq!(
-            p.content_type().as_ref().unwrap().as_str(),
-            "application/json"
+        e2e::assert_contract(
+            d,
+            &id.to_string(),
+            "OrderPlaced",
+            ("order", "o-1"),
+            created_at.timestamp(),
+            &[("traceparent", traceparent), ("tenant", "acme")],
+            "order.OrderPlaced",
         );
-        assert_eq!(*p.delivery_mode(), Some(2), "persistent");
-        assert_eq!(*p.timestamp(), Some(created_at.timestamp() as u64));
-        let h = p.headers().as_ref().unwrap().inner();
-        assert_eq!(h["x-aggregate-type"], AMQPValue::LongString("order".into()));
-        assert_eq!(h["x-aggregate-id"], AMQPValue::LongString("o-1".into()));
-        assert_eq!(
-            h["traceparent"],
-            AMQPValue::LongString(traceparent.into()),
-            "traceparent untouched"
-        );
-        assert_eq!(h["tenant"], AMQPValue::LongString("acme".into()));
-        assert_eq!(d.routing_key.as_str(), "order.OrderPlaced");
         let body: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
         assert_eq!(body, json!({"sku": "A-1", "qty": 2}));
     }

@@ -35,6 +35,9 @@ pub struct Status {
     pub relays: Vec<RelayLeases>,
     /// Partitions no live relay holds (their ordered events wait for one).
     pub unleased_partitions: i64,
+    /// The write-ahead-log capture's slot, when it is set up: who reads
+    /// it and how far behind.
+    pub wal: Option<crate::admin::wal::WalSlot>,
 }
 
 /// A relay and the partitions it leases.
@@ -103,7 +106,9 @@ pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
     .fetch_one(pool)
     .await?;
     let (relays, unleased_partitions) = relays(pool, schema).await?;
+    let wal = crate::admin::wal::wal_slot(pool, schema).await?;
     Ok(Status {
+        wal,
         backlog,
         due,
         oldest_pending_age_s: oldest,

@@ -70,6 +70,42 @@ impl TestDb {
         Self { pool, schema }
     }
 
+    /// A migrated schema with its write-ahead-log capture set up (what
+    /// `outbox-relay migrate --capture wal` creates: an empty publication
+    /// and the slot `outbox_<schema>`). [`TestDb::cleanup`] drops them;
+    /// slots of test schemas that no longer exist (a failed run's) are
+    /// dropped first, so none holds WAL for ever.
+    pub async fn producer_wal(prefix: &str) -> Self {
+        let db = Self::producer(prefix).await;
+        drop_orphan_slots(&db.pool).await;
+        let slot = db.slot();
+        sqlx::raw_sql(AssertSqlSafe(format!("CREATE PUBLICATION \"{slot}\"")))
+            .execute(&db.pool)
+            .await
+            .expect("create publication");
+        sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+            .bind(&slot)
+            .execute(&db.pool)
+            .await
+            .expect("create slot (make services sets wal_level = logical)");
+        db
+    }
+
+    /// The schema's replication slot (and publication) name.
+    pub fn slot(&self) -> String {
+        format!("outbox_{}", self.schema)
+    }
+
+    /// An outbox handle on this schema writing with `capture`.
+    pub async fn outbox(&self, capture: outbox::Capture) -> outbox::Outbox {
+        let mut config = outbox::OutboxConfig::default();
+        config.schema = self.schema.to_string();
+        config.capture = capture;
+        outbox::Outbox::new(&self.pool, config)
+            .await
+            .expect("outbox")
+    }
+
     /// Rows in `table` of this schema.
     pub async fn count(&self, table: &str) -> i64 {
         sqlx::query_scalar(AssertSqlSafe(format!(
@@ -132,14 +168,100 @@ impl TestDb {
         ids
     }
 
-    /// Drops the schema.
+    /// Drops the schema, and its slot and publication if it has them
+    /// (ending a session still reading the slot).
     pub async fn cleanup(self) {
+        drop_slot(&self.pool, &self.slot()).await;
         let _ = sqlx::raw_sql(AssertSqlSafe(format!(
             "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
             self.schema
         )))
         .execute(&self.pool)
         .await;
+    }
+}
+
+/// Asserts that delivery `d` is event `id` as the AMQP contract says
+/// (docs/AMQP_MESSAGE.md): its id, type, JSON content type, persistence,
+/// `timestamp` (Unix seconds), aggregate headers, the event's own
+/// `headers` untouched, and `routing_key`.
+pub fn assert_contract(
+    d: &lapin::message::Delivery,
+    id: &str,
+    event_type: &str,
+    (aggregate_type, aggregate_id): (&str, &str),
+    timestamp: i64,
+    headers: &[(&str, &str)],
+    routing_key: &str,
+) {
+    let p = &d.properties;
+    assert_eq!(p.message_id().as_ref().unwrap().as_str(), id);
+    assert_eq!(p.kind().as_ref().unwrap().as_str(), event_type);
+    assert_eq!(
+        p.content_type().as_ref().unwrap().as_str(),
+        "application/json"
+    );
+    assert_eq!(*p.delivery_mode(), Some(2), "persistent");
+    assert_eq!(*p.timestamp(), Some(timestamp as u64));
+    let h = p.headers().as_ref().unwrap().inner();
+    assert_eq!(
+        h["x-aggregate-type"],
+        AMQPValue::LongString(aggregate_type.into())
+    );
+    assert_eq!(
+        h["x-aggregate-id"],
+        AMQPValue::LongString(aggregate_id.into())
+    );
+    for (k, v) in headers {
+        assert_eq!(h[*k], AMQPValue::LongString((*v).into()), "header {k}");
+    }
+    assert_eq!(d.routing_key.as_str(), routing_key);
+}
+
+/// Drops replication slot `slot` (ending the session reading it) and its
+/// publication.
+pub async fn drop_slot(pool: &PgPool, slot: &str) {
+    for _ in 0..100 {
+        let active: Option<bool> =
+            sqlx::query_scalar("SELECT active FROM pg_replication_slots WHERE slot_name = $1")
+                .bind(slot)
+                .fetch_optional(pool)
+                .await
+                .unwrap_or(Some(true));
+        let step = match active {
+            None => break,
+            Some(true) => {
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1"
+            }
+            Some(false) => "SELECT pg_drop_replication_slot($1)",
+        };
+        let _ = sqlx::query(step).bind(slot).execute(pool).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP PUBLICATION IF EXISTS \"{slot}\""
+    )))
+    .execute(pool)
+    .await;
+}
+
+/// Drops the slots and publications of test schemas (`outbox_t_...`) that
+/// no longer exist: a failed run's leftovers.
+pub async fn drop_orphan_slots(pool: &PgPool) {
+    let orphans: Vec<String> = sqlx::query_scalar(
+        "SELECT s.slot_name::text FROM pg_replication_slots s
+         WHERE s.slot_name LIKE 'outbox\\_t\\_%' AND NOT s.active
+           AND NOT EXISTS (SELECT 1 FROM pg_namespace n WHERE 'outbox_' || n.nspname = s.slot_name)
+         UNION
+         SELECT p.pubname::text FROM pg_publication p
+         WHERE p.pubname LIKE 'outbox\\_t\\_%'
+           AND NOT EXISTS (SELECT 1 FROM pg_namespace n WHERE 'outbox_' || n.nspname = p.pubname)",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    for slot in orphans {
+        drop_slot(pool, &slot).await;
     }
 }
 

@@ -1,0 +1,485 @@
+//! The log's reader: one replication session at a time, supervised like
+//! the broker connection (reconnect with backoff, standby while another
+//! relay holds the slot), every network wait bounded.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::Connection;
+use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationEvent};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::WalCapture;
+use crate::error::{Error, Result};
+use crate::message::ClaimedEvent;
+use crate::publish::{Publisher, Receipt};
+use crate::relay::{Relay, publish_phase};
+use crate::settle::Settled;
+use crate::wake::sleep_or_cancel;
+use crate::wal::decode::{Unreadable, decode, lsn_text};
+use crate::wal::divert;
+use outbox_core::backoff::jittered;
+
+/// How a replication session ended, when not by an error.
+enum SessionEnd {
+    Shutdown,
+    /// Another session holds the slot (its `application_name`).
+    Standby(String),
+}
+
+/// What was read and not yet published.
+#[derive(Default)]
+struct Pending {
+    events: Vec<ClaimedEvent>,
+    unreadable: Vec<Unreadable>,
+    /// End of the last transaction whose messages are all in `events`: the
+    /// position the slot may confirm once they are delivered or recorded.
+    commit_end: Option<Lsn>,
+    /// That transaction's commit time (µs since 2000-01-01).
+    commit_time: Option<i64>,
+}
+
+impl Pending {
+    fn is_empty(&self) -> bool {
+        self.events.is_empty() && self.unreadable.is_empty()
+    }
+}
+
+/// A slot as `pg_replication_slots` shows it.
+#[derive(sqlx::FromRow)]
+pub(crate) struct SlotRow {
+    pub(crate) plugin: Option<String>,
+    pub(crate) active: bool,
+    /// `application_name` of the session holding it.
+    pub(crate) holder: Option<String>,
+    pub(crate) wal_status: Option<String>,
+    pub(crate) confirmed_flush_lsn: Option<String>,
+}
+
+/// `schema`'s slot in this database, if it exists.
+pub(crate) async fn slot_row(pool: &PgPool, slot: &str) -> Result<Option<SlotRow>> {
+    Ok(sqlx::query_as(
+        "SELECT s.plugin::text AS plugin, s.active, a.application_name AS holder, s.wal_status,
+                s.confirmed_flush_lsn::text AS confirmed_flush_lsn
+         FROM pg_replication_slots s LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid
+         WHERE s.slot_name = $1 AND s.database = current_database()",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await?)
+}
+
+/// What the relay says when its slot was invalidated.
+pub(crate) fn lost_message(slot: &str) -> String {
+    format!(
+        "replication slot {slot:?} was invalidated (wal_status = lost): the relay was away longer than max_slot_wal_keep_size allows and PostgreSQL removed WAL it still needed, so events written meanwhile may be gone from it. Recreate the slot (docs/WAL_CAPTURE.md, \"A lost slot\"), then check the consumers against the producers' records for that period"
+    )
+}
+
+/// Why the slot cannot be read, if it cannot.
+pub(crate) fn refusal(slot: &str, row: Option<&SlotRow>) -> Option<Error> {
+    let Some(row) = row else {
+        return Some(Error::WalRefused(format!(
+            "replication slot {slot:?} does not exist in this database; create it with `outbox-relay migrate --capture wal`"
+        )));
+    };
+    if row.wal_status.as_deref() == Some("lost") {
+        return Some(Error::WalRefused(lost_message(slot)));
+    }
+    if row.plugin.as_deref() != Some("pgoutput") {
+        return Some(Error::WalRefused(format!(
+            "replication slot {slot:?} uses the plugin {:?}, not pgoutput; drop it and run `outbox-relay migrate --capture wal`",
+            row.plugin.as_deref().unwrap_or("?")
+        )));
+    }
+    None
+}
+
+fn wal_error(slot: &str, e: PgWireError) -> Error {
+    let text = e.to_string();
+    match &e {
+        PgWireError::Auth(_) => {
+            Error::WalRefused(format!("the replication login was refused: {text}"))
+        }
+        PgWireError::Server(m)
+            if m.contains("can no longer get changes") || m.contains("been invalidated") =>
+        {
+            Error::WalRefused(lost_message(slot))
+        }
+        PgWireError::Server(m)
+            if m.contains("does not exist")
+                || m.contains("permission denied")
+                || m.contains("must be superuser")
+                || m.contains("must have the") =>
+        {
+            Error::WalRefused(text)
+        }
+        _ => Error::Replication(text),
+    }
+}
+
+fn slot_busy(e: &PgWireError) -> bool {
+    matches!(e, PgWireError::Server(m) if m.contains("is active for PID"))
+}
+
+/// Seconds since the Unix epoch of a PostgreSQL timestamp (µs since
+/// 2000-01-01).
+fn unix_seconds(pg_micros: i64) -> f64 {
+    pg_micros as f64 / 1e6 + 946_684_800.0
+}
+
+impl Relay {
+    /// Reads the schema's slot until `shutdown`: publishes what it holds,
+    /// waits as a standby while another relay reads it, reconnects after
+    /// failures. Returns `Err` only for what no retry fixes
+    /// ([`Error::WalRefused`], a refused broker login).
+    pub(crate) async fn read_wal(&self, shutdown: CancellationToken) -> Result<()> {
+        let Some(wal) = self.inner.config.wal.clone() else {
+            return Ok(());
+        };
+        let cfg = &self.inner.config;
+        let slot = outbox::wal_slot_name(&self.inner.schema);
+        let mut failures = 0u32;
+        let mut standby: Option<String> = None;
+        while !shutdown.is_cancelled() {
+            match self
+                .wal_session(&wal, &slot, &shutdown, &mut failures)
+                .await
+            {
+                Ok(SessionEnd::Shutdown) => break,
+                Ok(SessionEnd::Standby(holder)) => {
+                    if standby.as_ref() != Some(&holder) {
+                        tracing::info!(slot = %slot, holder = %holder, "standby: another session reads the slot; this relay takes over when it is free");
+                        standby = Some(holder);
+                    }
+                    metrics::gauge!("outbox_relay_wal_reading").set(0.0);
+                    sleep_or_cancel(wal.standby_poll, &shutdown).await;
+                }
+                Err(e) if e.is_refusal() => {
+                    tracing::error!(slot = %slot, error = %e, "write-ahead-log capture stopped");
+                    return Err(e);
+                }
+                Err(e) => {
+                    standby = None;
+                    self.inner.wal_outage.failed(&e);
+                    failures = failures.saturating_add(1);
+                    sleep_or_cancel(
+                        jittered(cfg.reconnect_min, cfg.reconnect_max, failures),
+                        &shutdown,
+                    )
+                    .await;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One replication session: check the slot, connect the broker and
+    /// the stream, read until shutdown or a failure.
+    async fn wal_session(
+        &self,
+        wal: &WalCapture,
+        slot: &str,
+        shutdown: &CancellationToken,
+        failures: &mut u32,
+    ) -> Result<SessionEnd> {
+        let inner = &self.inner;
+        let cfg = &inner.config;
+        let row = slot_row(&inner.pool, slot).await?;
+        if let Some(e) = refusal(slot, row.as_ref()) {
+            return Err(e);
+        }
+        let row = row.expect("refusal() checked it exists");
+        if row.active {
+            return Ok(SessionEnd::Standby(
+                row.holder.unwrap_or_else(|| "another session".to_owned()),
+            ));
+        }
+        let confirmed = row
+            .confirmed_flush_lsn
+            .as_deref()
+            .and_then(|l| Lsn::parse(l).ok())
+            .unwrap_or(Lsn::ZERO);
+        let conn = self.open_session().await?;
+        let mut publisher = Publisher::open(&conn, cfg.broker_timeout).await?;
+        let mut source = crate::wal::source(wal.database_url.expose()).map_err(Error::Config)?;
+        source.slot = slot.to_owned();
+        source.publication = slot.to_owned().into();
+        // Report every second, and at least four times per sender
+        // timeout, so a live reader is never taken for a dead one.
+        let every =
+            (wal.sender_timeout / 4).clamp(Duration::from_millis(200), Duration::from_secs(1));
+        let source = source
+            .with_start_lsn(confirmed)
+            .with_ack_lsn(confirmed)
+            .with_status_interval(every)
+            .with_wakeup_interval(every)
+            .with_application_name(format!("outbox-relay {}", cfg.name))
+            .with_options(format!(
+                "-c wal_sender_timeout={}",
+                wal.sender_timeout.as_millis()
+            ));
+        let mut client = ReplicationClient::connect(source)
+            .await
+            .map_err(|e| wal_error(slot, e))?;
+        let started = tokio::time::timeout(cfg.broker_timeout, client.wait_started()).await;
+        let mut acked = confirmed;
+        let end = match started {
+            Ok(Ok(())) => {
+                inner.wal_outage.ok();
+                *failures = 0;
+                metrics::gauge!("outbox_relay_wal_reading").set(1.0);
+                tracing::info!(slot = %slot, from = %lsn_text(confirmed.as_u64()), "reading the write-ahead log");
+                let end = self
+                    .stream(&mut client, &mut publisher, &conn, shutdown, &mut acked)
+                    .await;
+                metrics::gauge!("outbox_relay_wal_reading").set(0.0);
+                end
+            }
+            Ok(Err(e)) if slot_busy(&e) => Ok(SessionEnd::Standby("another session".to_owned())),
+            Ok(Err(e)) => Err(wal_error(slot, e)),
+            Err(_) => Err(Error::Replication(format!(
+                "the server did not start replication within {:?}",
+                cfg.broker_timeout
+            ))),
+        };
+        // A clean stop frees the slot at once for a standby.
+        if tokio::time::timeout(cfg.broker_timeout, client.shutdown())
+            .await
+            .is_err()
+        {
+            client.abort();
+        }
+        publisher.close().await;
+        let _ = tokio::time::timeout(cfg.broker_timeout, conn.close(200, "bye".into())).await;
+        if matches!(end, Ok(SessionEnd::Shutdown)) && acked > confirmed {
+            // The stream's last report may be up to a second old: move the
+            // slot to what was confirmed, so a restart does not publish it
+            // again. A standby that took the slot meanwhile refuses this
+            // (it then publishes that second again: duplicates only).
+            let advance = sqlx::query(
+                "SELECT pg_replication_slot_advance($1, $2::text::pg_lsn)
+                 FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
+            )
+            .bind(slot)
+            .bind(lsn_text(acked.as_u64()))
+            .execute(&inner.pool);
+            if let Ok(Err(e)) = tokio::time::timeout(cfg.broker_timeout, advance).await {
+                tracing::debug!(error = %e, "could not advance the slot after the session");
+            }
+        }
+        end
+    }
+
+    /// Reads the stream: collects each transaction's events, publishes
+    /// them when the batch is full or nothing more is ready, confirms.
+    async fn stream(
+        &self,
+        client: &mut ReplicationClient,
+        publisher: &mut Publisher,
+        conn: &Arc<Connection>,
+        shutdown: &CancellationToken,
+        acked: &mut Lsn,
+    ) -> Result<SessionEnd> {
+        let prefix = outbox::wal_message_prefix(&self.inner.schema);
+        let batch = self.inner.config.batch_size;
+        let mut pending = Pending::default();
+        let mut in_transaction = false;
+        loop {
+            if shutdown.is_cancelled() {
+                if !pending.is_empty() {
+                    self.flush(client, publisher, conn, &mut pending, acked)
+                        .await?;
+                }
+                return Ok(SessionEnd::Shutdown);
+            }
+            let next = if pending.is_empty() {
+                tokio::select! {
+                    _ = shutdown.cancelled() => continue,
+                    r = client.recv() => r,
+                }
+            } else if pending.events.len() + pending.unreadable.len() >= batch {
+                self.flush(client, publisher, conn, &mut pending, acked)
+                    .await?;
+                continue;
+            } else {
+                // Only what is ready: when nothing is, publish what we have.
+                match tokio::time::timeout(Duration::ZERO, client.recv()).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        self.flush(client, publisher, conn, &mut pending, acked)
+                            .await?;
+                        continue;
+                    }
+                }
+            };
+            let slot = outbox::wal_slot_name(&self.inner.schema);
+            let event = next
+                .map_err(|e| wal_error(&slot, e))?
+                .ok_or_else(|| Error::Replication("the server ended the stream".to_owned()))?;
+            tracing::trace!(?event, "replication event");
+            match event {
+                ReplicationEvent::Begin { .. } => in_transaction = true,
+                ReplicationEvent::Message {
+                    transactional,
+                    lsn,
+                    prefix: p,
+                    content,
+                } if p == prefix => match decode(&content, transactional, lsn.as_u64(), &prefix) {
+                    Ok(e) => pending.events.push(e),
+                    Err(u) => {
+                        tracing::warn!(lsn = %u.lsn, event_id = %u.id, error = %u.error, "a message of the log is no event: dead-lettered");
+                        pending.unreadable.push(u);
+                    }
+                },
+                ReplicationEvent::Commit {
+                    end_lsn,
+                    commit_time_micros,
+                    ..
+                } => {
+                    in_transaction = false;
+                    if pending.is_empty() {
+                        client.update_applied_lsn(end_lsn);
+                        *acked = (*acked).max(end_lsn);
+                    } else {
+                        pending.commit_end = Some(end_lsn);
+                        pending.commit_time = Some(commit_time_micros);
+                    }
+                }
+                // Everything sent so far is handled: the slot may move past
+                // it (transactions still open commit later).
+                ReplicationEvent::KeepAlive { wal_end, .. }
+                    if !in_transaction && pending.is_empty() =>
+                {
+                    client.update_applied_lsn(wal_end);
+                    *acked = (*acked).max(wal_end);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Publishes the pending events, records those not delivered in the
+    /// outbox table, then confirms the last whole transaction's end.
+    async fn flush(
+        &self,
+        client: &ReplicationClient,
+        publisher: &mut Publisher,
+        conn: &Arc<Connection>,
+        pending: &mut Pending,
+        acked: &mut Lsn,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let cfg = &inner.config;
+        let events = std::mem::take(&mut pending.events);
+        let unreadable = std::mem::take(&mut pending.unreadable);
+        let queued = divert::queued_aggregates(&inner.pool, &inner.queries, &events).await?;
+        let is_queued = |e: &ClaimedEvent| {
+            e.aggregate_seq.is_some()
+                && queued.contains(&(e.aggregate_type.clone(), e.aggregate_id.clone()))
+        };
+        let direct: Vec<ClaimedEvent> = events.iter().filter(|e| !is_queued(e)).cloned().collect();
+        let mut sent = if direct.is_empty() {
+            Vec::new()
+        } else {
+            let deadline = tokio::time::Instant::now() + publish_phase(cfg);
+            publisher
+                .publish_batch(
+                    &direct,
+                    &cfg.default_exchange,
+                    cfg.max_payload_bytes,
+                    cfg.confirm_timeout,
+                    deadline,
+                )
+                .await?
+        }
+        .into_iter();
+        // Queued events are not sent: behind their aggregate's events in
+        // the table, untouched (no attempt counted).
+        let receipts: Vec<Receipt> = events
+            .iter()
+            .map(|e| {
+                if is_queued(e) {
+                    Receipt::NotSent
+                } else {
+                    sent.next().unwrap_or(Receipt::NotSent)
+                }
+            })
+            .collect();
+        let (failed, failed_receipts): (Vec<ClaimedEvent>, Vec<Receipt>) = events
+            .iter()
+            .zip(&receipts)
+            .filter(|(_, r)| **r != Receipt::Delivered)
+            .map(|(e, r)| (e.clone(), r.clone()))
+            .unzip();
+        let settled = if failed.is_empty() && unreadable.is_empty() {
+            Settled::default()
+        } else {
+            divert::record(
+                &inner.pool,
+                &inner.queries,
+                cfg,
+                &failed,
+                &failed_receipts,
+                &unreadable,
+            )
+            .await?
+        };
+        // Delivered or recorded: the slot may move past them.
+        if let Some(lsn) = pending.commit_end.take() {
+            client.update_applied_lsn(lsn);
+            *acked = (*acked).max(lsn);
+        }
+        let delivered = events.len() - failed.len();
+        self.count_wal(&failed, &failed_receipts, delivered, &settled);
+        if let Some(t) = pending.commit_time.take() {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            metrics::histogram!("outbox_relay_wal_delay_seconds")
+                .record((now - unix_seconds(t)).max(0.0));
+        }
+        if !failed.is_empty() {
+            // Held-back events are due in the table now.
+            self.wake();
+        }
+        // The channel, as after a table batch.
+        if receipts.contains(&Receipt::TimedOut) {
+            return Err(Error::BrokerTimeout {
+                what: "publisher confirms",
+                timeout: cfg.confirm_timeout,
+            });
+        }
+        if let Some(Receipt::ChannelFailed(e)) = receipts
+            .iter()
+            .find(|r| matches!(r, Receipt::ChannelFailed(_)))
+        {
+            return Err(Error::ChannelClosed(e.clone()));
+        }
+        if receipts.contains(&Receipt::Nacked) {
+            publisher.close().await;
+            *publisher = Publisher::open(conn, cfg.broker_timeout).await?;
+        }
+        Ok(())
+    }
+
+    fn count_wal(
+        &self,
+        failed: &[ClaimedEvent],
+        receipts: &[Receipt],
+        delivered: usize,
+        settled: &Settled,
+    ) {
+        metrics::counter!("outbox_relay_wal_published_total").increment(delivered as u64);
+        self.add_counts(delivered, settled);
+        for (e, r) in failed.iter().zip(receipts) {
+            if let Some(error) = r
+                .error()
+                .filter(|_| !matches!(r, Receipt::NotSent | Receipt::HeldBack))
+            {
+                tracing::warn!(event_id = %e.id, event_type = %e.event_type, error = %error, "event of the log not delivered: it goes to the outbox table to be retried");
+            }
+        }
+    }
+}

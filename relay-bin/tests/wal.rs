@@ -1,0 +1,555 @@
+//! The write-ahead-log capture against the real services: producers write
+//! logical decoding messages (`outbox::Capture::Wal`), a relay reads the
+//! schema's slot. Each test has its own schema, slot, exchange and queue.
+
+use std::time::{Duration, Instant};
+
+use e2e::{Collector, SeqLog, TestBroker, TestDb, amqp_url, database_url, wait_until};
+use lapin::types::FieldTable;
+use outbox::{Capture, NewEvent};
+use outbox_relay::admin;
+use outbox_relay::{Relay, RelayConfig, WalCapture};
+use serde_json::json;
+use sqlx::AssertSqlSafe;
+use tokio_util::sync::CancellationToken;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
+    let mut c = RelayConfig::default();
+    c.amqp_url = amqp_url().into();
+    c.schema = db.schema.clone();
+    c.default_exchange = broker.exchange.clone();
+    c.declare_exchange = None;
+    c.poll_interval = Duration::from_millis(200);
+    c.retry_base = Duration::from_millis(50);
+    c.retry_max = Duration::from_millis(400);
+    c.reconnect_min = Duration::from_millis(50);
+    c.reconnect_max = Duration::from_millis(500);
+    let mut wal = WalCapture::new(database_url());
+    wal.standby_poll = Duration::from_millis(200);
+    c.wal = Some(wal);
+    c
+}
+
+struct Running {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<outbox_relay::Result<()>>,
+}
+
+async fn spawn(config: RelayConfig, app: &str) -> Running {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let pool = e2e::pool(app, 6).await;
+    let relay = Relay::new(pool, config).await.unwrap();
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    let task = tokio::spawn(async move { relay.run(s).await });
+    Running { stop, task }
+}
+
+impl Running {
+    async fn stop(self) {
+        self.stop.cancel();
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+fn schema(db: &TestDb) -> outbox::Ident {
+    outbox::Ident::new("schema", &db.schema).unwrap()
+}
+
+async fn slot(db: &TestDb) -> admin::WalSlot {
+    admin::wal_slot(&db.pool, &schema(db))
+        .await
+        .unwrap()
+        .expect("the slot exists")
+}
+
+#[tokio::test]
+async fn wal_set_up_is_checked_created_and_dropped() {
+    let db = TestDb::producer("wal_setup").await;
+    let s = schema(&db);
+    // No slot: a WAL producer is refused before it writes into nothing,
+    // and so is a WAL relay.
+    let mut config = outbox::OutboxConfig::default();
+    config.schema = db.schema.clone();
+    config.capture = Capture::Wal;
+    let err = outbox::Outbox::new(&db.pool, config.clone())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, outbox::Error::WalCaptureNotReady { .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("migrate --capture wal"), "{err}");
+    let broker = TestBroker::new("wal_setup", FieldTable::default()).await;
+    let err = Relay::new(db.pool.clone(), config_for(&db, &broker))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, outbox_relay::Error::WalRefused(_)), "{err:?}");
+    assert!(admin::wal_slot(&db.pool, &s).await.unwrap().is_none());
+
+    let first = admin::create_wal_slot(&db.pool, &s).await.unwrap();
+    assert!(first.publication_created && first.slot_created);
+    let again = admin::create_wal_slot(&db.pool, &s).await.unwrap();
+    assert!(!again.publication_created && !again.slot_created);
+    outbox::Outbox::new(&db.pool, config.clone()).await.unwrap();
+    // A written event the slot holds shows as lag, with no reader.
+    let ob = db.outbox(Capture::Wal).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    ob.enqueue(
+        &mut *tx,
+        NewEvent::new("order", "o-1", "OrderPlaced", &json!({})).unwrap(),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let w = slot(&db).await;
+    assert!(!w.active && w.reader.is_none());
+    assert!(w.lag_bytes.unwrap() > 0, "{w:?}");
+    assert_eq!(w.wal_status.as_deref(), Some("reserved"));
+    let status = admin::status(&db.pool, &s).await.unwrap();
+    assert_eq!(status.wal.unwrap().slot, db.slot());
+    assert_eq!(status.backlog, 0, "no row was written");
+
+    assert!(admin::drop_wal_slot(&db.pool, &s).await.unwrap());
+    assert!(!admin::drop_wal_slot(&db.pool, &s).await.unwrap());
+    assert!(matches!(
+        outbox::Outbox::new(&db.pool, config).await.unwrap_err(),
+        outbox::Error::WalCaptureNotReady { .. }
+    ));
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+fn config_for(db: &TestDb, broker: &TestBroker) -> RelayConfig {
+    config(db, broker)
+}
+
+#[tokio::test]
+async fn wal_publishes_committed_events_with_the_contract_and_never_rolled_back_ones() {
+    let db = TestDb::producer_wal("wal_contract").await;
+    let broker = TestBroker::new("wal_contract", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let ob = db.outbox(Capture::Wal).await;
+    let relay = spawn(config(&db, &broker), &format!("r-{}", db.schema)).await;
+
+    // Written, then rolled back while the relay reads: never decoded.
+    let mut tx = db.pool.begin().await.unwrap();
+    let rolled_back = ob
+        .enqueue(
+            &mut *tx,
+            NewEvent::new("order", "o-0", "OrderPlaced", &json!({"n": 0})).unwrap(),
+        )
+        .await
+        .unwrap();
+    // A witness committed while that transaction is open, and one after
+    // its rollback: the reader has read past both points.
+    let witness = |n: i64| {
+        let ob = ob.clone();
+        let pool = db.pool.clone();
+        async move {
+            let mut w = pool.begin().await.unwrap();
+            let id = ob
+                .enqueue(
+                    &mut *w,
+                    NewEvent::new("order", "o-w", "OrderPlaced", &json!({"n": -n})).unwrap(),
+                )
+                .await
+                .unwrap();
+            ob.commit(w).await.unwrap();
+            id
+        }
+    };
+    let w1 = witness(1).await;
+    tx.rollback().await.unwrap();
+    let w2 = witness(2).await;
+
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let mut tx = db.pool.begin().await.unwrap();
+    let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let id = ob
+        .enqueue(
+            &mut *tx,
+            NewEvent::new(
+                "order",
+                "o-1",
+                "OrderPlaced",
+                &json!({"sku": "A-1", "qty": 2}),
+            )
+            .unwrap()
+            .header("traceparent", traceparent)
+            .header("tenant", "acme"),
+        )
+        .await
+        .unwrap();
+    ob.commit(tx).await.unwrap();
+    // Other languages: the SQL function, with its defaults.
+    let from_sql: uuid::Uuid = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT \"{}\".outbox_emit('invoice', 'i-9', 'InvoiceSent', '{{\"total\": 5}}')",
+        db.schema
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    // Bad input is refused by the function, with nothing emitted.
+    let err = sqlx::query(AssertSqlSafe(format!(
+        "SELECT \"{}\".outbox_emit('', 'i-9', 'InvoiceSent', '{{}}')",
+        db.schema
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("must not be empty"), "{err}");
+    let err = sqlx::query(AssertSqlSafe(format!(
+        "SELECT \"{}\".outbox_emit('invoice', 'i-9', 'InvoiceSent', '{{}}', '[1]')",
+        db.schema
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("JSON object"), "{err}");
+
+    wait_until(DEADLINE, "the committed events", || async {
+        [w1, w2, id, from_sql]
+            .iter()
+            .all(|i| collector.has(&i.to_string()))
+    })
+    .await;
+    relay.stop().await;
+    collector.drain(DEADLINE).await;
+    assert_eq!(db.count("outbox").await, 0, "no row: the log carried them");
+    assert_eq!(db.count("outbox_dead_letters").await, 0);
+    // Stopped cleanly: the slot was confirmed up to what was published.
+    let w = slot(&db).await;
+    assert!(!w.active);
+    {
+        let got = collector.received.lock().unwrap();
+        assert!(
+            !got.counts.contains_key(&rolled_back.to_string()),
+            "a rolled-back event was published"
+        );
+        assert_eq!(got.counts.len(), 4, "{:?}", got.counts.keys());
+        assert_eq!(got.duplicates(), 0, "no fault: no copy");
+        let d = &got.first[&id.to_string()];
+        e2e::assert_contract(
+            d,
+            &id.to_string(),
+            "OrderPlaced",
+            ("order", "o-1"),
+            now.timestamp(),
+            &[("traceparent", traceparent), ("tenant", "acme")],
+            "order.OrderPlaced",
+        );
+        assert!(
+            !d.properties
+                .headers()
+                .as_ref()
+                .unwrap()
+                .inner()
+                .contains_key("x-aggregate-seq"),
+            "unordered"
+        );
+        let body: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
+        assert_eq!(body, json!({"sku": "A-1", "qty": 2}));
+        let d = &got.first[&from_sql.to_string()];
+        assert_eq!(d.routing_key.as_str(), "invoice.InvoiceSent");
+        let body: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
+        assert_eq!(body, json!({"total": 5}));
+    }
+    // A restart publishes nothing again: the clean stop confirmed it all.
+    let collector = Collector::start(&broker.queue);
+    let relay = spawn(config(&db, &broker), &format!("r2-{}", db.schema)).await;
+    let w3 = witness(3).await;
+    wait_until(DEADLINE, "a witness after the restart", || async {
+        collector.has(&w3.to_string())
+    })
+    .await;
+    relay.stop().await;
+    collector.drain(DEADLINE).await;
+    assert_eq!(
+        collector.distinct(),
+        1,
+        "a clean restart published again what was confirmed"
+    );
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+#[tokio::test]
+async fn wal_undeliverable_and_unreadable_messages_leave_the_stream_for_the_tables() {
+    let db = TestDb::producer_wal("wal_divert").await;
+    let broker = TestBroker::new("wal_divert", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let ob = db.outbox(Capture::Wal).await;
+    let mut cfg = config(&db, &broker);
+    cfg.max_attempts = 3;
+    let relay = spawn(cfg, &format!("r-{}", db.schema)).await;
+    let mut ids = Vec::new();
+    let mut bad = None;
+    for n in 0..30 {
+        let mut tx = db.pool.begin().await.unwrap();
+        let mut e =
+            NewEvent::new("order", format!("o-{n}"), "OrderPlaced", &json!({"n": n})).unwrap();
+        if n == 10 {
+            e = e.exchange(format!("{}.missing", broker.exchange));
+        }
+        let id = ob.enqueue(&mut *tx, e).await.unwrap();
+        ob.commit(tx).await.unwrap();
+        if n == 10 {
+            bad = Some(id);
+        } else {
+            ids.push(id);
+        }
+    }
+    let bad = bad.unwrap();
+    // Messages of our prefix that are no event, and one of another prefix.
+    let prefix = format!("outbox:{}", db.schema);
+    for (transactional, content) in [(true, "garbage"), (false, "{}")] {
+        sqlx::query("SELECT pg_logical_emit_message($1, $2, $3)")
+            .bind(transactional)
+            .bind(&prefix)
+            .bind(content)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    sqlx::query("SELECT pg_logical_emit_message(true, 'someone-else', 'x')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    let last = ob
+        .enqueue(
+            &mut *tx,
+            NewEvent::new("order", "o-last", "OrderPlaced", &json!({})).unwrap(),
+        )
+        .await
+        .unwrap();
+    ob.commit(tx).await.unwrap();
+    ids.push(last);
+
+    // The stream went on past the bad event, at once.
+    wait_until(DEADLINE, "the good events", || async {
+        ids.iter().all(|i| collector.has(&i.to_string()))
+    })
+    .await;
+    // The bad one was retried in the table, then dead-lettered with its
+    // history; the others are dead letters at once.
+    wait_until(DEADLINE, "three dead letters", || async {
+        db.count("outbox_dead_letters").await == 3 && db.count("outbox").await == 0
+    })
+    .await;
+    relay.stop().await;
+    let s = schema(&db);
+    let dl = admin::list_dead_letters(&db.pool, &s, 10).await.unwrap();
+    let by_id = dl.iter().find(|d| d.id == bad).expect("the bad event");
+    assert_eq!(by_id.attempts, 3, "retried by the table workers");
+    assert!(
+        by_id.last_error.contains("does not exist"),
+        "{}",
+        by_id.last_error
+    );
+    let unreadable: Vec<_> = dl
+        .iter()
+        .filter(|d| d.event_type == "(unreadable)")
+        .collect();
+    assert_eq!(unreadable.len(), 2, "{dl:?}");
+    assert!(
+        unreadable
+            .iter()
+            .any(|d| d.last_error.contains("not an outbox event message"))
+            && unreadable
+                .iter()
+                .any(|d| d.last_error.contains("non-transactional")),
+        "{unreadable:?}"
+    );
+    collector.drain(DEADLINE).await;
+    assert!(!collector.has(&bad.to_string()));
+    assert_eq!(collector.distinct(), ids.len());
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+#[tokio::test]
+async fn wal_ordered_aggregate_waits_behind_its_failed_event_in_the_table() {
+    let db = TestDb::producer_wal("wal_order").await;
+    let broker = TestBroker::new("wal_order", FieldTable::default()).await;
+    outbox::set_ordered(&db.pool, &db.schema, "acct", true)
+        .await
+        .unwrap();
+    let log = SeqLog::start(&broker.queue);
+    let ob = db.outbox(Capture::Wal).await;
+    let relay = spawn(config(&db, &broker), &format!("r-{}", db.schema)).await;
+    // Event 2 of a-1 goes to an exchange that does not exist yet; a-2 is
+    // never held up.
+    let side = format!("{}.side", broker.exchange);
+    let write = |aggregate: &'static str, exchange: Option<String>| {
+        let ob = ob.clone();
+        let pool = db.pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let mut e = NewEvent::new("acct", aggregate, "Moved", &json!({})).unwrap();
+            if let Some(x) = exchange {
+                e = e.exchange(x);
+            }
+            ob.enqueue(&mut *tx, e).await.unwrap();
+            tx.commit().await.unwrap();
+        }
+    };
+    write("a-1", None).await;
+    write("a-1", Some(side.clone())).await;
+    for _ in 0..4 {
+        write("a-1", None).await;
+        write("a-2", None).await;
+    }
+    // a-1's failed event and the four behind it wait in the table; a-2's
+    // events went straight through.
+    wait_until(DEADLINE, "a-1 queued in the table", || async {
+        db.count("outbox").await == 5 && log.seqs_of("a-2").len() == 4
+    })
+    .await;
+    assert_eq!(log.seqs_of("a-1"), vec![1], "nothing overtook event 2");
+    // The exchange appears, bound to the queue: the table workers publish
+    // event 2, then the rest, in order; later events go straight again.
+    let conn = e2e::connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.exchange_declare(
+        side.as_str().into(),
+        lapin::ExchangeKind::Topic,
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.exchange_bind(
+        broker.exchange.as_str().into(),
+        side.as_str().into(),
+        "#".into(),
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    wait_until(DEADLINE, "a-1 drained from the table", || async {
+        db.count("outbox").await == 0
+    })
+    .await;
+    write("a-1", None).await;
+    wait_until(DEADLINE, "a-1's seventh event", || async {
+        log.seqs_of("a-1").contains(&7)
+    })
+    .await;
+    relay.stop().await;
+    log.drain(DEADLINE).await;
+    let (first, _) = log.first_arrivals();
+    assert_eq!(first["a-1"], (1..=7).collect::<Vec<_>>());
+    assert_eq!(first["a-2"], (1..=4).collect::<Vec<_>>());
+    let _ = ch
+        .exchange_delete(side.as_str().into(), Default::default())
+        .await;
+    let _ = conn.close(200, "ok".into()).await;
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+#[tokio::test]
+async fn wal_standby_relay_takes_over_the_slot() {
+    let db = TestDb::producer_wal("wal_standby").await;
+    let broker = TestBroker::new("wal_standby", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let mut cfg_a = config(&db, &broker);
+    cfg_a.name = "relay-a".into();
+    let mut cfg_b = config(&db, &broker);
+    cfg_b.name = "relay-b".into();
+    let a = spawn(cfg_a.clone(), &format!("a-{}", db.schema)).await;
+    wait_until(DEADLINE, "relay A reads the slot", || async {
+        slot(&db).await.reader.as_deref() == Some("outbox-relay relay-a")
+    })
+    .await;
+    let b = spawn(cfg_b, &format!("b-{}", db.schema)).await;
+    let stop_writing = CancellationToken::new();
+    let writer = {
+        let db = db.clone();
+        let stop = stop_writing.clone();
+        tokio::spawn(async move {
+            let ob = db.outbox(Capture::Wal).await;
+            let mut ids = Vec::new();
+            while !stop.is_cancelled() {
+                let mut tx = db.pool.begin().await.unwrap();
+                let id = ob
+                    .enqueue(
+                        &mut *tx,
+                        NewEvent::new("order", "o-1", "OrderPlaced", &json!({})).unwrap(),
+                    )
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+                ids.push(id);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            ids
+        })
+    };
+    wait_until(DEADLINE, "events through relay A", || async {
+        collector.distinct() >= 50
+    })
+    .await;
+    assert_eq!(
+        slot(&db).await.reader.as_deref(),
+        Some("outbox-relay relay-a"),
+        "B waits while A reads"
+    );
+    // A stops (cleanly): B takes the slot and the stream goes on.
+    let stopped = Instant::now();
+    a.stop().await;
+    let seen = collector.distinct();
+    wait_until(DEADLINE, "relay B reads the slot", || async {
+        slot(&db).await.reader.as_deref() == Some("outbox-relay relay-b")
+    })
+    .await;
+    wait_until(DEADLINE, "events through relay B", || async {
+        collector.distinct() > seen + 20
+    })
+    .await;
+    let clean = stopped.elapsed();
+    // B's run is dropped mid-stream (no drain, nothing confirmed at the
+    // end): A, back as the standby, takes over. (A SIGKILLed or frozen
+    // relay process: the fault suite.)
+    let a = spawn(cfg_a, &format!("a2-{}", db.schema)).await;
+    let killed = Instant::now();
+    b.task.abort();
+    let _ = b.task.await;
+    let seen = collector.distinct();
+    wait_until(DEADLINE, "relay A reads the slot again", || async {
+        slot(&db).await.reader.as_deref() == Some("outbox-relay relay-a")
+    })
+    .await;
+    wait_until(DEADLINE, "events through relay A again", || async {
+        collector.distinct() > seen + 20
+    })
+    .await;
+    let abrupt = killed.elapsed();
+    stop_writing.cancel();
+    let ids = writer.await.unwrap();
+    wait_until(DEADLINE, "every event", || async {
+        ids.iter().all(|i| collector.has(&i.to_string()))
+    })
+    .await;
+    a.stop().await;
+    collector.drain(DEADLINE).await;
+    assert_eq!(collector.distinct(), ids.len());
+    println!(
+        "handover: clean stop {clean:?}, abrupt end {abrupt:?} (each until 20 more events arrived); {} events, {} copies",
+        ids.len(),
+        collector.duplicates()
+    );
+    db.cleanup().await;
+    broker.cleanup().await;
+}
