@@ -24,9 +24,9 @@ use e2e::{
 };
 use lapin::types::FieldTable;
 use nix::sys::signal::Signal;
-use outbox::{NewEvent, Outbox, OutboxConfig};
+use outbox::{Capture, NewEvent, Outbox, OutboxConfig};
 use outbox_consumer::{Consumer, ConsumerConfig, Event, Handler, Outcome};
-use outbox_relay::{Relay, RelayConfig};
+use outbox_relay::{Relay, RelayConfig, WalCapture};
 use serde_json::json;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -67,7 +67,20 @@ struct Verdict {
 
 impl World {
     async fn new(prefix: &str) -> Self {
-        let db = TestDb::producer(prefix).await;
+        Self::with(TestDb::producer(prefix).await, prefix).await
+    }
+
+    /// A world whose producers write to the write-ahead log and whose
+    /// relays read the schema's slot (`--capture wal`).
+    async fn wal(prefix: &str) -> Self {
+        Self::with(TestDb::producer_wal(prefix).await, prefix).await
+    }
+
+    fn is_wal(&self) -> bool {
+        self.db.capture == Capture::Wal
+    }
+
+    async fn with(db: TestDb, prefix: &str) -> Self {
         let consumer_schema = format!("{}_c", db.schema);
         outbox_consumer::migrate(&db.pool, &consumer_schema)
             .await
@@ -114,6 +127,12 @@ impl World {
         c.broker_timeout = Duration::from_secs(2);
         c.reconnect_min = Duration::from_millis(50);
         c.reconnect_max = Duration::from_millis(500);
+        if self.is_wal() {
+            let mut wal = WalCapture::new(database_url());
+            wal.standby_poll = Duration::from_millis(200);
+            wal.sender_timeout = Duration::from_secs(3);
+            c.wal = Some(wal);
+        }
         c
     }
 
@@ -155,6 +174,9 @@ impl World {
 
     fn relay_process_with(&self, env: &[(&str, &str)]) -> KillOnDrop {
         let mut c = self.process(env!("CARGO_BIN_EXE_fault-relay"));
+        if self.is_wal() {
+            c.env("CAPTURE", "wal");
+        }
         for (k, v) in env {
             c.env(k, v);
         }
@@ -184,12 +206,32 @@ impl World {
     }
 
     /// Waits until every committed event has left the outbox (published or
-    /// dead-lettered; the oracle tells which).
+    /// dead-lettered; the oracle tells which): the table, and the log up to
+    /// its end now.
     async fn outbox_drained(&self) {
-        wait_until(deadline(), "the outbox to empty", || async {
-            self.db.count("outbox").await == 0
-        })
-        .await;
+        self.db.drained(deadline()).await;
+    }
+
+    /// Waits for a relay batch in flight: a claim holding rows (table), or
+    /// events just published with more of the log's backlog behind them
+    /// (WAL: no row to see). Returns the committed events not published
+    /// yet (table: rows left).
+    async fn in_flight(&self, committed: usize) -> usize {
+        if self.is_wal() {
+            let seen = self.wire.distinct();
+            wait_until(deadline(), "the log's reader publishing", || async {
+                self.wire.distinct() > seen
+            })
+            .await;
+            committed.saturating_sub(self.wire.distinct())
+        } else {
+            let outbox = format!("\"{}\".outbox", self.db.schema);
+            wait_until(deadline(), "a batch in flight", || async {
+                e2e::locked_rows(&self.db.pool, &outbox).await > 0
+            })
+            .await;
+            self.db.count("outbox").await as usize
+        }
     }
 
     /// The oracle, once every relay has stopped: the consumer empties its
@@ -464,6 +506,154 @@ async fn relay_sigstopped_holding_locks_while_a_second_relay_runs() {
     w.cleanup().await;
 }
 
+/// The log's reader SIGKILLed again and again mid-stream. A kill lands on
+/// work in flight when the reader had published events whose position it
+/// had not yet confirmed to the slot: the next reader publishes them
+/// again. So after each kill the wire counter catches up (its queue
+/// empty) and takes a snapshot; the kill landed if an event of that
+/// snapshot arrives again before the next one. Only such kills count.
+#[tokio::test]
+async fn wal_relay_sigkilled_mid_stream_repeatedly() {
+    let w = World::wal("f_wkill").await;
+    let consumer = w.consumer(&format!("c-{}", suffix())).await;
+    let mut ids = produce(&w.db, scaled(20_000), 500, Duration::ZERO)
+        .await
+        .unwrap();
+    let producer = produce(&w.db, scaled(2_000), 20, Duration::from_millis(2));
+    let conn = e2e::connect().await;
+    // What the wire counter holds once its queue is empty.
+    let snapshot = || async {
+        wait_until(deadline(), "the wire counter to catch up", || async {
+            e2e::depth(&conn, &w.wire_queue).await.0 == 0
+        })
+        .await;
+        w.wire.received.lock().unwrap().counts.clone()
+    };
+    let again = |before: &std::collections::HashMap<String, usize>,
+                 now: &std::collections::HashMap<String, usize>| {
+        before
+            .iter()
+            .any(|(id, n)| now.get(id).is_some_and(|m| m > n))
+    };
+    let (mut landed, mut rounds) = (0, 0);
+    let mut at_kill = None;
+    while landed < 8 && rounds < 30 {
+        rounds += 1;
+        let before = w.wire.distinct();
+        let child = w.relay_process();
+        wait_until(deadline(), "relay progress", || async {
+            w.wire.distinct() > before
+        })
+        .await;
+        kill_now(child);
+        let now = snapshot().await;
+        if at_kill.as_ref().is_some_and(|b| again(b, &now)) {
+            landed += 1;
+        }
+        at_kill = Some(now);
+    }
+    let mut last = w.relay_process();
+    ids.extend(producer.await.unwrap());
+    w.outbox_drained().await;
+    if at_kill
+        .as_ref()
+        .is_some_and(|b| again(b, &w.wire.received.lock().unwrap().counts))
+    {
+        landed += 1;
+    }
+    let _ = conn.close(200, "ok".into()).await;
+    assert!(
+        landed >= 8,
+        "8 SIGKILLs landed on published, unconfirmed events ({landed} in {rounds} tries)"
+    );
+    assert_eq!(
+        stop_child(&mut last, Signal::SIGINT, deadline()).await,
+        Some(0)
+    );
+    w.judge(
+        consumer,
+        &ids,
+        &format!("the log's reader SIGKILLed {landed}x with published, unconfirmed events"),
+    )
+    .await;
+    w.cleanup().await;
+}
+
+/// The log's reader frozen (SIGSTOP) mid-stream while a standby waits:
+/// PostgreSQL ends the silent session after its sender timeout (3 s here),
+/// the standby takes the slot and the stream goes on; the frozen relay,
+/// thawed, finds its session gone and becomes the standby.
+#[tokio::test]
+async fn wal_relay_sigstopped_while_reading_a_standby_takes_over() {
+    let w = World::wal("f_wstop").await;
+    let consumer = w.consumer(&format!("c-{}", suffix())).await;
+    let backlog = produce(&w.db, scaled(5_000), 500, Duration::ZERO)
+        .await
+        .unwrap();
+    let name_a = format!("fault-relay-a-{}", suffix());
+    let name_b = format!("fault-relay-b-{}", suffix());
+    let reader = || async {
+        sqlx::query_scalar::<_, Option<String>>(
+            "SELECT a.application_name FROM pg_replication_slots s
+             LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = $1",
+        )
+        .bind(w.db.slot())
+        .fetch_optional(&w.db.pool)
+        .await
+        .unwrap()
+        .flatten()
+    };
+    let mut a = w.relay_process_with(&[("NAME", &name_a)]);
+    wait_until(deadline(), "relay A reading", || async {
+        reader().await == Some(format!("outbox-relay {name_a}")) && w.wire.distinct() > 0
+    })
+    .await;
+    let mut b = w.relay_process_with(&[("NAME", &name_b)]);
+    let producer = produce(&w.db, scaled(2_000), 20, Duration::from_millis(2));
+    // Freeze A while events flow through it.
+    let seen = w.wire.distinct();
+    wait_until(deadline(), "events through relay A", || async {
+        w.wire.distinct() > seen
+    })
+    .await;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(a.id() as i32), Signal::SIGSTOP).unwrap();
+    let frozen = std::time::Instant::now();
+    assert_eq!(
+        reader().await,
+        Some(format!("outbox-relay {name_a}")),
+        "A held the slot when it froze"
+    );
+    wait_until(deadline(), "relay B taking the slot", || async {
+        reader().await == Some(format!("outbox-relay {name_b}"))
+    })
+    .await;
+    let handover = frozen.elapsed();
+    let seen = w.wire.distinct();
+    wait_until(deadline(), "events through relay B", || async {
+        w.wire.distinct() > seen
+    })
+    .await;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(a.id() as i32), Signal::SIGCONT).unwrap();
+    let mut ids = backlog;
+    ids.extend(producer.await.unwrap());
+    w.outbox_drained().await;
+    stop_child(&mut a, Signal::SIGINT, deadline()).await;
+    assert_eq!(
+        stop_child(&mut b, Signal::SIGINT, deadline()).await,
+        Some(0)
+    );
+    w.judge(
+        consumer,
+        &ids,
+        &format!(
+            "the log's reader SIGSTOPped mid-stream: the standby read the slot {:.1} s later",
+            handover.as_secs_f64()
+        ),
+    )
+    .await;
+    w.cleanup().await;
+}
+
 #[tokio::test]
 async fn database_backends_of_relay_and_consumer_terminated() {
     let w = World::new("f_pgkill").await;
@@ -574,7 +764,18 @@ async fn consumer_sigkilled_between_commit_and_ack() {
 
 #[tokio::test]
 async fn connection_cut_between_publish_and_confirm() {
-    let w = World::new("f_cut").await;
+    connection_cut(World::new("f_cut").await).await;
+}
+
+/// The same cuts with the events in the write-ahead log: a confirm
+/// timeout puts the reader's events in the outbox table (where the
+/// detection below finds them) and restarts its session.
+#[tokio::test]
+async fn wal_connection_cut_between_publish_and_confirm() {
+    connection_cut(World::wal("f_wcut").await).await;
+}
+
+async fn connection_cut(w: World) {
     let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
     let relay = w
         .relay(&format!("r-{}", suffix()), proxy.url(&amqp_url()))
@@ -633,10 +834,13 @@ async fn connection_cut_between_publish_and_confirm() {
                 let before = timed_out().await;
                 let mut landed = false;
                 for _ in 0..20 {
-                    wait_until(deadline(), "a batch in flight", || async {
-                        e2e::locked_rows(&w.db.pool, &outbox).await > 0
-                    })
-                    .await;
+                    // (WAL: events keep arriving, so a publish follows.)
+                    if !w.is_wal() {
+                        wait_until(deadline(), "a batch in flight", || async {
+                            e2e::locked_rows(&w.db.pool, &outbox).await > 0
+                        })
+                        .await;
+                    }
                     proxy.set(mode);
                     landed = tokio::time::timeout(Duration::from_secs(8), async {
                         while timed_out().await.is_subset(&before) {
@@ -791,20 +995,24 @@ async fn producer_transaction_committing_late_with_an_earlier_id() {
 /// after the others).
 #[tokio::test]
 async fn disruptive_broker_restart_and_forced_connection_close() {
-    let w = World::new("f_brk").await;
+    broker_restart(World::new("f_brk").await).await;
+}
+
+#[tokio::test]
+async fn disruptive_wal_broker_restart_and_forced_connection_close() {
+    broker_restart(World::wal("f_wbrk").await).await;
+}
+
+async fn broker_restart(w: World) {
     let mut ids = produce(&w.db, scaled(30_000), 500, Duration::ZERO)
         .await
         .unwrap();
     let relay = w.relay(&format!("r-{}", suffix()), amqp_url()).await;
     let consumer = w.consumer(&format!("c-{}", suffix())).await;
     let producer = produce(&w.db, scaled(1_000), 20, Duration::from_millis(3));
-    let outbox = format!("\"{}\".outbox", w.db.schema);
+    let backlog = ids.len();
     let in_flight = || async {
-        wait_until(deadline(), "a batch in flight", || async {
-            e2e::locked_rows(&w.db.pool, &outbox).await > 0
-        })
-        .await;
-        let left = w.db.count("outbox").await;
+        let left = w.in_flight(backlog).await;
         assert!(
             left > 500,
             "the backlog drained before the fault ({left} left)"
@@ -882,27 +1090,36 @@ fn restart_postgres_immediately() {
 /// shared database.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn disruptive_postgres_crash_restart() {
-    let w = World::new("f_pgc").await;
+    postgres_crash(World::new("f_pgc").await).await;
+}
+
+/// The same crash with the events in the write-ahead log: the replication
+/// session dies with the server; the reader reconnects and reads again
+/// from the slot's confirmed position (which the crash may set back:
+/// copies only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn disruptive_wal_postgres_crash_restart() {
+    postgres_crash(World::wal("f_wpgc").await).await;
+}
+
+async fn postgres_crash(w: World) {
     let ids = produce(&w.db, scaled(30_000), 500, Duration::ZERO)
         .await
         .unwrap();
     let relay = w.relay(&format!("r-{}", suffix()), amqp_url()).await;
     let consumer = w.consumer(&format!("c-{}", suffix())).await;
-    let outbox = format!("\"{}\".outbox", w.db.schema);
-    // Lands on work in flight: a relay batch holds rows and the consumer
-    // has applied some but not all.
-    wait_until(
-        deadline(),
-        "a relay batch in flight while the consumer applies",
-        || async {
-            let (_, applied) = w.effects().await;
-            applied > 0
-                && (applied as usize) < ids.len()
-                && e2e::locked_rows(&w.db.pool, &outbox).await > 0
-        },
-    )
+    // Lands on work in flight: a relay batch holds rows (or, WAL, the
+    // reader is publishing) and the consumer has applied some but not all.
+    wait_until(deadline(), "the consumer applying", || async {
+        w.effects().await.1 > 0
+    })
     .await;
-    let left = w.db.count("outbox").await;
+    let left = w.in_flight(ids.len()).await;
+    let (_, applied) = w.effects().await;
+    assert!(
+        (applied as usize) < ids.len(),
+        "the consumer applied everything before the crash"
+    );
     assert!(
         left > 1_000,
         "the backlog drained before the crash ({left} left)"

@@ -206,15 +206,17 @@ impl Relay {
         let mut source = crate::wal::source(wal.database_url.expose()).map_err(Error::Config)?;
         source.slot = slot.to_owned();
         source.publication = slot.to_owned().into();
-        // Report every second, and at least four times per sender
+        // Report four times a second, and at least four times per sender
         // timeout, so a live reader is never taken for a dead one.
         let every =
-            (wal.sender_timeout / 4).clamp(Duration::from_millis(200), Duration::from_secs(1));
+            (wal.sender_timeout / 4).clamp(Duration::from_millis(100), Duration::from_millis(250));
         let source = source
             .with_start_lsn(confirmed)
             .with_ack_lsn(confirmed)
             .with_status_interval(every)
             .with_wakeup_interval(every)
+            // Two batches ahead: the next is read while one is published.
+            .with_buffer_size((cfg.batch_size * 2).max(256))
             .with_application_name(format!("outbox-relay {}", cfg.name))
             .with_options(format!(
                 "-c wal_sender_timeout={}",
@@ -372,6 +374,14 @@ impl Relay {
     ) -> Result<()> {
         let inner = &self.inner;
         let cfg = &inner.config;
+        if !client.is_running() {
+            // The session ended (a frozen relay thawed, say): what is
+            // buffered belongs to whoever reads the slot now. Publishing
+            // it would only make copies.
+            return Err(Error::Replication(
+                "the replication session ended".to_owned(),
+            ));
+        }
         let events = std::mem::take(&mut pending.events);
         let unreadable = std::mem::take(&mut pending.unreadable);
         let queued = divert::queued_aggregates(&inner.pool, &inner.queries, &events).await?;

@@ -2,12 +2,14 @@
 //! Settings from the environment: DATABASE_URL, AMQP_URL, SCHEMA, EXCHANGE,
 //! BATCH_SIZE (default 100), LISTEN (default 1), LEASE_TTL_MS (default
 //! 2000), NAME (relay name and database application name; default
-//! `fault-relay-<schema>`). SIGINT or SIGTERM stop it gracefully.
+//! `fault-relay-<schema>`), CAPTURE (`wal`: also read the schema's slot),
+//! WAL_SENDER_TIMEOUT_MS (default 3000). SIGINT or SIGTERM stop it
+//! gracefully.
 
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use outbox_relay::{Relay, RelayConfig};
+use outbox_relay::{Relay, RelayConfig, WalCapture};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio_util::sync::CancellationToken;
 
@@ -51,6 +53,17 @@ async fn main() -> Result<()> {
                 .unwrap_or(2000),
         );
         c.name = name;
+        if std::env::var("CAPTURE").is_ok_and(|c| c == "wal") {
+            let mut wal = WalCapture::new(env("DATABASE_URL")?);
+            wal.standby_poll = Duration::from_millis(200);
+            wal.sender_timeout = Duration::from_millis(
+                std::env::var("WAL_SENDER_TIMEOUT_MS")
+                    .ok()
+                    .and_then(|b| b.parse().ok())
+                    .unwrap_or(3000),
+            );
+            c.wal = Some(wal);
+        }
         c
     };
     let relay = Relay::new(pool, config).await?;

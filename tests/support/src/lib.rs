@@ -59,6 +59,9 @@ pub struct TestDb {
     pub pool: PgPool,
     /// The schema (`t_<prefix>_<random>`).
     pub schema: String,
+    /// How [`TestDb::produce`] writes events: a table row, or (schemas of
+    /// [`TestDb::producer_wal`]) a message in the write-ahead log.
+    pub capture: outbox::Capture,
 }
 
 impl TestDb {
@@ -67,7 +70,11 @@ impl TestDb {
         let schema = format!("t_{prefix}_{}", suffix());
         let pool = pool(&format!("test-{schema}"), 8).await;
         outbox::migrate(&pool, &schema).await.expect("migrate");
-        Self { pool, schema }
+        Self {
+            pool,
+            schema,
+            capture: outbox::Capture::Table,
+        }
     }
 
     /// A migrated schema with its write-ahead-log capture set up (what
@@ -76,7 +83,8 @@ impl TestDb {
     /// slots of test schemas that no longer exist (a failed run's) are
     /// dropped first, so none holds WAL for ever.
     pub async fn producer_wal(prefix: &str) -> Self {
-        let db = Self::producer(prefix).await;
+        let mut db = Self::producer(prefix).await;
+        db.capture = outbox::Capture::Wal;
         drop_orphan_slots(&db.pool).await;
         let slot = db.slot();
         sqlx::raw_sql(AssertSqlSafe(format!("CREATE PUBLICATION \"{slot}\"")))
@@ -137,14 +145,11 @@ impl TestDb {
         })
     }
 
-    /// Commits `n` events, `per_tx` per transaction (default wake-up),
+    /// Commits `n` events, `per_tx` per transaction (default wake-up; as
+    /// [`TestDb::capture`] says),
     /// pausing `pace` between transactions; returns their ids in order.
     pub async fn produce(&self, n: usize, per_tx: usize, pace: Duration) -> Vec<String> {
-        let mut config = outbox::OutboxConfig::default();
-        config.schema = self.schema.to_string();
-        let ob = outbox::Outbox::new(&self.pool, config)
-            .await
-            .expect("outbox");
+        let ob = self.outbox(self.capture).await;
         let mut ids = Vec::with_capacity(n);
         for start in (0..n).step_by(per_tx.max(1)) {
             let events = (start..(start + per_tx).min(n)).map(|i| {
@@ -166,6 +171,37 @@ impl TestDb {
             }
         }
         ids
+    }
+
+    /// For the oracle: waits until every event committed so far has been
+    /// handled (published, or put in the outbox table by the log's reader)
+    /// and the outbox table is empty. The slot's confirmed position must
+    /// pass the log's end as it is now.
+    pub async fn drained(&self, timeout: Duration) {
+        if self.capture == outbox::Capture::Wal {
+            let target: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+                .fetch_one(&self.pool)
+                .await
+                .expect("current WAL position");
+            wait_until(timeout, "the slot to pass the log's end", || async {
+                sqlx::query_scalar::<_, bool>(
+                    "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots
+                     WHERE slot_name = $1",
+                )
+                .bind(self.slot())
+                .bind(&target)
+                .fetch_optional(&self.pool)
+                .await
+                .ok()
+                .flatten()
+                .unwrap_or(false)
+            })
+            .await;
+        }
+        wait_until(timeout, "the outbox to empty", || async {
+            self.count("outbox").await == 0
+        })
+        .await;
     }
 
     /// Drops the schema, and its slot and publication if it has them
