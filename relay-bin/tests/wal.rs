@@ -377,6 +377,130 @@ async fn wal_undeliverable_and_unreadable_messages_leave_the_stream_for_the_tabl
     broker.cleanup().await;
 }
 
+/// The slot moves past an event only once it is delivered or recorded:
+/// while the outbox table is locked, the reader cannot record an event it
+/// failed to deliver, and the slot's confirmed position stays before it,
+/// report after report; once the lock goes, the event is in the table and
+/// the slot moves on.
+#[tokio::test]
+async fn wal_slot_moves_past_a_failed_event_only_once_it_is_recorded() {
+    let db = TestDb::producer_wal("wal_confirm").await;
+    let broker = TestBroker::new("wal_confirm", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let ob = db.outbox(Capture::Wal).await;
+    let app = format!("r-{}", db.schema);
+    let relay = spawn(config(&db, &broker), &app).await;
+    let position = || async {
+        sqlx::query_scalar::<_, String>("SELECT pg_current_wal_lsn()::text")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+    let confirmed_past = |lsn: String| {
+        let pool = db.pool.clone();
+        let slot = db.slot();
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+            )
+            .bind(slot)
+            .bind(lsn)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let write = |exchange: Option<String>| {
+        let ob = ob.clone();
+        let pool = db.pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let mut e = NewEvent::new("order", "o-1", "OrderPlaced", &json!({})).unwrap();
+            if let Some(x) = exchange {
+                e = e.exchange(x);
+            }
+            let id = ob.enqueue(&mut *tx, e).await.unwrap();
+            tx.commit().await.unwrap();
+            id
+        }
+    };
+    let good = write(None).await;
+    wait_until(DEADLINE, "the first event", || async {
+        collector.has(&good.to_string())
+    })
+    .await;
+    let before = position().await;
+    wait_until(DEADLINE, "the slot confirmed up to it", || async {
+        confirmed_past(before.clone()).await
+    })
+    .await;
+    let mut lock = db.pool.begin().await.unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "LOCK TABLE \"{}\".outbox IN ACCESS EXCLUSIVE MODE",
+        db.schema
+    )))
+    .execute(&mut *lock)
+    .await
+    .unwrap();
+    let bad = write(Some(format!("{}.missing", broker.exchange))).await;
+    let after = position().await;
+    // The reader waits on the lock to record the failed event...
+    wait_until(DEADLINE, "the reader blocked recording it", || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                            WHERE application_name = $1 AND wait_event_type = 'Lock'
+                              AND query LIKE 'INSERT INTO%')",
+        )
+        .bind(&app)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    let blocked_at: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    // ...and keeps reporting its position: two reports later the slot
+    // has still not moved past the event.
+    for _ in 0..2 {
+        let since: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        wait_until(DEADLINE, "a report from the reader", || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT coalesce(max(reply_time) > $2, false) FROM pg_stat_replication WHERE application_name = $1",
+            )
+            .bind(format!("outbox-relay {}", RelayConfig::default().name))
+            .bind(since)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+        })
+        .await;
+    }
+    assert!(
+        !confirmed_past(after.clone()).await,
+        "the slot moved past an event neither delivered nor recorded (blocked since {blocked_at})"
+    );
+    lock.commit().await.unwrap();
+    wait_until(
+        DEADLINE,
+        "the event recorded and the slot past it",
+        || async {
+            db.count("outbox").await + db.count("outbox_dead_letters").await == 1
+                && confirmed_past(after.clone()).await
+        },
+    )
+    .await;
+    relay.stop().await;
+    assert!(!collector.has(&bad.to_string()));
+    collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
 #[tokio::test]
 async fn wal_ordered_aggregate_waits_behind_its_failed_event_in_the_table() {
     let db = TestDb::producer_wal("wal_order").await;
