@@ -529,6 +529,12 @@ async fn wal_ordered_aggregate_waits_behind_its_failed_event_in_the_table() {
     };
     write("a-1", None).await;
     write("a-1", Some(side.clone())).await;
+    // Once event 2 is in the table, later events of a-1 arrive in later
+    // batches of the log: they must queue behind it there.
+    wait_until(DEADLINE, "event 2 in the table", || async {
+        db.count("outbox").await == 1
+    })
+    .await;
     for _ in 0..4 {
         write("a-1", None).await;
         write("a-2", None).await;
@@ -536,6 +542,7 @@ async fn wal_ordered_aggregate_waits_behind_its_failed_event_in_the_table() {
     // a-1's failed event and the four behind it wait in the table; a-2's
     // events went straight through.
     wait_until(DEADLINE, "a-1 queued in the table", || async {
+        assert_eq!(log.seqs_of("a-1"), vec![1], "an event overtook event 2");
         db.count("outbox").await == 5 && log.seqs_of("a-2").len() == 4
     })
     .await;
