@@ -45,6 +45,28 @@ pub(crate) fn use_quorum_queues(on: bool) {
     QUORUM.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether producers write to the write-ahead log and relays read the
+/// schema's slot (the `wal` section sets it for its duration).
+static WAL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The database URL in-process relays read the slot over (`--capture wal`).
+pub(crate) static DATABASE_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Writes events to the write-ahead log from now on (`true`), or to the
+/// outbox table.
+pub(crate) fn use_wal_capture(on: bool) {
+    WAL.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// How producers write now.
+pub(crate) fn capture() -> outbox::Capture {
+    if WAL.load(std::sync::atomic::Ordering::Relaxed) {
+        outbox::Capture::Wal
+    } else {
+        outbox::Capture::Table
+    }
+}
+
 /// The arguments of a queue the harness declares.
 pub(crate) fn queue_args() -> FieldTable {
     let mut args = FieldTable::default();
@@ -101,13 +123,28 @@ pub(crate) async fn drop_queue(conn: &Connection, name: &str) -> Result<()> {
     Ok(())
 }
 
+/// A migrated schema; with WAL capture on, with its slot and publication
+/// (`outbox-relay migrate --capture wal`).
 pub(crate) async fn fresh_schema(pool: &PgPool, prefix: &str) -> Result<String> {
     let schema = format!("bench_{prefix}_{}", suffix());
     outbox::migrate(pool, &schema).await?;
+    if capture() == outbox::Capture::Wal {
+        let ident = outbox::Ident::new("schema", &schema)?;
+        outbox_relay::admin::create_wal_slot(pool, &ident).await?;
+    }
     Ok(schema)
 }
 
+/// Drops the schema, and its slot and publication if it has them.
 pub(crate) async fn drop_schema(pool: &PgPool, schema: &str) -> Result<()> {
+    if let Ok(ident) = outbox::Ident::new("schema", schema) {
+        // A stopped relay's replication session may outlive it briefly.
+        let until = Instant::now() + Duration::from_secs(10);
+        while let Err(e) = outbox_relay::admin::drop_wal_slot(pool, &ident).await {
+            anyhow::ensure!(Instant::now() < until, "dropping the slot of {schema}: {e}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
     sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
         .execute(pool)
         .await?;
@@ -132,6 +169,7 @@ pub(crate) async fn fill_outbox(
         c.schema = schema.to_string();
         c.wakeup = Wakeup::PollOnly;
         c.ordering = ordering;
+        c.capture = capture();
         c
     })
     .await?;
@@ -168,9 +206,33 @@ pub(crate) async fn outbox_len(pool: &PgPool, schema: &str) -> Result<i64> {
 }
 
 /// Waits (polling every 50 ms, bounded by `limit`) until the outbox of
-/// `schema` is empty: the check after a drain, not its clock.
+/// `schema` is empty (WAL capture: and the slot has passed the log's end
+/// as it is now): the check after a drain, not its clock.
 pub(crate) async fn wait_outbox_empty(pool: &PgPool, schema: &str, limit: Duration) -> Result<()> {
     let until = Instant::now() + limit;
+    if capture() == outbox::Capture::Wal {
+        let slot = format!("outbox_{schema}");
+        let target: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+            .fetch_one(pool)
+            .await?;
+        loop {
+            let past: Option<bool> = sqlx::query_scalar(
+                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+            )
+            .bind(&slot)
+            .bind(&target)
+            .fetch_optional(pool)
+            .await?;
+            if past == Some(true) {
+                break;
+            }
+            anyhow::ensure!(
+                Instant::now() < until,
+                "slot {slot} not past {target} after {limit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
     loop {
         let left = outbox_len(pool, schema).await?;
         if left == 0 {

@@ -185,6 +185,7 @@ async fn offer(
     let ob = Outbox::new(&producer_pool, {
         let mut c = OutboxConfig::default();
         c.schema = schema.to_string();
+        c.capture = capture();
         c
     })
     .await?;

@@ -65,8 +65,8 @@ struct Args {
     child_consumer: Option<Vec<String>>,
 }
 
-const SECTIONS: [&str; 8] = [
-    "relay", "growth", "ordered", "write", "latency", "consumer", "quorum", "console",
+const SECTIONS: [&str; 9] = [
+    "relay", "growth", "ordered", "write", "latency", "consumer", "quorum", "console", "wal",
 ];
 
 /// Counts and durations; `--smoke` shrinks all of them.
@@ -155,6 +155,7 @@ async fn main() -> Result<()> {
             },
         }
     };
+    let _ = common::DATABASE_URL.set(args.database_url.clone());
     let mut r = Report::default();
     r.tuning("load_average_at_start", load_average());
     let run = |section: &str| args.only.is_empty() || args.only.iter().any(|o| o == section);
@@ -194,6 +195,12 @@ async fn main() -> Result<()> {
     }
     if run("console") {
         console_section(&mut r, &pool, &args.database_url, &sizes).await?;
+    }
+    if run("wal") {
+        common::use_wal_capture(true);
+        let done = wal_section(&mut r, &pool, &args.database_url, url, &sizes).await;
+        common::use_wal_capture(false);
+        done?;
     }
     r.tuning("load_average_at_end", load_average());
     r.print();
@@ -242,6 +249,193 @@ async fn console_section(
 
 /// The relay binary's drain against the best raw confirmed publisher,
 /// interleaved; returns the raw publisher's winning tuning.
+/// The write-ahead-log capture, measured like the table mode and beside
+/// it: the relay binary reading the slot against the raw confirmed
+/// publisher (interleaved), drain rate with a 1M against a 10k backlog in
+/// the log, the write path with one business insert per transaction (no
+/// event, a table row, a log message; interleaved), and latency at 1,000
+/// events/s.
+async fn wal_section(
+    r: &mut Report,
+    pool: &sqlx::PgPool,
+    database_url: &str,
+    url: &str,
+    sizes: &Sizes,
+) -> Result<()> {
+    eprintln!(
+        "bench: WAL capture: raw publisher sweep ({} each)",
+        sizes.sweep_n
+    );
+    let best = publish_sweep(url, sizes).await?;
+    let n = ((best.1 * sizes.run_secs) as usize).clamp(1_000, 400_000);
+    let d = drain_rounds(pool, database_url, url, url, n, best.0, sizes.rounds).await?;
+    r.stats(
+        "wal_raw_publish_per_s",
+        &d.raw,
+        "WAL: raw confirmed publishes/s (best tuning)",
+        "",
+    );
+    r.stats(
+        "wal_drain_per_s",
+        &d.drain,
+        "WAL: relay drain events/s (binary, --capture wal)",
+        "",
+    );
+    r.ceiling(
+        "wal_drain_ratio",
+        &d.ratio,
+        "wal_drain_ratio (relay / raw)",
+        ">= 0.95",
+    );
+    r.add(
+        "wal_relay_peak_rss_mib",
+        d.rss,
+        "WAL: relay peak RSS MiB",
+        "<= 64",
+    );
+    r.add(
+        "wal_drain_cpu_s_per_10k_database",
+        d.drain_cpu.1 * 10_000.0 / (n * sizes.rounds) as f64,
+        "  WAL drain: postgres CPU s / 10k events",
+        "",
+    );
+    r.add(
+        "wal_drain_cpu_s_per_10k_relay",
+        d.drain_cpu.2 * 10_000.0 / (n * sizes.rounds) as f64,
+        "  WAL drain: relay CPU s / 10k events",
+        "",
+    );
+
+    eprintln!(
+        "bench: WAL capture: backlog {} vs {}",
+        sizes.growth_big, sizes.growth_small
+    );
+    let g = attempt("WAL growth", || {
+        relay::wal_growth(
+            pool,
+            url,
+            sizes.growth_small,
+            sizes.growth_big,
+            sizes.growth_window,
+            sizes.growth_runs,
+        )
+    })
+    .await?;
+    r.stats(
+        "wal_drain_per_s_backlog_10k",
+        &g.small,
+        "WAL: drain events/s, 10k backlog (in-process)",
+        "",
+    );
+    r.stats(
+        "wal_drain_per_s_backlog_1m",
+        &g.big_one,
+        "WAL: drain events/s, 1M backlog",
+        "",
+    );
+    r.add(
+        "wal_backlog_1m_vs_10k_ratio",
+        g.big_one.median() / g.small.median(),
+        "wal_backlog_1m_vs_10k_ratio",
+        ">= 0.95",
+    );
+
+    eprintln!("bench: WAL capture: write path (one insert per transaction, 8 writers)");
+    // Interleaved: no event, a row in the outbox table, a log message.
+    let (mut rates, mut table_ratio, mut wal_ratio) = (
+        vec![Stats::default(); 3],
+        Stats::default(),
+        Stats::default(),
+    );
+    for round in 0..sizes.rounds {
+        let mut got = [0.0; 3];
+        for k in 0..3 {
+            let i = (k + round) % 3;
+            common::use_wal_capture(i == 2);
+            let mode = (i > 0).then_some(Wakeup::AfterCommit);
+            got[i] = write::write_path(pool, Shape::OneInsert, mode, sizes.worst_secs).await?;
+        }
+        common::use_wal_capture(true);
+        eprintln!("bench:   round {}: {got:.0?} tx/s", round + 1);
+        for i in 0..3 {
+            rates[i].push(got[i]);
+        }
+        table_ratio.push(got[1] / got[0]);
+        wal_ratio.push(got[2] / got[0]);
+    }
+    r.stats(
+        "wal_write_tx_per_s_baseline",
+        &rates[0],
+        "WAL: write tx/s, one insert, no event",
+        "",
+    );
+    r.stats(
+        "wal_write_tx_per_s_table",
+        &rates[1],
+        "WAL: write tx/s, one insert + outbox row",
+        "",
+    );
+    r.stats(
+        "wal_write_tx_per_s_wal",
+        &rates[2],
+        "WAL: write tx/s, one insert + log message",
+        "",
+    );
+    r.stats(
+        "wal_write_path_ratio_table",
+        &table_ratio,
+        "  ratio to no event (outbox row, same rounds)",
+        "",
+    );
+    r.stats(
+        "wal_write_path_ratio",
+        &wal_ratio,
+        "wal_write_path_ratio (log message / no event)",
+        ">= 0.9",
+    );
+
+    let mut by_key: Vec<(String, Stats)> = Vec::new();
+    for run in 0..sizes.latency_runs {
+        eprintln!(
+            "bench: WAL capture: latency, open loop at 1,000 events/s, run {}",
+            run + 1
+        );
+        let res = attempt("WAL latency", || {
+            latency::latency(
+                pool,
+                database_url,
+                url,
+                1000.0,
+                sizes.latency_warm,
+                sizes.latency_secs,
+            )
+        })
+        .await?;
+        for (prefix, samples) in &res.samples {
+            for (k, v) in latency::percentiles(prefix, samples) {
+                let k = format!("wal_{k}");
+                match by_key.iter_mut().find(|(key, _)| *key == k) {
+                    Some((_, s)) => s.push(v),
+                    None => {
+                        let mut s = Stats::default();
+                        s.push(v);
+                        by_key.push((k, s));
+                    }
+                }
+            }
+        }
+    }
+    for (k, s) in &by_key {
+        let target = if k == "wal_publish_latency_p99_ms" {
+            "<= 5"
+        } else {
+            ""
+        };
+        r.stats(k, s, k, target);
+    }
+    Ok(())
+}
+
 async fn relay_section(
     r: &mut Report,
     pool: &sqlx::PgPool,

@@ -24,6 +24,10 @@ fn relay_config(url: &str, schema: &str, exchange: &str) -> RelayConfig {
     c.schema = schema.to_owned();
     c.default_exchange = exchange.to_owned();
     c.declare_exchange = None;
+    if capture() == outbox::Capture::Wal {
+        let url = DATABASE_URL.get().cloned().unwrap_or_default();
+        c.wal = Some(outbox_relay::WalCapture::new(url));
+    }
     c
 }
 
@@ -213,6 +217,49 @@ pub(crate) async fn growth(
     Ok(out)
 }
 
+/// The WAL capture's cost growth: `runs` fresh backlogs of `small` in the
+/// log, the first 5% not timed; then one backlog of `big`, read by one
+/// relay (a slot has one reader) in `runs` consecutive windows of
+/// `window` events after `window / 20` untimed.
+pub(crate) async fn wal_growth(
+    pool: &PgPool,
+    url: &str,
+    small: usize,
+    big: usize,
+    window: usize,
+    runs: usize,
+) -> Result<Growth> {
+    let mut out = Growth {
+        small: Stats::default(),
+        big_one: Stats::default(),
+        big_two: Stats::default(),
+    };
+    for run in 0..runs {
+        eprintln!("bench:   WAL backlog {small}, run {}", run + 1);
+        out.small
+            .push(drain_rate(pool, url, small, 1, OrderedAggregates::None, 1_000).await?);
+    }
+    eprintln!("bench:   filling a WAL backlog of {big}");
+    let backlog = Backlog::new(pool, url, big, OrderedAggregates::None, 1_000).await?;
+    let warm = (window / 20) as u64;
+    let windows = runs.min(big.saturating_sub(warm as usize) / window.max(1));
+    let relays = Relays::start(pool, url, &backlog, 1).await?;
+    for w in 0..windows {
+        let from = warm + (w * window) as u64;
+        let secs = backlog.time_fill(from, from + window as u64).await?;
+        let rate = window as f64 / secs;
+        eprintln!("bench:   WAL backlog {big}, window {}: {rate:.0}/s", w + 1);
+        out.big_one.push(rate);
+    }
+    let drained = backlog.time_fill(0, big as u64).await;
+    let verified = backlog.verify(pool, big as u64).await;
+    relays.stop().await?;
+    drained?;
+    verified?;
+    backlog.drop(pool).await?;
+    Ok(out)
+}
+
 /// One run of the `outbox-relay` binary (default settings) draining a
 /// backlog of `n`: events/s between 5% and 100% of `n` published, peak
 /// RSS MiB, CPU seconds of broker, database and relay over the same span.
@@ -251,6 +298,14 @@ pub(crate) fn spawn_relay(
         .env("OUTBOX_SCHEMA", schema)
         .env("OUTBOX_EXCHANGE", exchange)
         .env("OUTBOX_DECLARE_EXCHANGE", "none")
+        .env(
+            "OUTBOX_CAPTURE",
+            if capture() == outbox::Capture::Wal {
+                "wal"
+            } else {
+                "table"
+            },
+        )
         .env("RUST_LOG", "warn")
         .arg("run")
         .stdout(Stdio::null())

@@ -110,6 +110,7 @@ pub(crate) async fn write_path(
                 let mut c = OutboxConfig::default();
                 c.schema = schema.to_string();
                 c.wakeup = m;
+                c.capture = capture();
                 c
             })
             .await?,
