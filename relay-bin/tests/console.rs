@@ -871,3 +871,58 @@ async fn console_serves_under_a_base_path_for_a_reverse_proxy() {
     drop(console);
     db.cleanup().await;
 }
+
+#[tokio::test]
+async fn console_overview_shows_the_write_ahead_log_slot_and_its_reader() {
+    let db = TestDb::producer_wal("console_wal").await;
+    let broker = TestBroker::new("console_wal", FieldTable::default()).await;
+    let ob = db.outbox(outbox::Capture::Wal).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    ob.enqueue(
+        &mut *tx,
+        outbox::NewEvent::new("order", "o-1", "OrderPlaced", &serde_json::json!({})).unwrap(),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let console = Console::start(&db, |_| {}).await;
+    let overview = || async { http_get(&format!("{}/", console.url), None).await };
+    let (status, page) = overview().await;
+    assert_eq!(status, 200);
+    assert!(page.contains("Write-ahead log lag"), "{page}");
+    assert!(page.contains(&format!("slot {}", db.slot())), "{page}");
+    assert!(page.contains("NO READER"), "nobody reads the slot yet");
+    // A relay reading the slot: the card names it (the page refreshes its
+    // figures every 200 ms here).
+    let relay = KillOnDrop(
+        Command::new(BIN)
+            .env("DATABASE_URL", database_url())
+            .env("AMQP_URL", amqp_url())
+            .env("OUTBOX_SCHEMA", &db.schema)
+            .env("OUTBOX_EXCHANGE", &broker.exchange)
+            .env("OUTBOX_DECLARE_EXCHANGE", "none")
+            .env("OUTBOX_CAPTURE", "wal")
+            .env("OUTBOX_RELAY_NAME", "wal-reader")
+            .env("RUST_LOG", "warn")
+            .arg("run")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("relay"),
+    );
+    wait_until(
+        Duration::from_secs(60),
+        "the reader on the overview",
+        || async {
+            overview()
+                .await
+                .1
+                .contains("read by outbox-relay wal-reader")
+        },
+    )
+    .await;
+    drop(relay);
+    drop(console);
+    db.cleanup().await;
+    broker.cleanup().await;
+}

@@ -684,3 +684,55 @@ async fn wal_standby_relay_takes_over_the_slot() {
     db.cleanup().await;
     broker.cleanup().await;
 }
+
+/// The command line: `migrate --capture wal` sets the capture up (and says
+/// what it did), `status` shows the slot, and `run --capture wal` without
+/// a slot exits at once with one line that names the fix.
+#[tokio::test]
+async fn wal_command_line_sets_up_shows_and_refuses() {
+    let db = TestDb::producer("wal_cli").await;
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+            .env("DATABASE_URL", database_url())
+            .env("AMQP_URL", amqp_url())
+            .env("OUTBOX_SCHEMA", &db.schema)
+            .env("RUST_LOG", "warn")
+            .args(args)
+            .output()
+            .expect("outbox-relay");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, _, err) = run(&["run", "--capture", "wal"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("does not exist") && err.contains("migrate --capture wal"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    let slot = db.slot();
+    let (code, out, err) = run(&["migrate", "--capture", "wal"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.contains(&format!(
+            "publication {slot} created; replication slot {slot} created"
+        )),
+        "{out}"
+    );
+    let (_, out, _) = run(&["migrate", "--capture", "wal"]);
+    assert!(out.contains("exists; replication slot"), "{out}");
+    let (code, out, _) = run(&["status"]);
+    assert_eq!(code, Some(0));
+    assert!(
+        out.contains(&format!("wal slot                {slot} (reserved)")),
+        "{out}"
+    );
+    assert!(out.contains("NONE (no relay reads it"), "{out}");
+    let (_, json, _) = run(&["status", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["wal"]["slot"], slot.as_str());
+    db.cleanup().await;
+}

@@ -104,6 +104,8 @@ pub(crate) struct Snapshot {
     pub(crate) unleased: i64,
     pub(crate) rates: Vec<MinuteRate>,
     pub(crate) by_type: BacklogByType,
+    /// The write-ahead-log capture's slot, when it is set up.
+    pub(crate) wal: Option<admin::WalSlot>,
 }
 
 impl Console {
@@ -125,7 +127,9 @@ async fn read_snapshot(pool: &PgPool, schema: &Ident) -> outbox_relay::Result<Sn
     let (relays, unleased) = admin::relays(pool, schema).await?;
     let rates = admin::publish_rates(pool, schema, 60).await?;
     let by_type = admin::backlog_by_type(pool, schema).await?;
+    let wal = admin::wal_slot(pool, schema).await?;
     Ok(Snapshot {
+        wal,
         taken_at: Utc::now(),
         gauges,
         relays,

@@ -24,6 +24,9 @@ pub(crate) async fn overview(state: ConsoleState, headers: HeaderMap) -> PageRes
             (card("blocked", "Blocked aggregates", &count(g.blocked_aggregates), "ordered, held by a failing head", false, g.blocked_aggregates > 0))
             (card("published-hour", "Published, last hour", &count(last_hour), &format!("{} in the current minute", count(this_minute)), false, false))
             (card("relays", "Relays", &count(s.relays.len() as i64), &format!("{} of 64 partitions unleased", s.unleased), s.relays.is_empty(), false))
+            @if let Some(w) = &s.wal {
+                (card("wal-lag", "Write-ahead log lag", &w.lag_bytes.map_or("-".to_owned(), bytes), &wal_note(w), !w.active, matches!(w.wal_status.as_deref(), Some("lost" | "unreserved"))))
+            }
         }
         h2 { "Published per minute, last hour" }
         div.chart { (chart(&s.rates)) }
@@ -53,6 +56,42 @@ pub(crate) async fn overview(state: ConsoleState, headers: HeaderMap) -> PageRes
     };
     let every = console.options.refresh.as_secs_f64().ceil().max(1.0) as u64;
     Ok(page(console, &headers, "/", "Overview", Some(every), body))
+}
+
+/// Who reads the slot, how far behind in time, and how safe its WAL is.
+fn wal_note(w: &admin::WalSlot) -> String {
+    let reader = match (&w.reader, w.active) {
+        (Some(r), true) => format!("read by {r}"),
+        (None, true) => "read by a session".to_owned(),
+        (_, false) => "NO READER: the log piles up".to_owned(),
+    };
+    let behind = w
+        .lag_s
+        .map(|t| format!(", {} behind", age(t)))
+        .unwrap_or_default();
+    let status = match (w.wal_status.as_deref(), w.safe_wal_size) {
+        (Some("lost"), _) => "; slot LOST (invalidated)".to_owned(),
+        (Some(st), Some(safe)) => format!("; {st}, {} until invalidated", bytes(safe)),
+        (Some(st), None) => format!("; {st}"),
+        (None, _) => String::new(),
+    };
+    format!("slot {}: {reader}{behind}{status}", w.slot)
+}
+
+/// Bytes in the largest unit that keeps a number of at least 1.
+pub(crate) fn bytes(n: i64) -> String {
+    let mut v = n.max(0) as f64;
+    for unit in ["B", "KiB", "MiB", "GiB"] {
+        if v < 1024.0 {
+            return if unit == "B" {
+                format!("{v:.0} {unit}")
+            } else {
+                format!("{v:.1} {unit}")
+            };
+        }
+        v /= 1024.0;
+    }
+    format!("{v:.1} TiB")
 }
 
 fn card(id: &str, label: &str, value: &str, note: &str, warn: bool, bad: bool) -> Markup {
