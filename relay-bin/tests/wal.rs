@@ -736,3 +736,80 @@ async fn wal_command_line_sets_up_shows_and_refuses() {
     assert_eq!(v["wal"]["slot"], slot.as_str());
     db.cleanup().await;
 }
+
+/// A slot invalidated because the WAL it needed was removed
+/// (`max_slot_wal_keep_size`): the relay refuses to start, with one line
+/// that says what happened and what it costs. Runs alone: it changes a
+/// server setting for a moment.
+#[tokio::test]
+async fn disruptive_wal_lost_slot_stops_the_relay_with_the_reason() {
+    let db = TestDb::producer_wal("wal_lost").await;
+    let ob = db.outbox(Capture::Wal).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    ob.enqueue(
+        &mut *tx,
+        NewEvent::new("order", "o-1", "OrderPlaced", &json!({})).unwrap(),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let status = || async {
+        sqlx::query_scalar::<_, Option<String>>(
+            "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
+        )
+        .bind(db.slot())
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(status().await.as_deref(), Some("reserved"));
+    let run = |sql: &'static str| {
+        let pool = db.pool.clone();
+        async move { sqlx::query(sql).execute(&pool).await.unwrap() }
+    };
+    run("ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'").await;
+    run("SELECT pg_reload_conf()").await;
+    let junk = format!("\"{}\".junk", db.schema);
+    let lost = tokio::time::timeout(DEADLINE, async {
+        loop {
+            // WAL past the limit, then a checkpoint: it removes the old
+            // segments and invalidates the slot that still needs them.
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "DROP TABLE IF EXISTS {junk}; CREATE TABLE {junk} AS SELECT g FROM generate_series(1, 200000) g"
+            )))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+            run("SELECT pg_switch_wal()").await;
+            run("CHECKPOINT").await;
+            if status().await.as_deref() == Some("lost") {
+                break;
+            }
+        }
+    })
+    .await;
+    run("ALTER SYSTEM RESET max_slot_wal_keep_size").await;
+    run("SELECT pg_reload_conf()").await;
+    assert!(lost.is_ok(), "the slot was never invalidated");
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        .env("DATABASE_URL", database_url())
+        .env("AMQP_URL", amqp_url())
+        .env("OUTBOX_SCHEMA", &db.schema)
+        .env("RUST_LOG", "warn")
+        .args(["run", "--capture", "wal"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("was invalidated (wal_status = lost)")
+            && err.contains("max_slot_wal_keep_size"),
+        "{err}"
+    );
+    let w = slot(&db).await;
+    assert_eq!(w.wal_status.as_deref(), Some("lost"));
+    let status = admin::status(&db.pool, &schema(&db)).await.unwrap();
+    assert_eq!(status.wal.unwrap().wal_status.as_deref(), Some("lost"));
+    db.cleanup().await;
+}

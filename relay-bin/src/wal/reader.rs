@@ -73,7 +73,7 @@ pub(crate) async fn slot_row(pool: &PgPool, slot: &str) -> Result<Option<SlotRow
 /// What the relay says when its slot was invalidated.
 pub(crate) fn lost_message(slot: &str) -> String {
     format!(
-        "replication slot {slot:?} was invalidated (wal_status = lost): the relay was away longer than max_slot_wal_keep_size allows and PostgreSQL removed WAL it still needed, so events written meanwhile may be gone from it. Recreate the slot (docs/WAL_CAPTURE.md, \"A lost slot\"), then check the consumers against the producers' records for that period"
+        "replication slot {slot:?} was invalidated (wal_status = lost): the relay was away longer than max_slot_wal_keep_size allows and PostgreSQL removed WAL it still needed, so events written meanwhile may be gone from it. Recreate the slot (docs/WAL_CAPTURE.md, \"a lost slot\"), then check the consumers against the producers' records for that period"
     )
 }
 
