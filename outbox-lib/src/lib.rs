@@ -26,6 +26,13 @@
 //! The outbox table is a public contract ([`docs/OUTBOX_TABLE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/OUTBOX_TABLE.md)): services
 //! in other languages may insert into it directly.
 //!
+//! Events go to the outbox table by default. With
+//! [`OutboxConfig::capture`] set to [`Capture::Wal`] they are written as
+//! transactional logical decoding messages to PostgreSQL's write-ahead log
+//! instead (no row, no vacuum; `outbox-relay run --capture wal` streams
+//! them from a replication slot), with the same API, contract and
+//! guarantees ([`docs/WAL_CAPTURE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/WAL_CAPTURE.md)).
+//!
 //! Per-aggregate ordering is opt-in and a property of the data: once an
 //! aggregate type is ordered in the database ([`set_ordered`] or
 //! `outbox-relay ordering add order`), every event of an `order` aggregate,

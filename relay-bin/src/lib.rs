@@ -38,6 +38,13 @@
 //! # Ok(()) }
 //! ```
 //!
+//! With [`RelayConfig::wal`] ([`WalCapture`]) the relay also streams the
+//! events producers wrote to the write-ahead log (`outbox::Capture::Wal`)
+//! from the schema's logical replication slot: one relay reads it, others
+//! wait as standbys; events it cannot deliver go to the outbox table and
+//! are retried there; the slot is confirmed only past events delivered or
+//! so recorded ([`docs/WAL_CAPTURE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/WAL_CAPTURE.md), code in `wal/`).
+//!
 //! Words (claim, chain, lease, receipt, settle, held back, dead letter)
 //! mean what the [glossary](outbox#glossary-the-pipeline-and-the-words-for-it)
 //! says; the files follow the stages: `supervisor.rs` (connections and
