@@ -139,6 +139,8 @@ struct Inner {
     wakeup: Wakeup,
     notifier: Option<Notifier>,
     capture: Capture,
+    /// The logical decoding messages' prefix ([`Capture::Wal`]).
+    prefix: String,
 }
 
 impl Outbox {
@@ -169,6 +171,7 @@ impl Outbox {
             inner: Arc::new(Inner {
                 insert_one,
                 insert_many,
+                prefix: outbox_core::wal_message_prefix(&schema),
                 schema,
                 max_payload_bytes: config.max_payload_bytes,
                 channel,
@@ -213,6 +216,16 @@ impl Outbox {
     /// ```
     pub async fn enqueue(&self, conn: &mut PgConnection, event: NewEvent) -> Result<Uuid> {
         event.validate(self.inner.max_payload_bytes)?;
+        if self.inner.capture == Capture::Wal {
+            sqlx::query(self.inner.insert_one.clone())
+                .bind(&self.inner.prefix)
+                .bind(wal_head(&event))
+                .bind(&event.aggregate_type)
+                .bind(&event.aggregate_id)
+                .execute(&mut *conn)
+                .await?;
+            return Ok(event.id);
+        }
         // A plain VALUES insert: cheaper for the database than the unnest
         // form for one row (measured: about 20% more producer
         // transactions per second with 8 writers). The database numbers an
@@ -251,6 +264,22 @@ impl Outbox {
         }
         if events.is_empty() {
             return Ok(Vec::new());
+        }
+        if self.inner.capture == Capture::Wal {
+            let ids: Vec<Uuid> = events.iter().map(|e| e.id).collect();
+            let heads: Vec<String> = events.iter().map(wal_head).collect();
+            let (types, aggregates): (Vec<&str>, Vec<&str>) = events
+                .iter()
+                .map(|e| (e.aggregate_type.as_str(), e.aggregate_id.as_str()))
+                .unzip();
+            sqlx::query(self.inner.insert_many.clone())
+                .bind(&self.inner.prefix)
+                .bind(&heads)
+                .bind(&types)
+                .bind(&aggregates)
+                .execute(&mut *conn)
+                .await?;
+            return Ok(ids);
         }
         let n = events.len();
         let mut ids = Vec::with_capacity(n);
@@ -342,12 +371,48 @@ async fn ensure_wal_ready(pool: &PgPool, schema: &Ident) -> Result<()> {
     })
 }
 
-// The schema is a validated `Ident`; everything else is bound. The emit
-// statements take the insert statements' binds, in the same order.
+/// The message content of `event` (the contract in docs/WAL_CAPTURE.md),
+/// up to and including `"created_at":`: the statement adds the
+/// transaction's time, the aggregate's next number when its type is
+/// ordered, and the closing brace. The payload goes as the producer's JSON
+/// text (validated, not re-normalised).
+fn wal_head(event: &NewEvent) -> String {
+    let text = |s: &str| serde_json::Value::from(s).to_string();
+    let optional = |s: &Option<String>| s.as_deref().map_or("null".to_owned(), text);
+    format!(
+        r#"{{"v":1,"id":"{}","aggregate_type":{},"aggregate_id":{},"event_type":{},"payload":{},"headers":{},"exchange":{},"routing_key":{},"created_at":"#,
+        event.id,
+        text(&event.aggregate_type),
+        text(&event.aggregate_id),
+        text(&event.event_type),
+        event.payload,
+        serde_json::Value::Object(event.headers.clone()),
+        optional(&event.exchange),
+        optional(&event.routing_key),
+    )
+}
+
+/// The tail `outbox_emit` also writes: the time, the sequence of an
+/// ordered aggregate (`$3` type, `$4` id, or a row's columns), the brace.
+fn wal_tail(s: &str, aggregate_type: &str, aggregate_id: &str) -> String {
+    format!(
+        "to_json(now())::text
+         || CASE WHEN EXISTS (SELECT 1 FROM {s}.outbox_ordered_types t
+                              WHERE t.aggregate_type IN ({aggregate_type}, '*'))
+                 THEN ',\"aggregate_seq\":' || {s}.outbox_next_seq({aggregate_type}, {aggregate_id})
+                 ELSE '' END
+         || '}}'"
+    )
+}
+
+// The schema is a validated `Ident`; everything else is bound. One plain
+// statement per event, no function call unless the type is ordered:
+// measured cheaper for producers than calling `outbox_emit`.
 fn emit_one_sql(schema: &Ident) -> SqlStr {
+    let s = schema.quoted();
     AssertSqlSafe(format!(
-        "SELECT {}.outbox_emit($2, $3, $4, $5::jsonb, $6::jsonb, $7, $8, $1)",
-        schema.quoted()
+        "SELECT pg_logical_emit_message(true, $1, $2 || {})",
+        wal_tail(&s, "$3", "$4")
     ))
     .into_sql_str()
 }
@@ -357,12 +422,13 @@ fn emit_one_sql(schema: &Ident) -> SqlStr {
 /// writer. A sorted subquery is never flattened, so the messages are
 /// emitted in that order.
 fn emit_many_sql(schema: &Ident) -> SqlStr {
+    let s = schema.quoted();
     AssertSqlSafe(format!(
-        "SELECT {}.outbox_emit(aggregate_type, aggregate_id, event_type, payload::jsonb, headers::jsonb, exchange, routing_key, id)
-         FROM (SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[])
-                    WITH ORDINALITY AS e(id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key, n)
+        "SELECT pg_logical_emit_message(true, $1, e.head || {})
+         FROM (SELECT * FROM unnest($2::text[], $3::text[], $4::text[])
+                    WITH ORDINALITY AS e(head, aggregate_type, aggregate_id, n)
                ORDER BY aggregate_type, aggregate_id, n) e",
-        schema.quoted()
+        wal_tail(&s, "e.aggregate_type", "e.aggregate_id")
     ))
     .into_sql_str()
 }
@@ -388,4 +454,35 @@ fn insert_many_sql(schema: &Ident) -> SqlStr {
         schema.quoted()
     ))
     .into_sql_str()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_log_message_head_is_json_whatever_the_fields_hold() {
+        let event = NewEvent::from_json(
+            "order \"x\"",
+            "o\n1\\",
+            "Placed\u{1F600}",
+            r#"{"a": [1, {"b": null}]}"#,
+        )
+        .unwrap()
+        .header("traceparent", "00-abc")
+        .exchange("ex")
+        .with_id(Uuid::nil());
+        let text = format!("{}\"2026-12-01T10:00:00+00:00\"}}", wal_head(&event));
+        let v: serde_json::Value = serde_json::from_str(&text).expect(&text);
+        assert_eq!(v["v"], 1);
+        assert_eq!(v["id"], Uuid::nil().to_string());
+        assert_eq!(v["aggregate_type"], "order \"x\"");
+        assert_eq!(v["aggregate_id"], "o\n1\\");
+        assert_eq!(v["event_type"], "Placed\u{1F600}");
+        assert_eq!(v["payload"], serde_json::json!({"a": [1, {"b": null}]}));
+        assert_eq!(v["headers"], serde_json::json!({"traceparent": "00-abc"}));
+        assert_eq!(v["exchange"], "ex");
+        assert_eq!(v["routing_key"], serde_json::Value::Null);
+        assert_eq!(v["created_at"], "2026-12-01T10:00:00+00:00");
+    }
 }

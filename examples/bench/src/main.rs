@@ -65,8 +65,20 @@ struct Args {
     child_consumer: Option<Vec<String>>,
 }
 
-const SECTIONS: [&str; 9] = [
-    "relay", "growth", "ordered", "write", "latency", "consumer", "quorum", "console", "wal",
+const SECTIONS: [&str; 13] = [
+    "relay",
+    "growth",
+    "ordered",
+    "write",
+    "latency",
+    "consumer",
+    "quorum",
+    "console",
+    "wal",
+    "wal-drain",
+    "wal-growth",
+    "wal-write",
+    "wal-latency",
 ];
 
 /// Counts and durations; `--smoke` shrinks all of them.
@@ -196,9 +208,11 @@ async fn main() -> Result<()> {
     if run("console") {
         console_section(&mut r, &pool, &args.database_url, &sizes).await?;
     }
-    if run("wal") {
+    let wal_parts =
+        ["wal-drain", "wal-growth", "wal-write", "wal-latency"].map(|p| run("wal") || run(p));
+    if wal_parts.contains(&true) {
         common::use_wal_capture(true);
-        let done = wal_section(&mut r, &pool, &args.database_url, url, &sizes).await;
+        let done = wal_section(&mut r, &pool, &args.database_url, url, &sizes, wal_parts).await;
         common::use_wal_capture(false);
         done?;
     }
@@ -247,8 +261,6 @@ async fn console_section(
     Ok(())
 }
 
-/// The relay binary's drain against the best raw confirmed publisher,
-/// interleaved; returns the raw publisher's winning tuning.
 /// The write-ahead-log capture, measured like the table mode and beside
 /// it: the relay binary reading the slot against the raw confirmed
 /// publisher (interleaved), drain rate with a 1M against a 10k backlog in
@@ -256,6 +268,29 @@ async fn console_section(
 /// event, a table row, a log message; interleaved), and latency at 1,000
 /// events/s.
 async fn wal_section(
+    r: &mut Report,
+    pool: &sqlx::PgPool,
+    database_url: &str,
+    url: &str,
+    sizes: &Sizes,
+    [drain, growth, write, latency]: [bool; 4],
+) -> Result<()> {
+    if drain {
+        wal_drain(r, pool, database_url, url, sizes).await?;
+    }
+    if growth {
+        wal_growth(r, pool, url, sizes).await?;
+    }
+    if write {
+        wal_write(r, pool, sizes).await?;
+    }
+    if latency {
+        wal_latency(r, pool, database_url, url, sizes).await?;
+    }
+    Ok(())
+}
+
+async fn wal_drain(
     r: &mut Report,
     pool: &sqlx::PgPool,
     database_url: &str,
@@ -305,7 +340,10 @@ async fn wal_section(
         "  WAL drain: relay CPU s / 10k events",
         "",
     );
+    Ok(())
+}
 
+async fn wal_growth(r: &mut Report, pool: &sqlx::PgPool, url: &str, sizes: &Sizes) -> Result<()> {
     eprintln!(
         "bench: WAL capture: backlog {} vs {}",
         sizes.growth_big, sizes.growth_small
@@ -339,29 +377,42 @@ async fn wal_section(
         "wal_backlog_1m_vs_10k_ratio",
         ">= 0.95",
     );
+    Ok(())
+}
 
+async fn wal_write(r: &mut Report, pool: &sqlx::PgPool, sizes: &Sizes) -> Result<()> {
     eprintln!("bench: WAL capture: write path (one insert per transaction, 8 writers)");
-    // Interleaved: no event, a row in the outbox table, a log message.
-    let (mut rates, mut table_ratio, mut wal_ratio) = (
-        vec![Stats::default(); 3],
+    // Interleaved: no event, a row in the outbox table, a log message, and
+    // the ceiling of the last two: one more statement that does nothing.
+    let mut rates = vec![Stats::default(); 4];
+    let (mut table_ratio, mut wal_ratio, mut ceiling, mut to_ceiling) = (
+        Stats::default(),
+        Stats::default(),
         Stats::default(),
         Stats::default(),
     );
     for round in 0..sizes.rounds {
-        let mut got = [0.0; 3];
-        for k in 0..3 {
-            let i = (k + round) % 3;
+        let mut got = [0.0; 4];
+        for k in 0..4 {
+            let i = (k + round) % 4;
             common::use_wal_capture(i == 2);
-            let mode = (i > 0).then_some(Wakeup::AfterCommit);
-            got[i] = write::write_path(pool, Shape::OneInsert, mode, sizes.worst_secs).await?;
+            let mode = (i == 1 || i == 2).then_some(Wakeup::AfterCommit);
+            let shape = if i == 3 {
+                Shape::OneInsertAndNoop
+            } else {
+                Shape::OneInsert
+            };
+            got[i] = write::write_path(pool, shape, mode, sizes.worst_secs).await?;
         }
         common::use_wal_capture(true);
         eprintln!("bench:   round {}: {got:.0?} tx/s", round + 1);
-        for i in 0..3 {
+        for i in 0..4 {
             rates[i].push(got[i]);
         }
         table_ratio.push(got[1] / got[0]);
         wal_ratio.push(got[2] / got[0]);
+        ceiling.push(got[3] / got[0]);
+        to_ceiling.push(got[2] / got[3]);
     }
     r.stats(
         "wal_write_tx_per_s_baseline",
@@ -382,6 +433,12 @@ async fn wal_section(
         "",
     );
     r.stats(
+        "wal_write_tx_per_s_noop",
+        &rates[3],
+        "WAL: write tx/s, one insert + SELECT 1 (ceiling)",
+        "",
+    );
+    r.stats(
         "wal_write_path_ratio_table",
         &table_ratio,
         "  ratio to no event (outbox row, same rounds)",
@@ -393,7 +450,28 @@ async fn wal_section(
         "wal_write_path_ratio (log message / no event)",
         ">= 0.9",
     );
+    r.stats(
+        "wal_write_statement_ceiling_ratio",
+        &ceiling,
+        "  ceiling: one more statement / no event",
+        "",
+    );
+    r.ceiling(
+        "wal_write_vs_ceiling_ratio",
+        &to_ceiling,
+        "  log message / one more statement",
+        "",
+    );
+    Ok(())
+}
 
+async fn wal_latency(
+    r: &mut Report,
+    pool: &sqlx::PgPool,
+    database_url: &str,
+    url: &str,
+    sizes: &Sizes,
+) -> Result<()> {
     let mut by_key: Vec<(String, Stats)> = Vec::new();
     for run in 0..sizes.latency_runs {
         eprintln!(
@@ -436,6 +514,8 @@ async fn wal_section(
     Ok(())
 }
 
+/// The relay binary's drain against the best raw confirmed publisher,
+/// interleaved; returns the raw publisher's winning tuning.
 async fn relay_section(
     r: &mut Report,
     pool: &sqlx::PgPool,

@@ -27,6 +27,9 @@ pub(crate) enum Shape {
     /// BEGIN; insert one row; [enqueue]; COMMIT: the event's relative cost
     /// at its largest.
     OneInsert,
+    /// One insert and one more statement that does nothing (`SELECT 1`):
+    /// the ceiling of any event written by a statement of its own.
+    OneInsertAndNoop,
 }
 
 struct Statements {
@@ -176,12 +179,15 @@ pub(crate) async fn write_path(
                             None => None,
                         }
                     }
-                    Shape::OneInsert => {
+                    Shape::OneInsert | Shape::OneInsertAndNoop => {
                         sqlx::query(AssertSqlSafe(sql.one.clone()))
                             .bind("A-1")
                             .bind(w as i32)
                             .execute(&mut *tx)
                             .await?;
+                        if shape == Shape::OneInsertAndNoop {
+                            sqlx::query("SELECT 1").execute(&mut *tx).await?;
+                        }
                         match &ob {
                             Some(_) => Some(NewEvent::new(
                                 "order",
