@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use lapin::Connection;
 use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationEvent};
 use sqlx::PgPool;
@@ -306,10 +307,11 @@ impl Relay {
                     .await?;
                 continue;
             } else {
-                // Only what is ready: when nothing is, publish what we have.
-                match tokio::time::timeout(Duration::ZERO, client.recv()).await {
-                    Ok(r) => r,
-                    Err(_) => {
+                // Only what is ready (one poll, no timer): when nothing is,
+                // publish what we have.
+                match client.recv().now_or_never() {
+                    Some(r) => r,
+                    None => {
                         self.flush(client, publisher, conn, &mut pending, acked)
                             .await?;
                         continue;
