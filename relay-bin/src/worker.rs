@@ -76,7 +76,8 @@ impl Relay {
         self.clear_suspects(&session.in_flight);
         session.in_flight.clear();
         self.count(&events, &receipts, &settled);
-        self.after_receipts(session, &receipts).await?;
+        self.after_receipts(&mut session.publisher, &session.conn, &receipts)
+            .await?;
         Ok(BatchReport {
             claimed: events.len(),
             settled,
@@ -119,11 +120,13 @@ impl Relay {
             .fetch_add(settled.dead_lettered as u64, Ordering::Relaxed);
     }
 
-    /// What the receipts say about the session: confirms that timed out or
-    /// a failed channel end it (`Err`); nacks replace the channel.
-    async fn after_receipts(
+    /// What the receipts say about the session (a table batch's, or the
+    /// log reader's): confirms that timed out or a failed channel end it
+    /// (`Err`); nacks replace the channel.
+    pub(crate) async fn after_receipts(
         &self,
-        session: &mut BrokerSession,
+        publisher: &mut Publisher,
+        conn: &Arc<Connection>,
         receipts: &[Receipt],
     ) -> Result<()> {
         let cfg = &self.inner.config;
@@ -147,8 +150,8 @@ impl Relay {
             // every publish (seen on RabbitMQ 3.10 after a node was
             // killed) while a fresh channel is acked: replace it. Nacks
             // are otherwise rare (a full queue refusing publishes).
-            session.publisher.close().await;
-            session.publisher = Publisher::open(&session.conn, cfg.broker_timeout).await?;
+            publisher.close().await;
+            *publisher = Publisher::open(conn, cfg.broker_timeout).await?;
         }
         Ok(())
     }

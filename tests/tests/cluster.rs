@@ -291,15 +291,23 @@ async fn cluster_node_failures_lose_nothing() {
     // (a) The node the relay is connected to.
     relay_in_flight(&w, "killing the relay's node").await;
     let node = node_index(&relay.health().broker_node().expect("connected"));
-    let before = relay.published();
+    let killed = Instant::now();
     w.cluster.kill(node).await.unwrap();
-    let t = publishing_resumed(
-        &relay,
-        before,
-        Instant::now(),
-        "the relay's node was killed",
+    // A batch confirmed just before the node died may still be counted
+    // after the kill: publishing resumed is counted from the reconnect.
+    wait_until(
+        DEADLINE,
+        "the relay to reconnect to another node",
+        || async {
+            relay
+                .health()
+                .broker_node()
+                .is_some_and(|n| node_index(&n) != node)
+        },
     )
     .await;
+    let before = relay.published();
+    let t = publishing_resumed(&relay, before, killed, "the relay's node was killed").await;
     let moved = relay.health().broker_node().unwrap();
     assert_ne!(node_index(&moved), node, "the relay moved to another node");
     // `outbox-relay status` says so too (written at the next lease round).

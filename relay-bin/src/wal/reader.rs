@@ -456,24 +456,7 @@ impl Relay {
             // Held-back events are due in the table now.
             self.wake();
         }
-        // The channel, as after a table batch.
-        if receipts.contains(&Receipt::TimedOut) {
-            return Err(Error::BrokerTimeout {
-                what: "publisher confirms",
-                timeout: cfg.confirm_timeout,
-            });
-        }
-        if let Some(Receipt::ChannelFailed(e)) = receipts
-            .iter()
-            .find(|r| matches!(r, Receipt::ChannelFailed(_)))
-        {
-            return Err(Error::ChannelClosed(e.clone()));
-        }
-        if receipts.contains(&Receipt::Nacked) {
-            publisher.close().await;
-            *publisher = Publisher::open(conn, cfg.broker_timeout).await?;
-        }
-        Ok(())
+        self.after_receipts(publisher, conn, &receipts).await
     }
 
     fn count_wal(
