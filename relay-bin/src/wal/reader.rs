@@ -322,7 +322,6 @@ impl Relay {
             let event = next
                 .map_err(|e| wal_error(&slot, e))?
                 .ok_or_else(|| Error::Replication("the server ended the stream".to_owned()))?;
-            tracing::trace!(?event, "replication event");
             match event {
                 ReplicationEvent::Begin { .. } => in_transaction = true,
                 ReplicationEvent::Message {
