@@ -187,7 +187,7 @@ async fn main() -> Result<()> {
         write_section(&mut r, &pool, &sizes).await?;
     }
     if run("latency") {
-        latency_section(&mut r, &pool, &args.database_url, url, &sizes).await?;
+        latency_section(&mut r, &pool, &args.database_url, url, &sizes, "", "<= 10").await?;
     }
     if run("consumer") {
         consumer_section(&mut r, &pool, &args.database_url, url, &sizes, best_publish).await?;
@@ -285,7 +285,7 @@ async fn wal_section(
         wal_write(r, pool, sizes).await?;
     }
     if latency {
-        wal_latency(r, pool, database_url, url, sizes).await?;
+        latency_section(r, pool, database_url, url, sizes, "wal_", "<= 5").await?;
     }
     Ok(())
 }
@@ -462,55 +462,6 @@ async fn wal_write(r: &mut Report, pool: &sqlx::PgPool, sizes: &Sizes) -> Result
         "  log message / one more statement",
         "",
     );
-    Ok(())
-}
-
-async fn wal_latency(
-    r: &mut Report,
-    pool: &sqlx::PgPool,
-    database_url: &str,
-    url: &str,
-    sizes: &Sizes,
-) -> Result<()> {
-    let mut by_key: Vec<(String, Stats)> = Vec::new();
-    for run in 0..sizes.latency_runs {
-        eprintln!(
-            "bench: WAL capture: latency, open loop at 1,000 events/s, run {}",
-            run + 1
-        );
-        let res = attempt("WAL latency", || {
-            latency::latency(
-                pool,
-                database_url,
-                url,
-                1000.0,
-                sizes.latency_warm,
-                sizes.latency_secs,
-            )
-        })
-        .await?;
-        for (prefix, samples) in &res.samples {
-            for (k, v) in latency::percentiles(prefix, samples) {
-                let k = format!("wal_{k}");
-                match by_key.iter_mut().find(|(key, _)| *key == k) {
-                    Some((_, s)) => s.push(v),
-                    None => {
-                        let mut s = Stats::default();
-                        s.push(v);
-                        by_key.push((k, s));
-                    }
-                }
-            }
-        }
-    }
-    for (k, s) in &by_key {
-        let target = if k == "wal_publish_latency_p99_ms" {
-            "<= 5"
-        } else {
-            ""
-        };
-        r.stats(k, s, k, target);
-    }
     Ok(())
 }
 
@@ -960,19 +911,24 @@ async fn write_section(r: &mut Report, pool: &sqlx::PgPool, sizes: &Sizes) -> Re
     Ok(())
 }
 
+/// Latency at 1,000 events/s, open loop, with the producers' current
+/// capture (the `wal` section sets it): figures named `<prefix><name>`,
+/// `p99_target` for the publish p99.
 async fn latency_section(
     r: &mut Report,
     pool: &sqlx::PgPool,
     database_url: &str,
     url: &str,
     sizes: &Sizes,
+    prefix: &str,
+    p99_target: &'static str,
 ) -> Result<()> {
     let mut by_key: Vec<(String, Stats)> = Vec::new();
     let mut achieved = Stats::default();
     let mut offered = 0.0;
     for run in 0..sizes.latency_runs {
         eprintln!(
-            "bench: latency, open loop at 1,000 events/s, run {}",
+            "bench: {prefix}latency, open loop at 1,000 events/s, run {}",
             run + 1
         );
         let res = attempt("latency", || {
@@ -988,8 +944,9 @@ async fn latency_section(
         .await?;
         offered = res.offered_per_s;
         achieved.push(res.achieved_per_s);
-        for (prefix, samples) in &res.samples {
-            for (k, v) in latency::percentiles(prefix, samples) {
+        for (name, samples) in &res.samples {
+            for (k, v) in latency::percentiles(name, samples) {
+                let k = format!("{prefix}{k}");
                 match by_key.iter_mut().find(|(key, _)| *key == k) {
                     Some((_, s)) => s.push(v),
                     None => {
@@ -1002,20 +959,20 @@ async fn latency_section(
         }
     }
     r.add(
-        "latency_offered_per_s",
+        &format!("{prefix}latency_offered_per_s"),
         offered,
-        "latency: offered events/s",
+        &format!("{prefix}latency: offered events/s"),
         "",
     );
     r.stats(
-        "latency_achieved_per_s",
+        &format!("{prefix}latency_achieved_per_s"),
         &achieved,
-        "latency: achieved events/s",
+        &format!("{prefix}latency: achieved events/s"),
         "",
     );
     for (k, s) in &by_key {
-        let target = if k == "publish_latency_p99_ms" {
-            "<= 10"
+        let target = if *k == format!("{prefix}publish_latency_p99_ms") {
+            p99_target
         } else {
             ""
         };
