@@ -509,9 +509,14 @@ async fn relay_sigstopped_holding_locks_while_a_second_relay_runs() {
 /// The log's reader SIGKILLed again and again mid-stream. A kill lands on
 /// work in flight when the reader had published events whose position it
 /// had not yet confirmed to the slot: the next reader publishes them
-/// again. So after each kill the wire counter catches up (its queue
-/// empty) and takes a snapshot; the kill landed if an event of that
-/// snapshot arrives again before the next one. Only such kills count.
+/// again. So after each kill the wire counter catches up and takes a
+/// snapshot; the kill landed if an event of that snapshot arrives again
+/// before the next one. Only such kills count. A round kills only a
+/// reader that holds the slot and has published: with the wire counter's
+/// prefetched messages taken for progress, kills landed on relays still
+/// waiting for the killed one's session to end (7 of 30 landed).
+/// Events keep being committed through every round, so no reader ever
+/// sits idle with everything confirmed.
 #[tokio::test]
 async fn wal_relay_sigkilled_mid_stream_repeatedly() {
     let w = World::wal("f_wkill").await;
@@ -519,12 +524,31 @@ async fn wal_relay_sigkilled_mid_stream_repeatedly() {
     let mut ids = produce(&w.db, scaled(20_000), 500, Duration::ZERO)
         .await
         .unwrap();
-    let producer = produce(&w.db, scaled(2_000), 20, Duration::from_millis(2));
+    let stop_producing = CancellationToken::new();
+    let producer =
+        w.db.produce_until(stop_producing.clone(), 20, Duration::from_millis(10));
     let conn = e2e::connect().await;
-    // What the wire counter holds once its queue is empty.
+    let slot_held = || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+        )
+        .bind(w.db.slot())
+        .fetch_one(&w.db.pool)
+        .await
+        .unwrap()
+    };
+    // What the wire counter holds once the killed reader's session is
+    // gone, the queue is empty and the count has stopped moving (the
+    // counter prefetches: an empty queue alone says little).
     let snapshot = || async {
+        wait_until(deadline(), "the killed reader's session to end", || async {
+            !slot_held().await
+        })
+        .await;
+        let last = std::cell::Cell::new(usize::MAX);
         wait_until(deadline(), "the wire counter to catch up", || async {
-            e2e::depth(&conn, &w.wire_queue).await.0 == 0
+            let total: usize = w.wire.received.lock().unwrap().counts.values().sum();
+            e2e::depth(&conn, &w.wire_queue).await.0 == 0 && last.replace(total) == total
         })
         .await;
         w.wire.received.lock().unwrap().counts.clone()
@@ -541,9 +565,11 @@ async fn wal_relay_sigkilled_mid_stream_repeatedly() {
         rounds += 1;
         let before = w.wire.distinct();
         let child = w.relay_process();
-        wait_until(deadline(), "relay progress", || async {
-            w.wire.distinct() > before
-        })
+        wait_until(
+            deadline(),
+            "the relay reading the slot and publishing",
+            || async { slot_held().await && w.wire.distinct() > before },
+        )
         .await;
         kill_now(child);
         let now = snapshot().await;
@@ -552,6 +578,7 @@ async fn wal_relay_sigkilled_mid_stream_repeatedly() {
         }
         at_kill = Some(now);
     }
+    stop_producing.cancel();
     let mut last = w.relay_process();
     ids.extend(producer.await.unwrap());
     w.outbox_drained().await;
@@ -562,6 +589,7 @@ async fn wal_relay_sigkilled_mid_stream_repeatedly() {
         landed += 1;
     }
     let _ = conn.close(200, "ok".into()).await;
+    eprintln!("{landed} SIGKILLs landed in {rounds} tries");
     assert!(
         landed >= 8,
         "8 SIGKILLs landed on published, unconfirmed events ({landed} in {rounds} tries)"
