@@ -275,6 +275,30 @@ impl Publisher {
         confirm_timeout: Duration,
         deadline: Instant,
     ) -> Result<Vec<Receipt>> {
+        self.send_batch(
+            events,
+            default_exchange,
+            max_payload_bytes,
+            confirm_timeout,
+            deadline,
+        )
+        .await?
+        .receipts()
+        .await
+    }
+
+    /// The first half of [`Publisher::publish_batch`]: checks the exchanges
+    /// and hands every publishable event to the channel. The confirms are
+    /// [`SentBatch::receipts`]; meanwhile the channel can take the next
+    /// batch (the log's reader keeps a few on the wire).
+    pub(crate) async fn send_batch(
+        &mut self,
+        events: &[ClaimedEvent],
+        default_exchange: &str,
+        max_payload_bytes: usize,
+        confirm_timeout: Duration,
+        deadline: Instant,
+    ) -> Result<SentBatch> {
         let frame_max = self.conn.configuration().frame_max() as usize;
         // Checks and publishes get the phase minus the confirm timeout, so
         // whatever was sent always has its full confirm timeout: a batch
@@ -283,6 +307,15 @@ impl Publisher {
         let send_by = deadline
             .checked_sub(confirm_timeout)
             .unwrap_or_else(Instant::now);
+        let mut sent = SentBatch {
+            conn: self.conn.clone(),
+            channel: self.channel.clone(),
+            pending: Vec::new(),
+            receipts: vec![None; events.len()],
+            confirms_by: deadline,
+            confirm_timeout,
+            started: std::time::Instant::now(),
+        };
         let messages = messages(events, default_exchange, max_payload_bytes, frame_max);
         let refused = match self
             .refused_exchanges(messages.iter().flatten().map(|m| &m.exchange), deadline)
@@ -291,34 +324,19 @@ impl Publisher {
             Ok(refused) => refused,
             // Out of time before anything was sent: nothing to settle.
             Err(Error::BrokerTimeout { .. }) if Instant::now() >= deadline => {
-                return Ok(vec![Receipt::NotSent; events.len()]);
+                sent.receipts = vec![Some(Receipt::NotSent); events.len()];
+                return Ok(sent);
             }
             Err(e) => return Err(e),
         };
-        let mut receipts: Vec<Option<Receipt>> = vec![None; events.len()];
-        let started = std::time::Instant::now();
-        let pending = self
-            .send_all(events, messages, &refused, send_by, &mut receipts)
+        sent.started = std::time::Instant::now();
+        sent.pending = self
+            .send_all(events, messages, &refused, send_by, &mut sent.receipts)
             .await?;
-        // Every publish is on the wire; now collect the confirms against one
-        // deadline.
-        let confirms_by = deadline.min(Instant::now() + confirm_timeout);
-        self.collect_confirms(pending, confirms_by, confirm_timeout, &mut receipts)
-            .await?;
-        metrics::histogram!("outbox_relay_confirm_seconds").record(started.elapsed().as_secs_f64());
-        // Events not published because the channel failed before them share
-        // that failure (their attempt is counted; backoff separates them
-        // from the culprit next time).
-        let failed = receipts.iter().flatten().find_map(|o| match o {
-            Receipt::ChannelFailed(e) => Some(e.clone()),
-            _ => None,
-        });
-        Ok(receipts
-            .into_iter()
-            .map(|o| {
-                o.unwrap_or_else(|| Receipt::ChannelFailed(failed.clone().unwrap_or_default()))
-            })
-            .collect())
+        // Every publish is on the wire; the confirms are collected against
+        // one deadline.
+        sent.confirms_by = deadline.min(Instant::now() + confirm_timeout);
+        Ok(sent)
     }
 
     /// Hands every publishable message to the channel (until `send_by`),
@@ -404,42 +422,71 @@ impl Publisher {
         }
         Ok(pending)
     }
+}
 
-    /// Awaits the confirms of `pending` until `confirms_by`, in order (no
-    /// extra round trips: they are all in flight already), recording each
-    /// event's receipt.
-    async fn collect_confirms(
-        &self,
-        pending: Vec<(usize, PublisherConfirm)>,
-        confirms_by: Instant,
-        confirm_timeout: Duration,
-        receipts: &mut [Option<Receipt>],
-    ) -> Result<()> {
+/// A batch on the channel whose confirms are still to come (from
+/// [`Publisher::send_batch`]). It holds its own handles on the connection
+/// and channel, so it can be awaited while the publisher sends more.
+pub(crate) struct SentBatch {
+    conn: Arc<Connection>,
+    channel: Channel,
+    /// The confirms to await, with the events' indexes.
+    pending: Vec<(usize, PublisherConfirm)>,
+    /// What is known already (events not sent, and why).
+    receipts: Vec<Option<Receipt>>,
+    confirms_by: Instant,
+    confirm_timeout: Duration,
+    started: std::time::Instant,
+}
+
+impl SentBatch {
+    /// Awaits the confirms until the batch's deadline, in order (no extra
+    /// round trips: they are all in flight already); returns one receipt
+    /// per event, in order. `Err` means the connection failed.
+    pub(crate) async fn receipts(mut self) -> Result<Vec<Receipt>> {
+        let pending = std::mem::take(&mut self.pending);
         for (i, confirm) in pending {
-            receipts[i] = Some(match tokio::time::timeout_at(confirms_by, confirm).await {
-                // A blocked connection (memory or disk alarm) is the
-                // broker's state, not the event's: no attempt is counted.
-                Err(_) if self.conn.status().blocked() => {
-                    return Err(Error::BrokerTimeout {
-                        what: "publisher confirms (connection blocked by a broker resource alarm)",
-                        timeout: confirm_timeout,
-                    });
-                }
-                Err(_) => Receipt::TimedOut,
-                Ok(Err(err)) => {
-                    let err = Error::Broker {
-                        what: "publisher confirm",
-                        source: err,
-                    };
-                    match self.channel_failure(&err) {
-                        Some(receipt) => receipt,
-                        None => return Err(err),
+            self.receipts[i] = Some(
+                match tokio::time::timeout_at(self.confirms_by, confirm).await {
+                    // A blocked connection (memory or disk alarm) is the
+                    // broker's state, not the event's: no attempt is counted.
+                    Err(_) if self.conn.status().blocked() => {
+                        return Err(Error::BrokerTimeout {
+                            what: "publisher confirms (connection blocked by a broker resource alarm)",
+                            timeout: self.confirm_timeout,
+                        });
                     }
-                }
-                Ok(Ok(confirmation)) => receipt_of(confirmation),
-            });
+                    Err(_) => Receipt::TimedOut,
+                    Ok(Err(err)) => {
+                        let err = Error::Broker {
+                            what: "publisher confirm",
+                            source: err,
+                        };
+                        match channel_failure(&self.conn, &self.channel, &err) {
+                            Some(receipt) => receipt,
+                            None => return Err(err),
+                        }
+                    }
+                    Ok(Ok(confirmation)) => receipt_of(confirmation),
+                },
+            );
         }
-        Ok(())
+        metrics::histogram!("outbox_relay_confirm_seconds")
+            .record(self.started.elapsed().as_secs_f64());
+        // Events not published because the channel failed before them share
+        // that failure (their attempt is counted; backoff separates them
+        // from the culprit next time).
+        let failed = self.receipts.iter().flatten().find_map(|o| match o {
+            Receipt::ChannelFailed(e) => Some(e.clone()),
+            _ => None,
+        });
+        Ok(self
+            .receipts
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| Receipt::ChannelFailed(failed.clone().unwrap_or_default()))
+            })
+            .collect())
     }
 }
 
@@ -520,12 +567,16 @@ async fn within<T>(
 }
 
 impl Publisher {
-    /// `Some` when the channel failed but the connection is up: the failure
-    /// belongs to this batch's events, not to the broker as a whole.
     fn channel_failure(&self, err: &Error) -> Option<Receipt> {
-        let channel_only = self.conn.status().connected() && !self.channel.status().connected();
-        channel_only.then(|| Receipt::ChannelFailed(err.to_string()))
+        channel_failure(&self.conn, &self.channel, err)
     }
+}
+
+/// `Some` when the channel failed but the connection is up: the failure
+/// belongs to this batch's events, not to the broker as a whole.
+fn channel_failure(conn: &Connection, channel: &Channel, err: &Error) -> Option<Receipt> {
+    let channel_only = conn.status().connected() && !channel.status().connected();
+    channel_only.then(|| Receipt::ChannelFailed(err.to_string()))
 }
 
 fn is_not_found(e: &lapin::Error) -> bool {

@@ -377,6 +377,48 @@ async fn wal_undeliverable_and_unreadable_messages_leave_the_stream_for_the_tabl
     broker.cleanup().await;
 }
 
+/// The log's current end.
+async fn position(db: &TestDb) -> String {
+    sqlx::query_scalar::<_, String>("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// Whether the slot's confirmed position has reached `lsn`.
+async fn confirmed_past(db: &TestDb, lsn: &str) -> bool {
+    sqlx::query_scalar::<_, bool>(
+        "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(db.slot())
+    .bind(lsn)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
+/// Waits for `n` more position reports from the replication session
+/// named `application_name`.
+async fn reports(db: &TestDb, application_name: &str, n: usize) {
+    for _ in 0..n {
+        let since: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        wait_until(DEADLINE, "a report from the reader", || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT coalesce(max(reply_time) > $2, false) FROM pg_stat_replication WHERE application_name = $1",
+            )
+            .bind(application_name)
+            .bind(since)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+        })
+        .await;
+    }
+}
+
 /// The slot moves past an event only once it is delivered or recorded:
 /// while the outbox table is locked, the reader cannot record an event it
 /// failed to deliver, and the slot's confirmed position stays before it,
@@ -390,26 +432,6 @@ async fn wal_slot_moves_past_a_failed_event_only_once_it_is_recorded() {
     let ob = db.outbox(Capture::Wal).await;
     let app = format!("r-{}", db.schema);
     let relay = spawn(config(&db, &broker), &app).await;
-    let position = || async {
-        sqlx::query_scalar::<_, String>("SELECT pg_current_wal_lsn()::text")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap()
-    };
-    let confirmed_past = |lsn: String| {
-        let pool = db.pool.clone();
-        let slot = db.slot();
-        async move {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
-            )
-            .bind(slot)
-            .bind(lsn)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    };
     let write = |exchange: Option<String>| {
         let ob = ob.clone();
         let pool = db.pool.clone();
@@ -429,9 +451,9 @@ async fn wal_slot_moves_past_a_failed_event_only_once_it_is_recorded() {
         collector.has(&good.to_string())
     })
     .await;
-    let before = position().await;
+    let before = position(&db).await;
     wait_until(DEADLINE, "the slot confirmed up to it", || async {
-        confirmed_past(before.clone()).await
+        confirmed_past(&db, &before).await
     })
     .await;
     let mut lock = db.pool.begin().await.unwrap();
@@ -443,7 +465,7 @@ async fn wal_slot_moves_past_a_failed_event_only_once_it_is_recorded() {
     .await
     .unwrap();
     let bad = write(Some(format!("{}.missing", broker.exchange))).await;
-    let after = position().await;
+    let after = position(&db).await;
     // The reader waits on the lock to record the failed event...
     wait_until(DEADLINE, "the reader blocked recording it", || async {
         sqlx::query_scalar::<_, bool>(
@@ -463,25 +485,14 @@ async fn wal_slot_moves_past_a_failed_event_only_once_it_is_recorded() {
         .unwrap();
     // ...and keeps reporting its position: two reports later the slot
     // has still not moved past the event.
-    for _ in 0..2 {
-        let since: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-        wait_until(DEADLINE, "a report from the reader", || async {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT coalesce(max(reply_time) > $2, false) FROM pg_stat_replication WHERE application_name = $1",
-            )
-            .bind(format!("outbox-relay {}", RelayConfig::default().name))
-            .bind(since)
-            .fetch_one(&db.pool)
-            .await
-            .unwrap()
-        })
-        .await;
-    }
+    reports(
+        &db,
+        &format!("outbox-relay {}", RelayConfig::default().name),
+        2,
+    )
+    .await;
     assert!(
-        !confirmed_past(after.clone()).await,
+        !confirmed_past(&db, &after).await,
         "the slot moved past an event neither delivered nor recorded (blocked since {blocked_at})"
     );
     lock.commit().await.unwrap();
@@ -490,13 +501,201 @@ async fn wal_slot_moves_past_a_failed_event_only_once_it_is_recorded() {
         "the event recorded and the slot past it",
         || async {
             db.count("outbox").await + db.count("outbox_dead_letters").await == 1
-                && confirmed_past(after.clone()).await
+                && confirmed_past(&db, &after).await
         },
     )
     .await;
     relay.stop().await;
     assert!(!collector.has(&bad.to_string()));
     collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+/// The reader keeps reading while a batch's confirms are out (the next
+/// batches go on the wire meanwhile), but the slot never moves past a
+/// batch still on the wire: with the broker's answers held back (a slow
+/// network), a transaction committed after the event is read, and
+/// reported, while the slot stays before the event; once the confirm
+/// arrives, the slot moves past both.
+#[tokio::test]
+async fn wal_slot_stays_before_a_batch_on_the_wire_while_later_ones_are_read() {
+    let db = TestDb::producer_wal("wal_window").await;
+    let broker = TestBroker::new("wal_window", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let ob = db.outbox(Capture::Wal).await;
+    let mut config = config(&db, &broker);
+    config.amqp_url = proxy.url(&amqp_url()).into();
+    config.name = format!("window-{}", db.schema);
+    let application_name = format!("outbox-relay {}", config.name);
+    let relay = spawn(config, &format!("r-{}", db.schema)).await;
+    let write = || {
+        let ob = ob.clone();
+        let pool = db.pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let e = NewEvent::new("order", "o-1", "OrderPlaced", &json!({})).unwrap();
+            let id = ob.enqueue(&mut *tx, e).await.unwrap();
+            tx.commit().await.unwrap();
+            id
+        }
+    };
+    let first = write().await;
+    wait_until(DEADLINE, "the first event", || async {
+        collector.has(&first.to_string())
+    })
+    .await;
+    let start = position(&db).await;
+    wait_until(DEADLINE, "the slot confirmed up to it", || async {
+        confirmed_past(&db, &start).await
+    })
+    .await;
+    // The broker's answers (confirms included) now take 6 s to come back:
+    // time for the checks below, with room for a busy machine.
+    proxy.set(e2e::Mode::Delay(Duration::from_secs(6)));
+    let held = write().await;
+    let after_held = position(&db).await;
+    // A later transaction the reader reads while the event's batch is on
+    // the wire: a message of another prefix, no event.
+    sqlx::query("SELECT pg_logical_emit_message(true, 'not-outbox', 'x')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let after_later = position(&db).await;
+    // Two reports from the reader later, the slot is still before the
+    // event.
+    reports(&db, &application_name, 2).await;
+    assert!(
+        !confirmed_past(&db, &after_held).await,
+        "the slot moved past an event whose confirm had not arrived"
+    );
+    proxy.set(e2e::Mode::Pass);
+    wait_until(
+        DEADLINE,
+        "the event delivered and the slot past both",
+        || async { collector.has(&held.to_string()) && confirmed_past(&db, &after_later).await },
+    )
+    .await;
+    relay.stop().await;
+    assert_eq!(db.count("outbox").await, 0, "nothing went to the table");
+    collector.stop();
+    proxy.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+/// An ordered aggregate is never in two batches on the wire: its event
+/// read while an earlier one's batch awaits its confirms waits for that
+/// batch, so when the earlier event comes back unroutable (known only
+/// with the confirm), the later one queues behind it in the table instead
+/// of overtaking it.
+#[tokio::test]
+async fn wal_ordered_event_waits_for_its_aggregates_batch_on_the_wire() {
+    let db = TestDb::producer_wal("wal_window_ord").await;
+    let broker = TestBroker::new("wal_window_ord", FieldTable::default()).await;
+    outbox::set_ordered(&db.pool, &db.schema, "acct", true)
+        .await
+        .unwrap();
+    // An exchange with no queue bound: what goes there comes back
+    // (mandatory), which only the confirm tells.
+    let side = format!("{}.unbound", broker.exchange);
+    let conn = e2e::connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.exchange_declare(
+        side.as_str().into(),
+        lapin::ExchangeKind::Topic,
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let collector = Collector::start(&broker.queue);
+    let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let ob = db.outbox(Capture::Wal).await;
+    let mut config = config(&db, &broker);
+    config.amqp_url = proxy.url(&amqp_url()).into();
+    let relay = spawn(config, &format!("r-{}", db.schema)).await;
+    // Commits `events` in one transaction; their ids.
+    let commit = |events: Vec<NewEvent>| {
+        let (ob, pool) = (ob.clone(), db.pool.clone());
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let ids = ob.enqueue_many(&mut *tx, events).await.unwrap();
+            tx.commit().await.unwrap();
+            ids
+        }
+    };
+    let event = |t: &str, id: &str, exchange: Option<&str>| {
+        let e = NewEvent::new(t, id, "Happened", &json!({})).unwrap();
+        match exchange {
+            Some(x) => e.exchange(x),
+            None => e,
+        }
+    };
+    // Warm-up, unordered: the reader connects and learns that the
+    // unbound exchange exists (no check is left for later).
+    let warm = commit(vec![
+        event("probe", "p", Some(&side)),
+        event("probe", "p", None),
+    ])
+    .await;
+    wait_until(DEADLINE, "the warm-up", || async {
+        collector.has(&warm[1].to_string())
+            && db.count("outbox").await + db.count("outbox_dead_letters").await == 1
+    })
+    .await;
+    // The returned probe leaves, so the table holds only what follows.
+    for table in ["outbox", "outbox_dead_letters"] {
+        sqlx::query(AssertSqlSafe(format!(
+            "DELETE FROM \"{}\".{table} WHERE id = $1",
+            db.schema
+        )))
+        .bind(warm[0])
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    // Confirms now take 3 s to come back.
+    proxy.set(e2e::Mode::Delay(Duration::from_secs(3)));
+    // a-1's event 1 goes to the unbound exchange; an unordered marker in
+    // the same transaction shows its batch is on the wire.
+    let first = commit(vec![
+        event("acct", "a-1", Some(&side)),
+        event("probe", "p", None),
+    ])
+    .await;
+    wait_until(DEADLINE, "event 1's batch on the wire", || async {
+        collector.has(&first[1].to_string())
+    })
+    .await;
+    // Event 2, read while event 1's confirm is still out.
+    let second = commit(vec![event("acct", "a-1", None)]).await[0];
+    let after = position(&db).await;
+    wait_until(
+        DEADLINE,
+        "both in the table and the slot past them",
+        || async {
+            assert!(
+                !collector.has(&second.to_string()),
+                "event 2 overtook event 1"
+            );
+            db.count("outbox").await == 2 && confirmed_past(&db, &after).await
+        },
+    )
+    .await;
+    proxy.set(e2e::Mode::Pass);
+    relay.stop().await;
+    collector.drain(DEADLINE).await;
+    assert!(
+        !collector.has(&second.to_string()),
+        "event 2 overtook event 1"
+    );
+    proxy.stop();
+    let _ = ch
+        .exchange_delete(side.as_str().into(), Default::default())
+        .await;
+    let _ = conn.close(200, "ok".into()).await;
     db.cleanup().await;
     broker.cleanup().await;
 }

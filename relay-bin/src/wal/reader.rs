@@ -2,10 +2,12 @@
 //! the broker connection (reconnect with backoff, standby while another
 //! relay holds the slot), every network wait bounded.
 
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
 use lapin::Connection;
 use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationEvent};
 use sqlx::PgPool;
@@ -45,6 +47,106 @@ impl Pending {
     fn is_empty(&self) -> bool {
         self.events.is_empty() && self.unreadable.is_empty()
     }
+}
+
+/// Events on the wire at most: this many batches' worth (the raw
+/// publisher's best window in the benchmark is of that order).
+const WINDOW_BATCHES: usize = 4;
+/// Batches on the wire at most (many small ones when events trickle in).
+const MAX_BATCHES_ON_WIRE: usize = 64;
+
+/// A batch taken from the stream, sent (all but its queued events).
+struct Batch {
+    events: Vec<ClaimedEvent>,
+    /// Per event: ordered, with its aggregate's events in the outbox
+    /// table, so it goes there too instead of being sent.
+    queued: Vec<bool>,
+    unreadable: Vec<Unreadable>,
+    commit_end: Option<Lsn>,
+    commit_time: Option<i64>,
+}
+
+/// A batch whose confirms are still to come.
+struct OnWire {
+    batch: Batch,
+    /// Its ordered aggregates (type, id).
+    ordered: HashSet<(String, String)>,
+    /// The receipts of its sent events, in order.
+    confirms: BoxFuture<'static, Result<Vec<Receipt>>>,
+}
+
+/// The batches on the wire, oldest first: settled in that order, so the
+/// slot's position only ever moves past settled batches.
+#[derive(Default)]
+struct Window {
+    batches: VecDeque<OnWire>,
+}
+
+impl Window {
+    fn len(&self) -> usize {
+        self.batches.len()
+    }
+
+    fn events(&self) -> usize {
+        self.batches.iter().map(|b| b.batch.events.len()).sum()
+    }
+
+    fn holds_any(&self, aggregates: &HashSet<(String, String)>) -> bool {
+        !aggregates.is_empty()
+            && self
+                .batches
+                .iter()
+                .any(|b| !b.ordered.is_disjoint(aggregates))
+    }
+
+    fn push(&mut self, b: OnWire) {
+        self.batches.push_back(b);
+    }
+
+    /// The oldest batch (after its confirms resolved).
+    fn pop(&mut self) -> Batch {
+        self.batches
+            .pop_front()
+            .expect("a batch whose confirms resolved is on the wire")
+            .batch
+    }
+
+    /// The oldest batch's receipts when they are all in already.
+    fn ready(&mut self) -> Option<Result<Vec<Receipt>>> {
+        self.batches
+            .front_mut()
+            .and_then(|b| (&mut b.confirms).now_or_never())
+    }
+
+    /// Waits for the oldest batch's receipts (for ever when none is on the
+    /// wire). Cancel-safe: the confirms stay with their batch.
+    async fn oldest_confirms(&mut self) -> Result<Vec<Receipt>> {
+        match self.batches.front_mut() {
+            Some(b) => (&mut b.confirms).await,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Confirms `lsn` to the slot once the batches on the wire are settled
+    /// (at once when none is).
+    fn confirm_after(&mut self, client: &ReplicationClient, acked: &mut Lsn, lsn: Lsn) {
+        match self.batches.back_mut() {
+            Some(b) => b.batch.commit_end = b.batch.commit_end.max(Some(lsn)),
+            None => {
+                client.update_applied_lsn(lsn);
+                *acked = (*acked).max(lsn);
+            }
+        }
+    }
+}
+
+/// The ordered aggregates among `events`.
+fn ordered_aggregates(events: &[ClaimedEvent]) -> HashSet<(String, String)> {
+    events
+        .iter()
+        .filter(|e| e.aggregate_seq.is_some())
+        .map(|e| (e.aggregate_type.clone(), e.aggregate_id.clone()))
+        .collect()
 }
 
 /// A slot as `pg_replication_slots` shows it.
@@ -275,8 +377,11 @@ impl Relay {
         end
     }
 
-    /// Reads the stream: collects each transaction's events, publishes
-    /// them when the batch is full or nothing more is ready, confirms.
+    /// Reads the stream: collects each transaction's events and sends
+    /// them when the batch is full or nothing more is ready, without
+    /// waiting for the confirms of the batches before (a window of them
+    /// stays on the wire); settles the batches in order as their confirms
+    /// arrive, confirming each one's position to the slot only then.
     async fn stream(
         &self,
         client: &mut ReplicationClient,
@@ -288,31 +393,43 @@ impl Relay {
         let prefix = outbox::wal_message_prefix(&self.inner.schema);
         let batch = self.inner.config.batch_size;
         let mut pending = Pending::default();
+        let mut wire = Window::default();
         let mut in_transaction = false;
         loop {
             if shutdown.is_cancelled() {
                 if !pending.is_empty() {
-                    self.flush(client, publisher, conn, &mut pending, acked)
+                    self.dispatch(client, publisher, conn, &mut pending, &mut wire, acked)
+                        .await?;
+                }
+                while let Some(b) = wire.batches.pop_front() {
+                    let sent = b.confirms.await;
+                    self.settle(client, publisher, conn, b.batch, sent, &mut wire, acked)
                         .await?;
                 }
                 return Ok(SessionEnd::Shutdown);
             }
-            let next = if pending.is_empty() {
-                tokio::select! {
-                    _ = shutdown.cancelled() => continue,
-                    r = client.recv() => r,
-                }
-            } else if pending.events.len() + pending.unreadable.len() >= batch {
-                self.flush(client, publisher, conn, &mut pending, acked)
+            let next = if pending.events.len() + pending.unreadable.len() >= batch {
+                self.dispatch(client, publisher, conn, &mut pending, &mut wire, acked)
                     .await?;
                 continue;
+            } else if pending.is_empty() {
+                tokio::select! {
+                    _ = shutdown.cancelled() => continue,
+                    sent = wire.oldest_confirms() => {
+                        let b = wire.pop();
+                        self.settle(client, publisher, conn, b, sent, &mut wire, acked)
+                            .await?;
+                        continue;
+                    }
+                    r = client.recv() => r,
+                }
             } else {
                 // Only what is ready (one poll, no timer): when nothing is,
-                // publish what we have.
+                // send what we have.
                 match client.recv().now_or_never() {
                     Some(r) => r,
                     None => {
-                        self.flush(client, publisher, conn, &mut pending, acked)
+                        self.dispatch(client, publisher, conn, &mut pending, &mut wire, acked)
                             .await?;
                         continue;
                     }
@@ -343,38 +460,60 @@ impl Relay {
                 } => {
                     in_transaction = false;
                     if pending.is_empty() {
-                        client.update_applied_lsn(end_lsn);
-                        *acked = (*acked).max(end_lsn);
+                        wire.confirm_after(client, acked, end_lsn);
                     } else {
                         pending.commit_end = Some(end_lsn);
                         pending.commit_time = Some(commit_time_micros);
                     }
                 }
-                // Everything sent so far is handled: the slot may move past
-                // it (transactions still open commit later).
+                // Everything sent so far is handled once the batches on the
+                // wire are: the slot may then move past it (transactions
+                // still open commit later).
                 ReplicationEvent::KeepAlive { wal_end, .. }
                     if !in_transaction && pending.is_empty() =>
                 {
-                    client.update_applied_lsn(wal_end);
-                    *acked = (*acked).max(wal_end);
+                    wire.confirm_after(client, acked, wal_end);
                 }
                 _ => {}
             }
         }
     }
 
-    /// Publishes the pending events, records those not delivered in the
-    /// outbox table, then confirms the last whole transaction's end.
-    async fn flush(
+    /// Sends the pending events as one batch (those of ordered aggregates
+    /// with events in the outbox table go there instead, behind them).
+    /// First settles what has its confirms already, and waits for the
+    /// oldest batches while the window is full or while one holds an
+    /// ordered aggregate of this batch: an ordered aggregate is never in
+    /// two batches on the wire, so a failure of its earlier event is in
+    /// the table before its later events are looked at.
+    async fn dispatch(
         &self,
         client: &ReplicationClient,
         publisher: &mut Publisher,
         conn: &Arc<Connection>,
         pending: &mut Pending,
+        wire: &mut Window,
         acked: &mut Lsn,
     ) -> Result<()> {
         let inner = &self.inner;
         let cfg = &inner.config;
+        while let Some(sent) = wire.ready() {
+            let b = wire.pop();
+            self.settle(client, publisher, conn, b, sent, wire, acked)
+                .await?;
+        }
+        let ordered = ordered_aggregates(&pending.events);
+        let limit = (cfg.batch_size * WINDOW_BATCHES).max(1);
+        while !wire.batches.is_empty()
+            && (wire.len() >= MAX_BATCHES_ON_WIRE
+                || wire.events() + pending.events.len() > limit
+                || wire.holds_any(&ordered))
+        {
+            let sent = wire.oldest_confirms().await;
+            let b = wire.pop();
+            self.settle(client, publisher, conn, b, sent, wire, acked)
+                .await?;
+        }
         if !client.is_running() {
             // The session ended (a frozen relay thawed, say): what is
             // buffered belongs to whoever reads the slot now. Publishing
@@ -384,19 +523,26 @@ impl Relay {
             ));
         }
         let events = std::mem::take(&mut pending.events);
-        let unreadable = std::mem::take(&mut pending.unreadable);
         let queued = divert::queued_aggregates(&inner.pool, &inner.queries, &events).await?;
-        let is_queued = |e: &ClaimedEvent| {
-            e.aggregate_seq.is_some()
-                && queued.contains(&(e.aggregate_type.clone(), e.aggregate_id.clone()))
-        };
-        let direct: Vec<ClaimedEvent> = events.iter().filter(|e| !is_queued(e)).cloned().collect();
-        let mut sent = if direct.is_empty() {
-            Vec::new()
+        let queued: Vec<bool> = events
+            .iter()
+            .map(|e| {
+                e.aggregate_seq.is_some()
+                    && queued.contains(&(e.aggregate_type.clone(), e.aggregate_id.clone()))
+            })
+            .collect();
+        let direct: Vec<ClaimedEvent> = events
+            .iter()
+            .zip(&queued)
+            .filter(|(_, q)| !**q)
+            .map(|(e, _)| e.clone())
+            .collect();
+        let confirms = if direct.is_empty() {
+            futures_util::future::ready(Ok(Vec::new())).boxed()
         } else {
             let deadline = tokio::time::Instant::now() + publish_phase(cfg);
             publisher
-                .publish_batch(
+                .send_batch(
                     &direct,
                     &cfg.default_exchange,
                     cfg.max_payload_bytes,
@@ -404,27 +550,82 @@ impl Relay {
                     deadline,
                 )
                 .await?
+                .receipts()
+                .boxed()
+        };
+        wire.push(OnWire {
+            batch: Batch {
+                events,
+                queued,
+                unreadable: std::mem::take(&mut pending.unreadable),
+                commit_end: pending.commit_end.take(),
+                commit_time: pending.commit_time.take(),
+            },
+            ordered,
+            confirms,
+        });
+        Ok(())
+    }
+
+    /// Settles the oldest batch of the window with its confirms (`sent`):
+    /// records those not delivered in the outbox table, then confirms the
+    /// batch's last whole transaction to the slot. A nack replaces the
+    /// channel, so the batches still on it are settled first.
+    #[allow(clippy::too_many_arguments)]
+    async fn settle(
+        &self,
+        client: &ReplicationClient,
+        publisher: &mut Publisher,
+        conn: &Arc<Connection>,
+        batch: Batch,
+        sent: Result<Vec<Receipt>>,
+        wire: &mut Window,
+        acked: &mut Lsn,
+    ) -> Result<()> {
+        let mut receipts = self.record(client, batch, sent?, acked).await?;
+        if receipts.contains(&Receipt::Nacked) {
+            while let Some(b) = wire.batches.pop_front() {
+                let sent = b.confirms.await?;
+                receipts.extend(self.record(client, b.batch, sent, acked).await?);
+            }
         }
-        .into_iter();
-        // Queued events are not sent: behind their aggregate's events in
+        self.after_receipts(publisher, conn, &receipts).await
+    }
+
+    /// One batch's receipts: those not delivered go to the outbox table;
+    /// then the slot may move past the batch. Returns every event's
+    /// receipt.
+    async fn record(
+        &self,
+        client: &ReplicationClient,
+        batch: Batch,
+        sent: Vec<Receipt>,
+        acked: &mut Lsn,
+    ) -> Result<Vec<Receipt>> {
+        let inner = &self.inner;
+        let cfg = &inner.config;
+        let mut sent = sent.into_iter();
+        // Queued events were not sent: behind their aggregate's events in
         // the table, untouched (no attempt counted).
-        let receipts: Vec<Receipt> = events
+        let receipts: Vec<Receipt> = batch
+            .queued
             .iter()
-            .map(|e| {
-                if is_queued(e) {
+            .map(|queued| {
+                if *queued {
                     Receipt::NotSent
                 } else {
                     sent.next().unwrap_or(Receipt::NotSent)
                 }
             })
             .collect();
-        let (failed, failed_receipts): (Vec<ClaimedEvent>, Vec<Receipt>) = events
+        let (failed, failed_receipts): (Vec<ClaimedEvent>, Vec<Receipt>) = batch
+            .events
             .iter()
             .zip(&receipts)
             .filter(|(_, r)| **r != Receipt::Delivered)
             .map(|(e, r)| (e.clone(), r.clone()))
             .unzip();
-        let settled = if failed.is_empty() && unreadable.is_empty() {
+        let settled = if failed.is_empty() && batch.unreadable.is_empty() {
             Settled::default()
         } else {
             divert::record(
@@ -433,18 +634,18 @@ impl Relay {
                 cfg,
                 &failed,
                 &failed_receipts,
-                &unreadable,
+                &batch.unreadable,
             )
             .await?
         };
         // Delivered or recorded: the slot may move past them.
-        if let Some(lsn) = pending.commit_end.take() {
+        if let Some(lsn) = batch.commit_end {
             client.update_applied_lsn(lsn);
             *acked = (*acked).max(lsn);
         }
-        let delivered = events.len() - failed.len();
+        let delivered = batch.events.len() - failed.len();
         self.count_wal(&failed, &failed_receipts, delivered, &settled);
-        if let Some(t) = pending.commit_time.take() {
+        if let Some(t) = batch.commit_time {
             let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64());
@@ -455,7 +656,7 @@ impl Relay {
             // Held-back events are due in the table now.
             self.wake();
         }
-        self.after_receipts(publisher, conn, &receipts).await
+        Ok(receipts)
     }
 
     fn count_wal(
