@@ -318,7 +318,7 @@ impl Relay {
             .with_ack_lsn(confirmed)
             .with_status_interval(every)
             .with_wakeup_interval(every)
-            // Two batches ahead: the next is read while one is published.
+            // Two batches ahead of the reader, beside those on the wire.
             .with_buffer_size((cfg.batch_size * 2).max(256))
             .with_application_name(format!("outbox-relay {}", cfg.name))
             .with_options(format!(
