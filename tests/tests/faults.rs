@@ -620,17 +620,7 @@ async fn wal_relay_sigstopped_while_reading_a_standby_takes_over() {
         .unwrap();
     let name_a = format!("fault-relay-a-{}", suffix());
     let name_b = format!("fault-relay-b-{}", suffix());
-    let reader = || async {
-        sqlx::query_scalar::<_, Option<String>>(
-            "SELECT a.application_name FROM pg_replication_slots s
-             LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = $1",
-        )
-        .bind(w.db.slot())
-        .fetch_optional(&w.db.pool)
-        .await
-        .unwrap()
-        .flatten()
-    };
+    let reader = || async { w.db.slot_reader().await };
     let mut a = w.relay_process_with(&[("NAME", &name_a)]);
     wait_until(deadline(), "relay A reading", || async {
         reader().await == Some(format!("outbox-relay {name_a}")) && w.wire.distinct() > 0

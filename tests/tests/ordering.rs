@@ -17,7 +17,7 @@ use e2e::{
 use lapin::types::FieldTable;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use outbox::{NewEvent, OrderedAggregates, Outbox, OutboxConfig};
+use outbox::{Capture, NewEvent, OrderedAggregates, Outbox, OutboxConfig};
 use outbox_consumer::{
     Consumer, ConsumerConfig, Event, Handler, OrderedTopology, Outcome, declare_ordered_topology,
 };
@@ -77,6 +77,14 @@ fn relay_process(db: &TestDb, exchange: &str, name: &str) -> KillOnDrop {
         .env("BATCH_SIZE", "200")
         .env("LEASE_TTL_MS", "1000")
         .env("RUST_LOG", "error")
+        .env(
+            "CAPTURE",
+            if db.capture == Capture::Wal {
+                "wal"
+            } else {
+                "table"
+            },
+        )
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -96,6 +104,7 @@ async fn produce(db: &TestDb, n: usize, pace: Duration) {
         let mut c = OutboxConfig::default();
         c.schema = db.schema.to_string();
         c.ordering = OrderedAggregates::types(["account"]);
+        c.capture = db.capture;
         c
     })
     .await
@@ -164,7 +173,15 @@ struct World {
 
 impl World {
     async fn new(prefix: &str) -> Self {
-        let db = TestDb::producer(prefix).await;
+        Self::with(TestDb::producer(prefix).await, prefix).await
+    }
+
+    /// The same world with the events in the write-ahead log.
+    async fn wal(prefix: &str) -> Self {
+        Self::with(TestDb::producer_wal(prefix).await, prefix).await
+    }
+
+    async fn with(db: TestDb, prefix: &str) -> Self {
         let consumer_schema = format!("{}_c", db.schema);
         outbox_consumer::migrate(&db.pool, &consumer_schema)
             .await
@@ -474,6 +491,80 @@ async fn three_relays_killed_and_restarted_keep_every_aggregate_in_commit_order(
         "ordered e2e: {n} events over {AGGREGATES} aggregates, 3 relays, {tries} SIGKILLs \
          ({landed} inside a batch); {duplicates} duplicates on the wire; every aggregate \
          published and applied in commit order; {:?}",
+        started.elapsed()
+    );
+    w.cleanup().await;
+}
+
+/// The same order from the write-ahead log: two relays, one reading the
+/// slot and one standby; the reader is SIGKILLed again and again while
+/// the producers commit (the standby takes over, a fresh standby is
+/// started), so every kill makes the next reader publish again what was
+/// not confirmed to the slot. No sequence-number claim is involved: the
+/// log is read in commit order. The ordered consumers must apply every
+/// aggregate in commit order, each event once, and the wire must carry
+/// each aggregate's numbers first in order.
+#[tokio::test]
+async fn wal_reader_killed_again_and_again_keeps_every_aggregate_in_commit_order() {
+    let n = events() / 2;
+    let mut w = World::wal("ord_wal").await;
+    let started = Instant::now();
+    let reader = || async { w.db.slot_reader().await };
+    let mut relays: Vec<(String, KillOnDrop)> = (0..2)
+        .map(|_| {
+            let name = format!("r-{}", suffix());
+            let child = w.relay_named(&name);
+            (name, child)
+        })
+        .collect();
+    let producer = w.produce(n, Duration::from_millis(5));
+    let (mut kills, mut at_last_kill) = (0, 0);
+    let mut round = 0u64;
+    loop {
+        tokio::time::sleep(Duration::from_millis(200 + (round * 173) % 400)).await;
+        round += 1;
+        let published = w
+            .wire
+            .first_arrivals()
+            .0
+            .values()
+            .map(Vec::len)
+            .sum::<usize>();
+        if producer.is_finished() && (kills >= 6 || published >= n) {
+            break;
+        }
+        // Kill the reader while it reads: it holds the slot and the wire
+        // has moved since the last kill.
+        if published == at_last_kill || kills >= 12 {
+            continue;
+        }
+        let Some(holder) = reader().await else {
+            continue;
+        };
+        let Some(victim) = relays
+            .iter()
+            .position(|(name, _)| holder == format!("outbox-relay {name}"))
+        else {
+            continue;
+        };
+        let name = format!("r-{}", suffix());
+        let fresh = w.relay_named(&name);
+        let (_, child) = std::mem::replace(&mut relays[victim], (name, fresh));
+        kill_now(child);
+        kills += 1;
+        at_last_kill = published;
+    }
+    producer.await.unwrap();
+    assert!(kills >= 6, "only {kills} SIGKILLs of a reader publishing");
+    w.db.drained(DEADLINE).await;
+    for (_, r) in relays {
+        kill_now(r);
+    }
+    let duplicates = w.assert_in_order(n).await;
+    println!(
+        "ordered e2e from the log: {n} events over {AGGREGATES} aggregates, the reader \
+         SIGKILLed {kills}x; {duplicates} duplicates on the wire; every aggregate published \
+         and applied in commit order; {:?}",
         started.elapsed()
     );
     w.cleanup().await;

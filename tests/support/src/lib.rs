@@ -104,6 +104,20 @@ impl TestDb {
         format!("outbox_{}", self.schema)
     }
 
+    /// The `application_name` of the session reading the schema's slot,
+    /// if one does.
+    pub async fn slot_reader(&self) -> Option<String> {
+        sqlx::query_scalar::<_, Option<String>>(
+            "SELECT a.application_name FROM pg_replication_slots s
+             LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = $1",
+        )
+        .bind(self.slot())
+        .fetch_optional(&self.pool)
+        .await
+        .expect("the slot's reader")
+        .flatten()
+    }
+
     /// An outbox handle on this schema writing with `capture`.
     pub async fn outbox(&self, capture: outbox::Capture) -> outbox::Outbox {
         let mut config = outbox::OutboxConfig::default();
