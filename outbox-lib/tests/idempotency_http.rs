@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
-use axum::extract::{FromRef, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRef, FromRequest, Path, Query, Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
@@ -19,8 +19,9 @@ use common::*;
 use outbox::idempotency::{Idempotency, IdempotencyConfig, Idempotent, IdempotentRoute};
 use outbox::{NewEvent, Outbox, OutboxConfig, Wakeup};
 use serde_json::{Value, json};
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tracing::instrument::WithSubscriber;
 
 #[derive(Clone)]
 struct App {
@@ -63,26 +64,7 @@ async fn create_order(State(app): State<App>, mut req: Idempotent) -> Response {
         return req.finish(rejection).await;
     }
     let id = uuid::Uuid::now_v7().to_string();
-    let written = async {
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO \"{}\".orders (id, sku, qty) VALUES ($1, $2, $3)",
-            app.schema
-        )))
-        .bind(&id)
-        .bind(&order.sku)
-        .bind(order.qty)
-        .execute(req.conn())
-        .await?;
-        let event = NewEvent::new(
-            "order",
-            &id,
-            "OrderPlaced",
-            &json!({"sku": order.sku, "qty": order.qty}),
-        )?;
-        app.outbox.enqueue(req.conn(), event).await?;
-        Ok::<_, outbox::Error>(())
-    }
-    .await;
+    let written = write_order(&app, req.conn(), &id, &order).await;
     if written.is_err() {
         return StatusCode::INTERNAL_SERVER_ERROR.into_response();
     }
@@ -120,8 +102,84 @@ async fn create_order(State(app): State<App>, mut req: Idempotent) -> Response {
     }
 }
 
-/// A handler that writes, then returns a 201 without `finish`: its
-/// transaction rolls back, so the 201 would be a lie.
+/// Inserts an order and enqueues its event on `conn`.
+async fn write_order(
+    app: &App,
+    conn: &mut PgConnection,
+    id: &str,
+    order: &Order,
+) -> Result<(), outbox::Error> {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".orders (id, sku, qty) VALUES ($1, $2, $3)",
+        app.schema
+    )))
+    .bind(id)
+    .bind(&order.sku)
+    .bind(order.qty)
+    .execute(&mut *conn)
+    .await?;
+    let event = NewEvent::new(
+        "order",
+        id,
+        "OrderPlaced",
+        &json!({"sku": order.sku, "qty": order.qty}),
+    )?;
+    app.outbox.enqueue(conn, event).await?;
+    Ok(())
+}
+
+#[derive(serde::Deserialize)]
+struct Placement {
+    priority: u8,
+}
+
+/// The tenant named by the `x-tenant` header: a custom extractor whose
+/// rejection is a 403.
+struct Tenant(String);
+
+impl<S: Send + Sync> FromRequest<S> for Tenant {
+    type Rejection = (StatusCode, &'static str);
+
+    async fn from_request(req: Request, _: &S) -> Result<Self, Self::Rejection> {
+        match req.headers().get("x-tenant").map(|v| v.to_str()) {
+            Some(Ok(tenant)) if !tenant.is_empty() => Ok(Tenant(tenant.to_owned())),
+            _ => Err((StatusCode::FORBIDDEN, "unknown tenant")),
+        }
+    }
+}
+
+/// `POST /shops/{shop}/orders?priority=`: `Path` before the claim; `Query`,
+/// the custom `Tenant` and `Json` on the buffered request after it.
+async fn place_order(
+    State(app): State<App>,
+    Path(shop): Path<u32>,
+    req: Idempotent,
+) -> Result<Response, Response> {
+    place(app, shop, req).await
+}
+
+/// `place_order` with `Path` extracted after the claim, too.
+async fn place_order_late(State(app): State<App>, req: Idempotent) -> Result<Response, Response> {
+    let Path(shop): Path<u32> = req.extract().await?;
+    place(app, shop, req).await
+}
+
+async fn place(app: App, shop: u32, mut req: Idempotent) -> Result<Response, Response> {
+    let Query(placement): Query<Placement> = req.extract().await?;
+    let Tenant(tenant) = req.extract().await?;
+    let Json(order): Json<Order> = req.extract().await?;
+    app.executions.fetch_add(1, Ordering::SeqCst);
+    let id = uuid::Uuid::now_v7().to_string();
+    if write_order(&app, req.conn(), &id, &order).await.is_err() {
+        return Err(StatusCode::INTERNAL_SERVER_ERROR.into_response());
+    }
+    let body = json!({"id": id, "shop": shop, "tenant": tenant, "priority": placement.priority});
+    Ok(req.finish((StatusCode::CREATED, Json(body))).await)
+}
+
+/// A handler that writes, then returns without `finish` the status named
+/// by the `x-answer` header (201 by default): its transaction rolls back,
+/// so a 201 would be a lie.
 async fn unfinished(State(app): State<App>, mut req: Idempotent) -> Response {
     app.executions.fetch_add(1, Ordering::SeqCst);
     sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -131,7 +189,11 @@ async fn unfinished(State(app): State<App>, mut req: Idempotent) -> Response {
     .execute(req.conn())
     .await
     .unwrap();
-    (StatusCode::CREATED, "made").into_response()
+    let status = match req.parts().headers.get("x-answer") {
+        Some(v) => StatusCode::from_bytes(v.as_bytes()).unwrap(),
+        None => StatusCode::CREATED,
+    };
+    (status, "made").into_response()
 }
 
 /// An optional route keyed by a JSON body field, driven by hand.
@@ -151,11 +213,53 @@ async fn create_note(State(app): State<App>, request: Request) -> Response {
     req.finish((StatusCode::CREATED, "noted")).await
 }
 
+/// The ERROR events logged while the test's server handles its requests:
+/// a `tracing` subscriber of the test's own, set around each request.
+#[derive(Debug, Clone, Default)]
+struct Errors(Arc<Mutex<Vec<String>>>);
+
+impl Errors {
+    fn logged(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+impl tracing::Subscriber for Errors {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        *metadata.level() == tracing::Level::ERROR
+    }
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        struct Line(String);
+        impl tracing::field::Visit for Line {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!("{}={value:?} ", field.name()));
+            }
+        }
+        let mut line = Line(format!("{}: ", event.metadata().target()));
+        event.record(&mut line);
+        self.0.lock().unwrap().push(line.0);
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
 struct Harness {
     pool: PgPool,
     schema: String,
     addr: SocketAddr,
     app: App,
+    errors: Errors,
 }
 
 async fn start(prefix: &str, config: IdempotencyConfig, hold: Duration) -> Harness {
@@ -180,6 +284,12 @@ async fn start(prefix: &str, config: IdempotencyConfig, hold: Duration) -> Harne
     let app = App {
         route: IdempotentRoute::new(idem.clone())
             .max_request_bytes(4096)
+            // By the path's first segment: `/shops/7/orders` and a
+            // rejected `/shops/seven/orders` share their keys.
+            .scope(|parts| {
+                let first = parts.uri.path().split('/').nth(1).unwrap_or_default();
+                format!("{} /{first}", parts.method)
+            })
             .outbox(outbox.clone()),
         optional: IdempotentRoute::new(idem)
             .optional()
@@ -193,15 +303,28 @@ async fn start(prefix: &str, config: IdempotencyConfig, hold: Duration) -> Harne
         hang_next: Arc::default(),
         hung_pid: Arc::default(),
     };
+    let errors = Errors::default();
+    let logged = tracing::Dispatch::new(errors.clone());
     let router = Router::new()
         .route("/orders", post(create_order))
         .route("/notes", post(create_note))
         .route("/unfinished", post(unfinished))
+        .route("/shops/{shop}/orders", post(place_order))
+        .route("/late/shops/{shop}/orders", post(place_order_late))
+        .route(
+            "/small/shops/{shop}/orders",
+            post(place_order).layer(DefaultBodyLimit::max(64)),
+        )
         .route_layer(axum::middleware::from_fn(
             outbox::idempotency::require_finish,
         ))
         .route("/unguarded", post(create_order))
-        .with_state(app.clone());
+        .with_state(app.clone())
+        .layer(axum::middleware::from_fn(
+            move |request: Request, next: axum::middleware::Next| {
+                next.run(request).with_subscriber(logged.clone())
+            },
+        ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
@@ -210,7 +333,13 @@ async fn start(prefix: &str, config: IdempotencyConfig, hold: Duration) -> Harne
         schema,
         addr,
         app,
+        errors,
     }
+}
+
+/// [`start`] with the default settings and no hold.
+async fn start_default(prefix: &str) -> Harness {
+    start(prefix, IdempotencyConfig::default(), Duration::ZERO).await
 }
 
 impl Harness {
@@ -230,9 +359,62 @@ impl Harness {
         self.app.executions.load(Ordering::SeqCst)
     }
 
+    /// A placement (`PLACE` and its variants) under `key`, for tenant `t-1`.
+    async fn place(&self, uri: &str, key: &str, body: &str) -> Reply {
+        let headers = [("Idempotency-Key", key), ("x-tenant", "t-1")];
+        send(self.addr, uri, &headers, body).await
+    }
+
+    async fn rows(&self) -> Rows {
+        Rows {
+            keys: self.count("idempotency_keys").await,
+            orders: self.count("orders").await,
+            events: self.count("outbox").await,
+        }
+    }
+
+    /// `reply` is a rejection answered before the work: its own `status`
+    /// (not a 500), not replayed, nothing recorded or written since
+    /// `before`, no ERROR logged.
+    async fn assert_rejected(&self, reply: &Reply, status: u16, before: &Rows) {
+        assert_eq!(reply.status, status, "{reply:?}");
+        assert!(!reply.replayed());
+        assert_eq!(&self.rows().await, before, "nothing recorded or written");
+        assert_eq!(self.errors.logged(), Vec::<String>::new(), "no ERROR");
+    }
+
+    /// The corrected request under `key` (a rejected one used it before)
+    /// executes once: one more recorded key, order and event; its retry is
+    /// replayed.
+    async fn assert_corrected_runs_once(&self, uri: &str, key: &str) {
+        let (before, ran) = (self.rows().await, self.executions());
+        let first = self.place(uri, key, ORDER).await;
+        assert_eq!(first.status, 201, "{first:?}");
+        assert!(!first.replayed(), "the corrected request executed");
+        let retry = self.place(uri, key, ORDER).await;
+        assert!(retry.replayed(), "{retry:?}");
+        assert_eq!((retry.status, &retry.body), (201, &first.body));
+        assert_eq!(self.executions(), ran + 1, "executed once");
+        let after = Rows {
+            keys: before.keys + 1,
+            orders: before.orders + 1,
+            events: before.events + 1,
+        };
+        assert_eq!(self.rows().await, after);
+        assert_eq!(self.errors.logged(), Vec::<String>::new(), "no ERROR");
+    }
+
     async fn finish(self) {
         drop_schema(&self.pool, &self.schema).await;
     }
+}
+
+/// Recorded keys, orders and events.
+#[derive(Debug, PartialEq)]
+struct Rows {
+    keys: i64,
+    orders: i64,
+    events: i64,
 }
 
 #[derive(Debug)]
@@ -344,6 +526,9 @@ async fn send(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &str
 }
 
 const ORDER: &str = r#"{"sku":"A-1","qty":2}"#;
+
+/// A placement whose path, query and tenant header are all valid.
+const PLACE: &str = "/shops/7/orders?priority=1";
 
 #[tokio::test]
 async fn fifty_concurrent_identical_requests_execute_once() {
@@ -752,9 +937,126 @@ async fn a_handler_that_does_not_finish_cannot_claim_success() {
         .await
         .assert_problem(500, "handler-unfinished");
     assert_eq!(h.executions(), 2);
+    let errors = h.errors.logged();
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert!(errors.iter().all(|e| e.contains("without calling finish")));
     h.post("/unguarded", Some("k-g"), ORDER)
         .await
         .assert_problem(500, "route-unguarded");
     assert_eq!(h.executions(), 2, "an unguarded route runs nothing");
+    h.finish().await;
+}
+
+/// A 4xx or 5xx returned without `finish` claims no success: it is sent as
+/// is, with no ERROR from the guard; the writes rolled back, nothing is
+/// recorded and the retry executes again.
+#[tokio::test]
+async fn an_error_returned_without_finish_is_sent_as_is() {
+    let h = start_default("idem_unfinished_err").await;
+    for (n, answer) in ["409", "503"].into_iter().enumerate() {
+        for _ in 0..2 {
+            let headers = [("Idempotency-Key", answer), ("x-answer", answer)];
+            let reply = send(h.addr, "/unfinished", &headers, ORDER).await;
+            assert_eq!(reply.status.to_string(), answer, "{reply:?}");
+            assert_eq!(reply.body, b"made");
+            assert!(!reply.replayed());
+        }
+        assert_eq!(h.executions(), 2 * (n + 1), "every retry executed");
+    }
+    let nothing = Rows {
+        keys: 0,
+        orders: 0,
+        events: 0,
+    };
+    assert_eq!(h.rows().await, nothing);
+    assert_eq!(h.errors.logged(), Vec::<String>::new());
+    h.finish().await;
+}
+
+/// The defect of issue 26: a body that is not an order got a 500
+/// `handler-unfinished` (and an ERROR line) instead of its 400. With
+/// `Json` after the claim: 400 not JSON, 422 wrong types; with
+/// `Idempotent::json`: its 400 problem. Nothing recorded, and the key
+/// serves the corrected body.
+#[tokio::test]
+async fn a_body_that_is_not_an_order_gets_its_own_4xx_and_frees_the_key() {
+    let h = start_default("idem_rej_json").await;
+    let none = h.rows().await;
+    for (body, status) in [("not json", 400), (r#"{"sku":"A-1","qty":"two"}"#, 422)] {
+        let reply = h.place(PLACE, "k", body).await;
+        h.assert_rejected(&reply, status, &none).await;
+    }
+    h.assert_corrected_runs_once(PLACE, "k").await;
+
+    let reply = h.post("/orders", Some("k-json"), "not json").await;
+    reply.assert_problem(400, "request-body");
+    h.assert_rejected(&reply, 400, &h.rows().await).await;
+    h.assert_corrected_runs_once("/orders", "k-json").await;
+    h.finish().await;
+}
+
+/// A path parameter that does not parse: `Path`'s 400, whether it runs
+/// before `Idempotent` (nothing claimed) or through `extract` after the
+/// claim (the scope is the path's first segment, so the corrected path
+/// reuses the key the rejected one claimed).
+#[tokio::test]
+async fn a_bad_path_gets_its_own_400_and_frees_the_key() {
+    let h = start_default("idem_rej_path").await;
+    for (bad, good) in [
+        ("/shops/seven/orders?priority=1", PLACE),
+        (
+            "/late/shops/seven/orders?priority=1",
+            "/late/shops/7/orders?priority=1",
+        ),
+    ] {
+        let before = h.rows().await;
+        let reply = h.place(bad, "k", ORDER).await;
+        h.assert_rejected(&reply, 400, &before).await;
+        h.assert_corrected_runs_once(good, "k").await;
+    }
+    h.finish().await;
+}
+
+/// A query string that does not parse, or lacks a field: `Query`'s 400.
+#[tokio::test]
+async fn a_bad_query_gets_its_own_400_and_frees_the_key() {
+    let h = start_default("idem_rej_query").await;
+    let none = h.rows().await;
+    for bad in ["/shops/7/orders?priority=high", "/shops/7/orders"] {
+        let reply = h.place(bad, "k", ORDER).await;
+        h.assert_rejected(&reply, 400, &none).await;
+    }
+    h.assert_corrected_runs_once(PLACE, "k").await;
+    h.finish().await;
+}
+
+/// A custom extractor's rejection (`Tenant`: 403 without `x-tenant`) is
+/// sent as is.
+#[tokio::test]
+async fn a_custom_extractors_rejection_is_sent_as_is_and_frees_the_key() {
+    let h = start_default("idem_rej_custom").await;
+    let none = h.rows().await;
+    let reply = send(h.addr, PLACE, &[("Idempotency-Key", "k")], ORDER).await;
+    h.assert_rejected(&reply, 403, &none).await;
+    assert_eq!(reply.body, b"unknown tenant");
+    h.assert_corrected_runs_once(PLACE, "k").await;
+    h.finish().await;
+}
+
+/// A body over the route's buffering limit gets the extractor's 413 before
+/// anything is claimed; one under it but over the route's
+/// `DefaultBodyLimit` gets `Json`'s 413 after the claim. Either way the key
+/// serves the corrected request.
+#[tokio::test]
+async fn an_oversized_body_gets_413_and_frees_the_key() {
+    let h = start_default("idem_rej_size").await;
+    let small = "/small/shops/7/orders?priority=1";
+    let padded = |n| format!(r#"{{"sku":"A-1","qty":2,"note":"{}"}}"#, "x".repeat(n));
+    for (uri, body) in [(PLACE, padded(5000)), (small, padded(100))] {
+        let before = h.rows().await;
+        let reply = h.place(uri, "k", &body).await;
+        h.assert_rejected(&reply, 413, &before).await;
+        h.assert_corrected_runs_once(uri, "k").await;
+    }
     h.finish().await;
 }

@@ -39,7 +39,8 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/orders", post(create_order))
         // Every idempotent route: a handler that forgot `finish` cannot
-        // send a success its rolled-back transaction does not back.
+        // send a success its rolled-back transaction does not back (its
+        // 4xx and 5xx go out as they are).
         .route_layer(axum::middleware::from_fn(
             outbox::idempotency::require_finish,
         ))
@@ -51,16 +52,18 @@ pub fn router(state: AppState) -> Router {
 /// Places an order. Retries with the same `Idempotency-Key` get the
 /// recorded answer (`Idempotent-Replayed: true`); the order and its event
 /// are written once.
-async fn create_order(State(app): State<AppState>, mut req: Idempotent) -> Response {
-    let order: NewOrder = match req.json() {
-        Ok(order) => order,
-        Err(bad) => return bad,
-    };
+async fn create_order(
+    State(app): State<AppState>,
+    mut req: Idempotent,
+) -> Result<Response, Response> {
+    // Not an order (not JSON, wrong types, not a JSON content type): axum's
+    // own 4xx, not recorded, so the key serves the corrected request.
+    let Json(order): Json<NewOrder> = req.extract().await?;
     if let Err(why) = order.validate() {
         // A business rejection: recorded, so a retry cannot turn it into
         // a success.
         let rejection = (StatusCode::BAD_REQUEST, Json(json!({ "error": why })));
-        return req.finish(rejection).await;
+        return Ok(req.finish(rejection).await);
     }
     match app.orders.place(req.conn(), &order).await {
         Ok(placed) => {
@@ -71,13 +74,13 @@ async fn create_order(State(app): State<AppState>, mut req: Idempotent) -> Respo
                 Json(placed),
             );
             // Records the response and commits it with the order and event.
-            req.finish(created).await
+            Ok(req.finish(created).await)
         }
         Err(e) => {
             // Dropping `req` rolls back: nothing recorded, a retry executes.
             tracing::error!(error = %e, "placing an order failed");
             let body = json!({ "error": "the order could not be placed; retry with the same key" });
-            (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+            Err((StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response())
         }
     }
 }

@@ -187,18 +187,29 @@ impl IdempotentRoute {
 /// An idempotent request in progress: the buffered request and the
 /// transaction in which its key is claimed.
 ///
-/// Extract it last (it consumes the body), run the business write and
-/// enqueue events on [`Idempotent::conn`], then return
-/// [`Idempotent::finish`]. Replays, and the 400/409/413/422 answers, are
-/// sent by the extractor before the handler runs.
+/// It consumes the body: extract it after the extractors that do not read
+/// the body (`State`, `Path`, `Query`, headers), and run those that do
+/// (`Json`, `Form`, your own) on the buffered request with
+/// [`Idempotent::extract`]. Run the business write and enqueue events on
+/// [`Idempotent::conn`], then return [`Idempotent::finish`]. Replays, and
+/// this extractor's own answers (400 key missing or invalid, 409 key in
+/// use, 413 body too large, 422 key reused), are sent before the handler
+/// runs.
 ///
-/// The recording rule: a response below 500 is recorded and committed with
-/// the business write; a 5xx, a panic, or a handler that returns without
-/// calling `finish` rolls everything back and records nothing, so a retry
-/// executes again. Routes run under [`require_finish`], which turns the
-/// response of a handler that did not call `finish` into a 500 (it would
-/// otherwise report a success whose writes rolled back); the extractor
-/// refuses to run without it.
+/// The recording rule:
+///
+/// * [`Idempotent::finish`] records a response below 500 and commits it with
+///   the business write; a deliberate rejection passed to it is replayed
+///   like a success, so a retry cannot turn it into one. A 5xx passed to it
+///   rolls back and is not recorded.
+/// * Returning without `finish` (or panicking) rolls everything back and
+///   records nothing: the key is free again. A 4xx or 5xx is sent as is;
+///   that is how a request rejected before the work (the rejection of
+///   [`Idempotent::extract`]) is answered, and the same key with a
+///   corrected request then executes once. A response below 400 would
+///   report a success whose writes rolled back: [`require_finish`], which
+///   every idempotent route runs under, replaces it with a 500
+///   (`handler-unfinished`); the extractor refuses to run without it.
 ///
 /// ```no_run
 /// use axum::extract::{FromRef, State};
@@ -215,23 +226,24 @@ impl IdempotentRoute {
 ///     fn from_ref(app: &App) -> Self { app.idempotency.clone() }
 /// }
 ///
-/// async fn create_order(State(app): State<App>, mut req: Idempotent) -> Response {
-///     let order: serde_json::Value = match req.json() { Ok(o) => o, Err(bad) => return bad };
+/// async fn create_order(State(app): State<App>, mut req: Idempotent) -> Result<Response, Response> {
+///     // Not JSON, or not an order: axum's own 4xx, nothing recorded.
+///     let Json(order): Json<serde_json::Value> = req.extract().await?;
 ///     let written = async {
 ///         sqlx::query("INSERT INTO orders (id, body) VALUES ('o-42', $1)").bind(&order).execute(req.conn()).await?;
 ///         app.outbox.enqueue(req.conn(), NewEvent::new("order", "o-42", "OrderPlaced", &order)?).await?;
 ///         Ok::<_, outbox::Error>(())
 ///     }.await;
 ///     match written {
-///         Ok(()) => req.finish((StatusCode::CREATED, Json(serde_json::json!({"id": "o-42"})))).await,
-///         Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(), // rolled back, not recorded
+///         Ok(()) => Ok(req.finish((StatusCode::CREATED, Json(serde_json::json!({"id": "o-42"})))).await),
+///         Err(_) => Err(StatusCode::INTERNAL_SERVER_ERROR.into_response()), // rolled back, not recorded
 ///     }
 /// }
 ///
 /// fn router(app: App) -> Router {
 ///     Router::new()
 ///         .route("/orders", post(create_order))
-///         // Required: a handler returning without `finish` gets a 500.
+///         // Required: a handler returning a success without `finish` gets a 500.
 ///         .route_layer(axum::middleware::from_fn(outbox::idempotency::require_finish))
 ///         .with_state(app)
 /// }
@@ -279,8 +291,10 @@ impl Idempotent {
         &self.body
     }
 
-    /// The body parsed as JSON; `Err` is a 400 problem response (not
-    /// recorded unless passed to [`Idempotent::finish`]).
+    /// The body parsed as JSON; `Err` is a 400 problem document. Returned
+    /// without [`Idempotent::finish`], it is not recorded and the key is
+    /// released. Unlike axum's `Json` (see [`Idempotent::extract`]), it
+    /// does not require a JSON `Content-Type`.
     #[expect(
         clippy::result_large_err,
         reason = "axum handlers return the rejection as their response"
@@ -295,6 +309,35 @@ impl Idempotent {
                 &e.to_string(),
             )
         })
+    }
+
+    /// Runs the axum extractor `E` (`Json<T>`, `Form<T>`, `Query<T>`,
+    /// `Path<T>`, your own `FromRequest` or `FromRequestParts`) on the
+    /// buffered request; it may run any number of extractors, in any order.
+    /// `Err` is the extractor's own rejection as a response (for `Json`:
+    /// 400 not JSON, 415 not a JSON `Content-Type`, 422 wrong types, 413
+    /// over the route's `DefaultBodyLimit`). Return it without
+    /// [`Idempotent::finish`]: nothing is recorded and the key is released,
+    /// so the same key with a corrected request executes once. An extractor
+    /// that needs the application state: [`Idempotent::extract_with_state`].
+    pub async fn extract<E, M>(&self) -> Result<E, Response>
+    where
+        E: FromRequest<(), M>,
+    {
+        self.extract_with_state(&()).await
+    }
+
+    /// [`Idempotent::extract`] for an extractor that reads `state`.
+    pub async fn extract_with_state<E, S, M>(&self, state: &S) -> Result<E, Response>
+    where
+        E: FromRequest<S, M>,
+        S: Send + Sync,
+    {
+        // Cheap: the parts are small and the body is shared, not copied.
+        let request = Request::from_parts(self.parts.clone(), Body::from(self.body.clone()));
+        E::from_request(request, state)
+            .await
+            .map_err(IntoResponse::into_response)
     }
 
     /// The claimed key; `None` on an optional route called without one.
