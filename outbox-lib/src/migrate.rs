@@ -59,5 +59,10 @@ pub(crate) const PRODUCER: MigrationSet = MigrationSet {
             name: "wal_capture",
             sql: include_str!("../migrations/0010_wal_capture.sql"),
         },
+        Migration {
+            version: 11,
+            name: "publishable_and_slot",
+            sql: include_str!("../migrations/0011_publishable_and_slot.sql"),
+        },
     ],
 };

@@ -223,7 +223,8 @@ impl Outbox {
                 .bind(&event.aggregate_type)
                 .bind(&event.aggregate_id)
                 .execute(&mut *conn)
-                .await?;
+                .await
+                .map_err(|e| self.wal_error(e))?;
             return Ok(event.id);
         }
         // A plain VALUES insert: cheaper for the database than the unnest
@@ -278,7 +279,8 @@ impl Outbox {
                 .bind(&types)
                 .bind(&aggregates)
                 .execute(&mut *conn)
-                .await?;
+                .await
+                .map_err(|e| self.wal_error(e))?;
             return Ok(ids);
         }
         let n = events.len();
@@ -332,6 +334,13 @@ impl Outbox {
         Ok(())
     }
 
+    /// A write to the log refused because nothing would read it
+    /// (`outbox_wal_ready`: the slot was dropped or invalidated since
+    /// [`Outbox::new`]) is [`crate::Error::WalCaptureNotReady`].
+    fn wal_error(&self, e: sqlx::Error) -> crate::Error {
+        not_ready(&self.inner.schema, e)
+    }
+
     /// Tells relays that events were committed. Call it after committing a
     /// transaction that enqueued events (or use [`Outbox::commit`]). It never
     /// blocks: with [`Wakeup::AfterCommit`] it flags the background notifier,
@@ -345,30 +354,45 @@ impl Outbox {
 }
 
 /// [`Capture::Wal`] writes into nothing unless the database decodes the
-/// log and the schema's slot exists: refuse it at start-up instead.
+/// log and the schema's slot exists: refuse it at start-up instead (every
+/// write checks the slot again: `outbox_wal_ready`).
 async fn ensure_wal_ready(pool: &PgPool, schema: &Ident) -> Result<()> {
-    let (wal_level, slot): (String, bool) = sqlx::query_as(
-        "SELECT current_setting('wal_level'),
-                EXISTS (SELECT 1 FROM pg_replication_slots
-                        WHERE slot_name = $1 AND database = current_database())",
-    )
-    .bind(outbox_core::wal_slot_name(schema))
-    .fetch_one(pool)
-    .await?;
-    let reason = if wal_level != "logical" {
-        format!("the database's wal_level is {wal_level:?}, not \"logical\"")
-    } else if !slot {
-        format!(
-            "replication slot {:?} does not exist",
-            outbox_core::wal_slot_name(schema)
-        )
-    } else {
-        return Ok(());
-    };
-    Err(crate::Error::WalCaptureNotReady {
-        schema: schema.to_string(),
-        reason,
-    })
+    let wal_level: String = sqlx::query_scalar("SELECT current_setting('wal_level')")
+        .fetch_one(pool)
+        .await?;
+    if wal_level != "logical" {
+        return Err(crate::Error::WalCaptureNotReady {
+            schema: schema.to_string(),
+            reason: format!("the database's wal_level is {wal_level:?}, not \"logical\""),
+        });
+    }
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT {}.outbox_wal_ready()",
+        schema.quoted()
+    )))
+    .execute(pool)
+    .await
+    .map_err(|e| not_ready(schema, e))?;
+    Ok(())
+}
+
+/// `outbox_wal_ready`'s refusal (SQLSTATE 55000) as
+/// [`crate::Error::WalCaptureNotReady`]; other errors as they are.
+fn not_ready(schema: &Ident, e: sqlx::Error) -> crate::Error {
+    let refusal = e
+        .as_database_error()
+        .filter(|d| d.code().as_deref() == Some("55000"))
+        .map(|d| d.message().to_owned());
+    match refusal {
+        Some(message) => {
+            let prefix = format!("write-ahead-log capture of schema {schema}: ");
+            crate::Error::WalCaptureNotReady {
+                schema: schema.to_string(),
+                reason: message.strip_prefix(&prefix).unwrap_or(&message).to_owned(),
+            }
+        }
+        None => crate::Error::Database(e),
+    }
 }
 
 /// The message content of `event` (the contract in docs/WAL_CAPTURE.md),
@@ -407,11 +431,13 @@ fn wal_tail(s: &str, aggregate_type: &str, aggregate_id: &str) -> String {
 
 // The schema is a validated `Ident`; everything else is bound. One plain
 // statement per event, no function call unless the type is ordered:
-// measured cheaper for producers than calling `outbox_emit`.
+// measured cheaper for producers than calling `outbox_emit`. The slot is
+// checked first (`outbox_wal_ready`, a one-time filter that raises when
+// nothing would read the message), in the same statement.
 fn emit_one_sql(schema: &Ident) -> SqlStr {
     let s = schema.quoted();
     AssertSqlSafe(format!(
-        "SELECT pg_logical_emit_message(true, $1, $2 || {})",
+        "SELECT pg_logical_emit_message(true, $1, $2 || {}) WHERE {s}.outbox_wal_ready()",
         wal_tail(&s, "$3", "$4")
     ))
     .into_sql_str()
@@ -427,7 +453,8 @@ fn emit_many_sql(schema: &Ident) -> SqlStr {
         "SELECT pg_logical_emit_message(true, $1, e.head || {})
          FROM (SELECT * FROM unnest($2::text[], $3::text[], $4::text[])
                     WITH ORDINALITY AS e(head, aggregate_type, aggregate_id, n)
-               ORDER BY aggregate_type, aggregate_id, n) e",
+               ORDER BY aggregate_type, aggregate_id, n) e
+         WHERE {s}.outbox_wal_ready()",
         wal_tail(&s, "e.aggregate_type", "e.aggregate_id")
     ))
     .into_sql_str()

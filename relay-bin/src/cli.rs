@@ -69,12 +69,20 @@ enum Command {
     /// Create or upgrade the outbox tables (a no-op when up to date).
     Migrate {
         /// `wal` also creates what the write-ahead-log capture reads
-        /// (docs/WAL_CAPTURE.md): an empty publication and the logical
-        /// replication slot `outbox_<schema>`, where missing. Needs
-        /// wal_level = logical and a role with REPLICATION. From then on
-        /// the slot keeps the WAL until a relay runs with `--capture wal`.
+        /// (docs/WAL_CAPTURE.md): an empty publication and a logical
+        /// replication slot of one name (see --slot), where missing, and
+        /// records that name in the schema, where producers and relays
+        /// find it. Needs wal_level = logical and a role with REPLICATION.
+        /// From then on the slot keeps the WAL until a relay runs with
+        /// `--capture wal`.
         #[arg(long, value_enum, default_value_t = CaptureArg::Table)]
         capture: CaptureArg,
+        /// With `--capture wal`: the slot's (and publication's) name.
+        /// Default: the name the schema records, else `outbox_<schema>`.
+        /// Slot names are cluster-wide: a second database with a schema
+        /// of the same name needs another, e.g. `outbox_<database>_<schema>`.
+        #[arg(long, value_name = "NAME")]
+        slot: Option<String>,
     },
     /// Backlog, age of the oldest pending event, retries and dead letters.
     Status {
@@ -301,8 +309,8 @@ struct RunArgs {
     #[arg(long, env = "OUTBOX_RELAY_NAME")]
     name: Option<String>,
     /// `wal` also publishes the events producers write to the write-ahead
-    /// log (`outbox::Capture::Wal`), read from the replication slot
-    /// `outbox_<schema>` (create it with `migrate --capture wal`). One
+    /// log (`outbox::Capture::Wal`), read from the replication slot the
+    /// schema records (create it with `migrate --capture wal`). One
     /// relay reads the slot; others wait as standbys and take over when it
     /// stops. The outbox table is served either way. docs/WAL_CAPTURE.md.
     #[arg(long, env = "OUTBOX_CAPTURE", value_enum, default_value_t = CaptureArg::Table)]
@@ -342,7 +350,25 @@ pub(crate) async fn run(args: Args) -> Result<ExitCode> {
     };
     let result = dispatch(&args, url, &schema).await;
     // Errors of the libraries below may quote the URLs they were given.
-    result.map_err(|e| anyhow::anyhow!(scrub(&scrub(&format!("{e:#}"), url), &amqp_url(&args))))
+    result.map_err(|e| anyhow::anyhow!(scrub(&scrub(&one_line(&e), url), &amqp_url(&args))))
+}
+
+/// The error and its causes on one line, each said once: a library error
+/// that quotes its source would otherwise print it again after itself
+/// (`database: X: X`).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
 }
 
 fn amqp_url(args: &Args) -> String {
@@ -355,7 +381,12 @@ fn amqp_url(args: &Args) -> String {
 async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
     let pool = connect_db(url, 8).await?;
     match &args.command {
-        Command::Migrate { capture } => {
+        Command::Migrate { capture, slot } => {
+            if slot.is_some() && *capture != CaptureArg::Wal {
+                bail!(
+                    "--slot names the write-ahead-log capture's slot: give it with --capture wal"
+                );
+            }
             let applied = outbox::migrate(&pool, schema.as_str())
                 .await
                 .context("migration failed")?;
@@ -365,10 +396,10 @@ async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
                 say!("schema {schema}: applied migrations {applied:?}");
             }
             if *capture == CaptureArg::Wal {
-                let done = admin::create_wal_slot(&pool, schema)
+                let done = admin::create_wal_slot(&pool, schema, slot.as_deref())
                     .await
                     .context("setting up the write-ahead-log capture")?;
-                let slot = outbox::wal_slot_name(schema);
+                let slot = &done.slot;
                 say!(
                     "publication {slot} {}; replication slot {slot} {}",
                     if done.publication_created {

@@ -47,6 +47,12 @@ pub(crate) struct Queries {
     /// Messages of the log that are no event, into the dead letters. `$1`
     /// ids, `$2` positions, `$3` contents, `$4` errors.
     pub(crate) wal_unreadable: SqlStr,
+    /// One event of the log that the outbox table refuses, straight into
+    /// the dead letters. `$1` id, `$2` aggregate type, `$3` aggregate id,
+    /// `$4` event type, `$5` payload, `$6` headers (JSON text), `$7`
+    /// exchange, `$8` routing key, `$9` creation time, `$10` sequence,
+    /// `$11` attempts, `$12` error.
+    pub(crate) wal_dead_letter: SqlStr,
 }
 
 pub(crate) fn sql(text: String) -> SqlStr {
@@ -114,6 +120,14 @@ impl Queries {
                  SELECT id, '(unreadable)', 'lsn ' || lsn, '(unreadable)', to_jsonb(content), '{{}}'::jsonb, now(), 0,
                         error, jsonb_build_array(jsonb_build_object('at', now(), 'error', error))
                  FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[]) AS u(id, lsn, content, error)
+                 ON CONFLICT (id) DO NOTHING"
+            )),
+            wal_dead_letter: sql(format!(
+                "INSERT INTO {s}.outbox_dead_letters
+                     (id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key,
+                      created_at, aggregate_seq, attempts, last_error, error_history)
+                 VALUES ($1, $2, $3, $4, $5::jsonb, $6::jsonb, $7, $8, $9, $10, $11, $12,
+                         jsonb_build_array(jsonb_build_object('at', now(), 'error', $12::text)))
                  ON CONFLICT (id) DO NOTHING"
             )),
             archive: sql(format!(

@@ -15,7 +15,7 @@ use tokio::sync::watch;
 use uuid::Uuid;
 
 use crate::config::RelayConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::publish::Publisher;
 use crate::queries::Queries;
 use crate::settle::Settled;
@@ -97,6 +97,9 @@ pub struct Relay {
 pub(crate) struct Inner {
     pub(crate) config: RelayConfig,
     pub(crate) schema: Ident,
+    /// The replication slot the write-ahead-log capture reads, as the
+    /// schema records it (empty without the capture).
+    pub(crate) wal_slot: String,
     pub(crate) pool: PgPool,
     pub(crate) queries: Queries,
     pub(crate) wake: watch::Sender<u64>,
@@ -189,14 +192,21 @@ impl Relay {
     pub async fn new(pool: PgPool, config: RelayConfig) -> Result<Self> {
         let schema = config.validate()?;
         outbox::check_migrated(&pool, schema.as_str()).await?;
-        if config.wal.is_some() {
+        let wal_slot = if config.wal.is_some() {
             // Fail at start, not in the background: no slot, nothing read.
-            let slot = outbox::wal_slot_name(&schema);
+            let Some(slot) = crate::admin::recorded_wal_slot(&pool, &schema).await? else {
+                return Err(Error::WalRefused(format!(
+                    "the write-ahead-log capture is not set up for schema {schema}: no replication slot is recorded; run `outbox-relay migrate --capture wal`"
+                )));
+            };
             let row = crate::wal::slot_row(&pool, &slot).await?;
             if let Some(e) = crate::wal::refusal(&slot, row.as_ref()) {
                 return Err(e);
             }
-        }
+            slot
+        } else {
+            String::new()
+        };
         let (wake, _) = watch::channel(0);
         Ok(Self {
             inner: Arc::new(Inner {
@@ -204,6 +214,7 @@ impl Relay {
                 queries: Queries::new(&schema),
                 schema,
                 config,
+                wal_slot,
                 pool,
                 wake,
                 health: Arc::new(Health::default()),

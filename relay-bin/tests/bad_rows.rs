@@ -496,3 +496,69 @@ async fn an_old_unpublishable_ordered_row_blocks_only_its_aggregate() {
     broker.cleanup().await;
     db.cleanup().await;
 }
+
+/// The SQL producer of the write-ahead-log capture (`outbox_emit`) refuses
+/// every event the outbox table refuses, with the same reason, and takes
+/// what the table takes: both go through one definition of publishable
+/// (migration 11), so the log never carries an event that the reader
+/// could not publish and the table would not take back.
+#[tokio::test]
+async fn wal_emit_refuses_what_the_table_refuses() {
+    let db = TestDb::producer_wal("bad_emit").await;
+    let emit = |row: &Row| {
+        sqlx::query_scalar::<_, Uuid>(AssertSqlSafe(format!(
+            "SELECT \"{}\".outbox_emit($1, 'bad-1', $2, $3::jsonb, $4::jsonb, $5, $6)",
+            db.schema
+        )))
+        .bind(row.aggregate_type.clone())
+        .bind(row.event_type.clone())
+        .bind(row.payload.clone())
+        .bind(row.headers.clone())
+        .bind(row.exchange.clone())
+        .bind(row.routing_key.clone())
+        .fetch_one(&db.pool)
+    };
+    for row in unpublishable_by_name() {
+        let table = insert(&db, &row).await.unwrap_err();
+        let log = emit(&row)
+            .await
+            .expect_err(&format!("outbox_emit took an event with {}", row.name));
+        for err in [&table, &log] {
+            let code = err
+                .as_database_error()
+                .and_then(|e| e.code())
+                .map(|c| c.into_owned());
+            assert_eq!(code.as_deref(), Some("23514"), "{}: {err}", row.name);
+        }
+        let field = match row.name {
+            "exchange over 255 bytes" => "exchange is 256 bytes",
+            "routing key over 255 bytes" => "routing_key is 256 bytes",
+            "event type over 255 bytes" => "event_type is 256 bytes",
+            "default routing key over 255 bytes" => "default routing key",
+            _ => "a header name is over 255 bytes",
+        };
+        assert!(log.to_string().contains(field), "{}: {log}", row.name);
+    }
+    // At the limit, both take it.
+    let at_limit = "x".repeat(255);
+    let fits = [
+        Row {
+            exchange: Some(at_limit.clone()),
+            ..Row::new("exchange of 255 bytes")
+        },
+        Row {
+            event_type: at_limit.clone(),
+            routing_key: Some("k".into()),
+            ..Row::new("event type of 255 bytes")
+        },
+        Row {
+            headers: json!({ at_limit.clone(): 1 }).to_string(),
+            ..Row::new("header name of 255 bytes")
+        },
+    ];
+    for row in &fits {
+        insert(&db, row).await.unwrap();
+        emit(row).await.unwrap();
+    }
+    db.cleanup().await;
+}

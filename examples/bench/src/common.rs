@@ -130,7 +130,7 @@ pub(crate) async fn fresh_schema(pool: &PgPool, prefix: &str) -> Result<String> 
     outbox::migrate(pool, &schema).await?;
     if capture() == outbox::Capture::Wal {
         let ident = outbox::Ident::new("schema", &schema)?;
-        outbox_relay::admin::create_wal_slot(pool, &ident).await?;
+        outbox_relay::admin::create_wal_slot(pool, &ident, None).await?;
     }
     Ok(schema)
 }

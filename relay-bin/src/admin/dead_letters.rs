@@ -229,7 +229,8 @@ pub struct Replayed {
     /// one of the two.
     pub conflicts: Vec<Uuid>,
     /// Dead letters kept because the table refuses them (a name over 255
-    /// bytes, migration 4): they can never be published as they are.
+    /// bytes: `outbox_unpublishable`, migration 11): they can never be
+    /// published as they are.
     pub unpublishable: Vec<Uuid>,
 }
 
@@ -272,10 +273,8 @@ pub async fn replay_dead_letters(
     let mut q = QueryBuilder::new(format!(
         "SELECT d.id,
                 EXISTS (SELECT 1 FROM {s}.outbox o WHERE o.id = d.id),
-                octet_length(d.event_type) <= 255
-                AND (d.exchange IS NULL OR octet_length(d.exchange) <= 255)
-                AND octet_length(coalesce(d.routing_key, d.aggregate_type || '.' || d.event_type)) <= 255
-                AND {s}.outbox_header_names_fit(d.headers)
+                {s}.outbox_unpublishable(d.aggregate_type, d.event_type, d.exchange, d.routing_key, d.headers)
+                    IS NULL
          FROM {s}.outbox_dead_letters d
          WHERE TRUE"
     ));

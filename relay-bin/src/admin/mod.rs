@@ -23,4 +23,4 @@ pub use dead_letters::{
     dead_letter, list_dead_letters, purge_dead_letters, replay_dead_letters, search_dead_letters,
 };
 pub use status::{FailingEvent, Gauges, RelayLeases, Status, gauges, relays, status};
-pub use wal::{WalSetUp, WalSlot, create_wal_slot, drop_wal_slot, wal_slot};
+pub use wal::{WalSetUp, WalSlot, create_wal_slot, drop_wal_slot, recorded_wal_slot, wal_slot};

@@ -9,31 +9,102 @@ use sqlx::{AssertSqlSafe, PgPool};
 use crate::error::{Error, Result};
 
 /// What [`create_wal_slot`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct WalSetUp {
+    /// The slot's (and the publication's) name, now recorded for the
+    /// schema.
+    pub slot: String,
     /// The publication was created (it did not exist).
     pub publication_created: bool,
     /// The slot was created (it did not exist).
     pub slot_created: bool,
 }
 
+/// The replication slot the write-ahead-log capture of `schema` reads, as
+/// [`create_wal_slot`] recorded it (table `outbox_wal_capture`); `None`
+/// when the capture is not set up. Producers check this slot with every
+/// write, and relays read it.
+pub async fn recorded_wal_slot(pool: &PgPool, schema: &Ident) -> Result<Option<String>> {
+    Ok(sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT slot FROM {}.outbox_wal_capture",
+        schema.quoted()
+    )))
+    .fetch_optional(pool)
+    .await?)
+}
+
+/// A replication slot name PostgreSQL takes as it is: `[a-z_][a-z0-9_]*`,
+/// at most 63 bytes.
+fn check_slot_name(slot: &str) -> Result<()> {
+    let mut chars = slot.chars();
+    let ok = slot.len() <= 63
+        && matches!(chars.next(), Some('a'..='z' | '_'))
+        && chars.all(|c| matches!(c, 'a'..='z' | '0'..='9' | '_'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "slot name {slot:?} is not valid: lower-case letters, digits and underscores, starting with a letter or underscore, at most 63 bytes"
+        )))
+    }
+}
+
 /// Creates what the write-ahead-log capture of `schema` reads, where
 /// missing: an empty publication and the logical replication slot (plugin
-/// `pgoutput`), both named `outbox_<schema>`. Needs `wal_level = logical`
-/// and a role with `REPLICATION` (or superuser) and `CREATE` on the
-/// database. Creating a slot waits for transactions running at that
-/// moment to end. From then on the slot keeps every WAL segment until a
-/// relay reads it: run a relay with `--capture wal`, or drop the slot
-/// ([`drop_wal_slot`]).
-pub async fn create_wal_slot(pool: &PgPool, schema: &Ident) -> Result<WalSetUp> {
-    let slot = outbox::wal_slot_name(schema);
+/// `pgoutput`) of one name, and records that name for the schema (table
+/// `outbox_wal_capture`), where producers and relays find it.
+///
+/// `slot`: the name; `None` keeps the one recorded, or takes
+/// `outbox_<schema>` ([`outbox::wal_slot_name`]) the first time. Slot
+/// names are cluster-wide: two databases with a schema of the same name
+/// need two names, and a name that another database's slot holds is
+/// refused ([`Error::WalRefused`]). A schema whose capture reads one slot
+/// is not moved to another here (drop it first: [`drop_wal_slot`]).
+///
+/// Needs `wal_level = logical` and a role with `REPLICATION` (or
+/// superuser) and `CREATE` on the database. Creating a slot waits for
+/// transactions running at that moment to end. From then on the slot keeps
+/// every WAL segment until a relay reads it: run a relay with `--capture
+/// wal`, or drop the slot ([`drop_wal_slot`]).
+pub async fn create_wal_slot(
+    pool: &PgPool,
+    schema: &Ident,
+    slot: Option<&str>,
+) -> Result<WalSetUp> {
     let wal_level: String = sqlx::query_scalar("SELECT current_setting('wal_level')")
         .fetch_one(pool)
         .await?;
     if wal_level != "logical" {
         return Err(Error::WalRefused(format!(
             "the database's wal_level is {wal_level:?}: set wal_level = logical (ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL"
+        )));
+    }
+    let recorded = recorded_wal_slot(pool, schema).await?;
+    let slot = match (slot, recorded) {
+        (Some(wanted), Some(recorded)) if wanted != recorded => {
+            return Err(Error::WalRefused(format!(
+                "schema {schema} reads replication slot {recorded:?} already; to read {wanted:?} instead, drop that slot first (events it holds and no relay read yet are lost with it)"
+            )));
+        }
+        (Some(wanted), _) => wanted.to_owned(),
+        (None, Some(recorded)) => recorded,
+        (None, None) => outbox::wal_slot_name(schema),
+    };
+    check_slot_name(&slot)?;
+    let elsewhere: Option<Option<String>> = sqlx::query_scalar(
+        "SELECT d.datname::text FROM pg_replication_slots s LEFT JOIN pg_database d ON d.oid = s.datoid
+         WHERE s.slot_name = $1 AND s.database IS DISTINCT FROM current_database()",
+    )
+    .bind(&slot)
+    .fetch_optional(pool)
+    .await?;
+    if let Some(database) = elsewhere {
+        let holder = database.map_or("a physical replication slot".to_owned(), |d| {
+            format!("a slot of database {d:?}")
+        });
+        return Err(Error::WalRefused(format!(
+            "replication slot {slot:?} is taken by {holder}: slot names are cluster-wide, so choose another for this database with --slot (say outbox_<database>_{schema})"
         )));
     }
     let row = crate::wal::slot_row(pool, &slot).await?;
@@ -50,7 +121,7 @@ pub async fn create_wal_slot(pool: &PgPool, schema: &Ident) -> Result<WalSetUp> 
             .await?;
     if !publication_exists {
         // An empty publication: the relay reads logical decoding messages
-        // only, never table changes. The name is a validated identifier.
+        // only, never table changes. The name is checked above.
         sqlx::query(AssertSqlSafe(format!("CREATE PUBLICATION \"{slot}\"")))
             .execute(pool)
             .await?;
@@ -64,18 +135,30 @@ pub async fn create_wal_slot(pool: &PgPool, schema: &Ident) -> Result<WalSetUp> 
     } else if let Some(e) = crate::wal::refusal(&slot, row.as_ref()) {
         return Err(e);
     }
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {}.outbox_wal_capture (slot) VALUES ($1)
+         ON CONFLICT (singleton) DO UPDATE SET slot = EXCLUDED.slot",
+        schema.quoted()
+    )))
+    .bind(&slot)
+    .execute(pool)
+    .await?;
     Ok(WalSetUp {
+        slot,
         publication_created: !publication_exists,
         slot_created,
     })
 }
 
-/// Drops `schema`'s slot and publication (where they exist): turning the
-/// write-ahead-log capture off. Events written to the log and not yet
+/// Drops `schema`'s slot and publication (where they exist) and forgets
+/// the slot: turning the write-ahead-log capture off. Producers writing to
+/// the log are refused from then on; events written to it and not yet
 /// published are lost with the slot. Fails while a relay reads the slot.
 /// Returns whether a slot was dropped.
 pub async fn drop_wal_slot(pool: &PgPool, schema: &Ident) -> Result<bool> {
-    let slot = outbox::wal_slot_name(schema);
+    let slot = recorded_wal_slot(pool, schema)
+        .await?
+        .unwrap_or_else(|| outbox::wal_slot_name(schema));
     let dropped: Option<bool> = sqlx::query_scalar(
         "SELECT pg_drop_replication_slot(slot_name) IS NULL FROM pg_replication_slots
          WHERE slot_name = $1 AND database = current_database()",
@@ -88,6 +171,12 @@ pub async fn drop_wal_slot(pool: &PgPool, schema: &Ident) -> Result<bool> {
     )))
     .execute(pool)
     .await?;
+    sqlx::query(AssertSqlSafe(format!(
+        "DELETE FROM {}.outbox_wal_capture",
+        schema.quoted()
+    )))
+    .execute(pool)
+    .await?;
     Ok(dropped.is_some())
 }
 
@@ -95,7 +184,7 @@ pub async fn drop_wal_slot(pool: &PgPool, schema: &Ident) -> Result<bool> {
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 #[non_exhaustive]
 pub struct WalSlot {
-    /// `outbox_<schema>`.
+    /// Its name (recorded for the schema: [`recorded_wal_slot`]).
     pub slot: String,
     /// A relay reads it now.
     pub active: bool,
@@ -120,6 +209,9 @@ pub struct WalSlot {
 
 /// `schema`'s slot, or `None` when the capture is not set up.
 pub async fn wal_slot(pool: &PgPool, schema: &Ident) -> Result<Option<WalSlot>> {
+    let Some(slot) = recorded_wal_slot(pool, schema).await? else {
+        return Ok(None);
+    };
     Ok(sqlx::query_as(
         "SELECT s.slot_name::text AS slot, s.active, r.application_name AS reader,
                 pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint AS lag_bytes,
@@ -128,7 +220,7 @@ pub async fn wal_slot(pool: &PgPool, schema: &Ident) -> Result<Option<WalSlot>> 
          FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
          WHERE s.slot_name = $1 AND s.database = current_database()",
     )
-    .bind(outbox::wal_slot_name(schema))
+    .bind(slot)
     .fetch_optional(pool)
     .await?)
 }

@@ -6,10 +6,10 @@
 
 use std::collections::HashSet;
 
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 
 use crate::config::RelayConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::message::ClaimedEvent;
 use crate::publish::Receipt;
 use crate::queries::Queries;
@@ -43,6 +43,13 @@ pub(crate) async fn queued_aggregates(
 /// Records, in one transaction that commits durably, the events not
 /// delivered (with their receipts) and the messages that are no event.
 /// Only after it commits may the reader confirm their position to the slot.
+///
+/// Whatever a message holds, this accounts for it and commits: an event
+/// the outbox table refuses (its CHECKs, text PostgreSQL cannot store,
+/// written by a producer that checks less than `outbox_emit`) is
+/// dead-lettered with the reason instead, and one the dead letters cannot
+/// hold as columns goes there as text. Failing here would end the session
+/// and read the same events again, for ever.
 pub(crate) async fn record(
     pool: &PgPool,
     queries: &Queries,
@@ -56,62 +63,240 @@ pub(crate) async fn record(
     let mut tx = pool.begin().await?;
     let mut settled = Settled::default();
     if !failed.is_empty() {
-        let n = failed.len();
-        let mut cols = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
-        let (mut exchanges, mut keys, mut created, mut seqs) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
-        for e in failed {
-            cols.0.push(e.id);
-            cols.1.push(e.aggregate_type.as_str());
-            cols.2.push(e.aggregate_id.as_str());
-            cols.3.push(e.event_type.as_str());
-            cols.4.push(e.payload.as_str());
-            cols.5.push(e.headers.as_str());
-            exchanges.push(e.exchange.as_deref());
-            keys.push(e.routing_key.as_deref());
-            created.push(e.created_at);
-            seqs.push(e.aggregate_seq);
-        }
-        sqlx::query(queries.wal_divert.clone())
-            .bind(&cols.0)
-            .bind(&cols.1)
-            .bind(&cols.2)
-            .bind(&cols.3)
-            .bind(&cols.4)
-            .bind(&cols.5)
-            .bind(&exchanges)
-            .bind(&keys)
-            .bind(&created)
-            .bind(&seqs)
-            .execute(&mut *tx)
-            .await?;
-        settled = settle(&mut tx, queries, config, failed, receipts).await?;
+        let all: Vec<&ClaimedEvent> = failed.iter().collect();
+        savepoint(&mut tx).await?;
+        let r = divert(&mut tx, queries, &all).await;
+        let taken = match end_savepoint(&mut tx, r).await {
+            Ok(()) => None,
+            Err(e) if refused_input(&e) => {
+                tracing::warn!(error = %e, "the outbox table refused events of the log: each one alone");
+                Some(one_by_one(&mut tx, queries, failed, receipts).await?)
+            }
+            Err(e) => return Err(e),
+        };
+        settled = match taken {
+            None => settle(&mut tx, queries, config, failed, receipts).await?,
+            Some((events, receipts, dead)) => {
+                let mut s = settle(&mut tx, queries, config, &events, &receipts).await?;
+                s.dead_lettered += dead;
+                s
+            }
+        };
     }
     if !unreadable.is_empty() {
-        let ids: Vec<_> = unreadable.iter().map(|u| u.id).collect();
-        let lsns: Vec<_> = unreadable.iter().map(|u| u.lsn.as_str()).collect();
-        let contents: Vec<_> = unreadable.iter().map(|u| u.content.as_str()).collect();
-        let errors: Vec<_> = unreadable.iter().map(|u| u.error.as_str()).collect();
-        sqlx::query(queries.wal_unreadable.clone())
-            .bind(&ids)
-            .bind(&lsns)
-            .bind(&contents)
-            .bind(&errors)
-            .execute(&mut *tx)
-            .await?;
+        insert_unreadable(&mut tx, queries, unreadable).await?;
         settled.dead_lettered += unreadable.len();
     }
     tx.commit().await?;
     Ok(settled)
+}
+
+/// Errors of what a statement was given, not of the database: a data
+/// exception (class 22: text with NUL, a JSON number out of range), an
+/// integrity violation (class 23: a CHECK), a program limit (class 54).
+fn refused_input(e: &Error) -> bool {
+    let Error::Database(sqlx::Error::Database(d)) = e else {
+        return false;
+    };
+    d.code()
+        .is_some_and(|c| c.starts_with("22") || c.starts_with("23") || c.starts_with("54"))
+}
+
+/// Opens a savepoint: what follows until [`end_savepoint`] can fail
+/// without failing the transaction.
+async fn savepoint(conn: &mut PgConnection) -> Result<()> {
+    sqlx::query("SAVEPOINT divert").execute(&mut *conn).await?;
+    Ok(())
+}
+
+/// Keeps what was done since [`savepoint`] when `r` is `Ok`, rolls it back
+/// otherwise; returns `r`.
+async fn end_savepoint<T>(conn: &mut PgConnection, r: Result<T>) -> Result<T> {
+    let end = if r.is_ok() {
+        "RELEASE SAVEPOINT divert"
+    } else {
+        "ROLLBACK TO SAVEPOINT divert"
+    };
+    sqlx::query(end).execute(&mut *conn).await?;
+    r
+}
+
+/// The events into the outbox table as never attempted (the settle that
+/// follows records the attempt).
+async fn divert(
+    conn: &mut PgConnection,
+    queries: &Queries,
+    events: &[&ClaimedEvent],
+) -> Result<()> {
+    let n = events.len();
+    let (mut ids, mut types, mut aggregates, mut event_types) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let (mut payloads, mut headers, mut exchanges, mut keys, mut created, mut seqs) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for e in events {
+        ids.push(e.id);
+        types.push(e.aggregate_type.as_str());
+        aggregates.push(e.aggregate_id.as_str());
+        event_types.push(e.event_type.as_str());
+        payloads.push(e.payload.as_str());
+        headers.push(e.headers.as_str());
+        exchanges.push(e.exchange.as_deref());
+        keys.push(e.routing_key.as_deref());
+        created.push(e.created_at);
+        seqs.push(e.aggregate_seq);
+    }
+    sqlx::query(queries.wal_divert.clone())
+        .bind(&ids)
+        .bind(&types)
+        .bind(&aggregates)
+        .bind(&event_types)
+        .bind(&payloads)
+        .bind(&headers)
+        .bind(&exchanges)
+        .bind(&keys)
+        .bind(&created)
+        .bind(&seqs)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// The failed events one at a time: those the table takes go there (and
+/// are returned with their receipts, to be settled); each one it refuses
+/// is dead-lettered with the reason. Returns also how many were.
+async fn one_by_one(
+    conn: &mut PgConnection,
+    queries: &Queries,
+    failed: &[ClaimedEvent],
+    receipts: &[Receipt],
+) -> Result<(Vec<ClaimedEvent>, Vec<Receipt>, usize)> {
+    let (mut taken, mut taken_receipts, mut dead) = (Vec::new(), Vec::new(), 0);
+    for (e, receipt) in failed.iter().zip(receipts) {
+        savepoint(conn).await?;
+        let r = divert(conn, queries, &[e]).await;
+        let refusal = match end_savepoint(conn, r).await {
+            Ok(()) => {
+                taken.push(e.clone());
+                taken_receipts.push(receipt.clone());
+                continue;
+            }
+            Err(refusal) if refused_input(&refusal) => refusal,
+            Err(other) => return Err(other),
+        };
+        let error = match receipt.error().filter(|_| receipt.is_permanent()) {
+            Some(why) => why,
+            None => format!(
+                "the outbox table refused this event of the log ({}), so it cannot be retried there{}",
+                database_message(&refusal),
+                receipt
+                    .error()
+                    .map(|e| format!("; it was not delivered: {e}"))
+                    .unwrap_or_default()
+            ),
+        };
+        tracing::warn!(event_id = %e.id, event_type = %e.event_type, error = %error, "event of the log dead-lettered");
+        let attempts = i32::from(!matches!(receipt, Receipt::NotSent | Receipt::HeldBack));
+        savepoint(conn).await?;
+        let r = dead_letter(conn, queries, e, attempts, &error).await;
+        match end_savepoint(conn, r).await {
+            Ok(()) => {}
+            Err(again) if refused_input(&again) => {
+                // Not even as columns: the event as text, with both reasons.
+                let u = Unreadable {
+                    id: e.id,
+                    lsn: "?".to_owned(),
+                    content: as_text(e),
+                    error: format!(
+                        "{error}; the dead letters refused its fields too ({})",
+                        database_message(&again)
+                    ),
+                };
+                insert_unreadable(conn, queries, &[u]).await?;
+            }
+            Err(other) => return Err(other),
+        }
+        dead += 1;
+    }
+    Ok((taken, taken_receipts, dead))
+}
+
+async fn dead_letter(
+    conn: &mut PgConnection,
+    queries: &Queries,
+    e: &ClaimedEvent,
+    attempts: i32,
+    error: &str,
+) -> Result<()> {
+    sqlx::query(queries.wal_dead_letter.clone())
+        .bind(e.id)
+        .bind(&e.aggregate_type)
+        .bind(&e.aggregate_id)
+        .bind(&e.event_type)
+        .bind(&e.payload)
+        .bind(&e.headers)
+        .bind(&e.exchange)
+        .bind(&e.routing_key)
+        .bind(e.created_at)
+        .bind(e.aggregate_seq)
+        .bind(attempts)
+        .bind(error)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+async fn insert_unreadable(
+    conn: &mut PgConnection,
+    queries: &Queries,
+    unreadable: &[Unreadable],
+) -> Result<()> {
+    let ids: Vec<_> = unreadable.iter().map(|u| u.id).collect();
+    let lsns: Vec<_> = unreadable.iter().map(|u| u.lsn.as_str()).collect();
+    let contents: Vec<_> = unreadable.iter().map(|u| u.content.as_str()).collect();
+    let errors: Vec<_> = unreadable.iter().map(|u| u.error.as_str()).collect();
+    sqlx::query(queries.wal_unreadable.clone())
+        .bind(&ids)
+        .bind(&lsns)
+        .bind(&contents)
+        .bind(&errors)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// What the database said, without the driver's wording around it.
+fn database_message(e: &Error) -> String {
+    match e {
+        Error::Database(sqlx::Error::Database(d)) => d.message().to_owned(),
+        other => other.to_string(),
+    }
+}
+
+/// The event as JSON text (the message contract's fields): strings
+/// escaped, so it holds no NUL whatever the event does.
+fn as_text(e: &ClaimedEvent) -> String {
+    let text = |s: &str| serde_json::Value::from(s).to_string();
+    let optional = |s: &Option<String>| s.as_deref().map_or("null".to_owned(), text);
+    format!(
+        r#"{{"id":"{}","aggregate_type":{},"aggregate_id":{},"event_type":{},"payload":{},"headers":{},"exchange":{},"routing_key":{},"aggregate_seq":{}}}"#,
+        e.id,
+        text(&e.aggregate_type),
+        text(&e.aggregate_id),
+        text(&e.event_type),
+        e.payload,
+        e.headers,
+        optional(&e.exchange),
+        optional(&e.routing_key),
+        e.aggregate_seq.map_or("null".to_owned(), |s| s.to_string()),
+    )
 }

@@ -242,7 +242,7 @@ impl Relay {
             return Ok(());
         };
         let cfg = &self.inner.config;
-        let slot = outbox::wal_slot_name(&self.inner.schema);
+        let slot = self.inner.wal_slot.clone();
         let mut failures = 0u32;
         let mut standby: Option<String> = None;
         while !shutdown.is_cancelled() {
@@ -435,9 +435,8 @@ impl Relay {
                     }
                 }
             };
-            let slot = outbox::wal_slot_name(&self.inner.schema);
             let event = next
-                .map_err(|e| wal_error(&slot, e))?
+                .map_err(|e| wal_error(&self.inner.wal_slot, e))?
                 .ok_or_else(|| Error::Replication("the server ended the stream".to_owned()))?;
             match event {
                 ReplicationEvent::Begin { .. } => in_transaction = true,

@@ -79,7 +79,8 @@ impl TestDb {
 
     /// A migrated schema with its write-ahead-log capture set up (what
     /// `outbox-relay migrate --capture wal` creates: an empty publication
-    /// and the slot `outbox_<schema>`). [`TestDb::cleanup`] drops them;
+    /// and the slot `outbox_<schema>`, recorded in `outbox_wal_capture`).
+    /// [`TestDb::cleanup`] drops them;
     /// slots of test schemas that no longer exist (a failed run's) are
     /// dropped first, so none holds WAL for ever.
     pub async fn producer_wal(prefix: &str) -> Self {
@@ -96,6 +97,14 @@ impl TestDb {
             .execute(&db.pool)
             .await
             .expect("create slot (make services sets wal_level = logical)");
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO \"{}\".outbox_wal_capture (slot) VALUES ($1)",
+            db.schema
+        )))
+        .bind(&slot)
+        .execute(&db.pool)
+        .await
+        .expect("record the slot");
         db
     }
 
