@@ -108,7 +108,8 @@ pub(crate) struct Inner {
     pub(crate) db_outage: Outage,
     /// The write-ahead log's replication stream.
     pub(crate) wal_outage: Outage,
-    /// Index of the broker URL the next connection tries first.
+    /// Index of the broker URL the next connection tries first: the node
+    /// in use, until a session on it fails.
     pub(crate) broker_next: std::sync::atomic::AtomicUsize,
     /// Events confirmed by the broker and settled, since start.
     pub(crate) published: std::sync::atomic::AtomicU64,
@@ -283,9 +284,9 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// The broker URL a new connection tries first. After a session, the node
-/// after the one just used: a node that failed is not the first one tried
-/// again.
+/// The broker URL a new connection tries first: the node in use (or last
+/// used) while it works, the one after it once a session on it failed, so
+/// a node that failed is not the first one tried again.
 pub(crate) fn inner_next(inner: &Inner) -> usize {
     inner.broker_next.load(Ordering::Relaxed)
 }

@@ -77,8 +77,8 @@ impl Relay {
         let mut failures = 0u32;
         let mut drained_late = false;
         while !shutdown.is_cancelled() {
-            let conn = match self.open_session().await {
-                Ok(conn) => conn,
+            let (conn, node) = match self.open_session_on_node().await {
+                Ok(opened) => opened,
                 Err(e) if e.is_refusal() => return self.give_up(e, listener).await,
                 Err(e) => {
                     self.broker_down(&e, &mut failures, &shutdown).await;
@@ -89,7 +89,10 @@ impl Relay {
             drained_late |= end.drained_late;
             match end.broker_error {
                 Some(e) if e.is_refusal() => return self.give_up(e, listener).await,
-                Some(e) => self.broker_down(&e, &mut failures, &shutdown).await,
+                Some(e) => {
+                    self.leave_node(node);
+                    self.broker_down(&e, &mut failures, &shutdown).await;
+                }
                 None if end.worker_bug && !shutdown.is_cancelled() => {
                     failures = failures.saturating_add(1);
                     sleep_or_cancel(
@@ -111,9 +114,16 @@ impl Relay {
         Ok(())
     }
 
-    /// Connects to the first broker node that answers (starting after the
-    /// one used last) and declares the default exchange if configured.
+    /// Connects to the first broker node that answers (starting with the
+    /// one in use, or after the one whose session failed) and declares the
+    /// default exchange if configured.
     pub(crate) async fn open_session(&self) -> Result<Arc<Connection>> {
+        Ok(self.open_session_on_node().await?.0)
+    }
+
+    /// [`open_session`](Self::open_session), and the index of the node's
+    /// URL.
+    async fn open_session_on_node(&self) -> Result<(Arc<Connection>, usize)> {
         let cfg = &self.inner.config;
         let urls = cfg.amqp_urls();
         let start = inner_next(&self.inner);
@@ -121,10 +131,15 @@ impl Relay {
         self.using_node(&urls, i);
         let conn = Arc::new(conn);
         if let Some(kind) = &cfg.declare_exchange {
-            publish::declare_exchange(&conn, &cfg.default_exchange, kind, cfg.broker_timeout)
-                .await?;
+            let declared =
+                publish::declare_exchange(&conn, &cfg.default_exchange, kind, cfg.broker_timeout)
+                    .await;
+            if let Err(e) = declared {
+                self.leave_node(i);
+                return Err(e);
+            }
         }
-        Ok(conn)
+        Ok((conn, i))
     }
 
     /// Runs the workers on `conn` until one fails, or until shutdown, when
@@ -194,7 +209,10 @@ impl Relay {
     }
 
     /// Records (health, metrics, log) that the relay is connected to node
-    /// `i` of `urls`; the next reconnect starts with the node after it.
+    /// `i` of `urls`; the next connection starts with it again (a session
+    /// that ended cleanly, such as the start-up check, is no reason to
+    /// leave a node: services whose lists start at different nodes stay
+    /// spread).
     fn using_node(&self, urls: &[String], i: usize) {
         let node = outbox::redact::host_port(&urls[i]);
         let previous = lock(&self.inner.health.node).replace(node.clone());
@@ -202,10 +220,22 @@ impl Relay {
             metrics::gauge!("outbox_relay_broker_connected", "node" => p).set(0.0);
         }
         metrics::gauge!("outbox_relay_broker_connected", "node" => node.clone()).set(1.0);
-        self.inner
-            .broker_next
-            .store((i + 1) % urls.len(), Ordering::Relaxed);
+        self.inner.broker_next.store(i, Ordering::Relaxed);
         tracing::info!(broker = %node, "connected to the broker");
+    }
+
+    /// A session on node `i` failed: the next connection starts with the
+    /// node after it, so a failing node is not the first one tried again.
+    /// Unless another session already moved on (the WAL reader's, or a
+    /// connection made since): then that choice stands.
+    fn leave_node(&self, i: usize) {
+        let n = self.inner.config.amqp_urls().len().max(1);
+        let _ = self.inner.broker_next.compare_exchange(
+            i,
+            (i + 1) % n,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
     }
 
     /// The connection to the node in use is gone: its gauge drops to 0.
