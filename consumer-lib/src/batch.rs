@@ -11,7 +11,7 @@ use tracing::{Instrument as _, Span};
 
 use crate::dedup::Inbox;
 use crate::event::Event;
-use crate::handler::{BatchOutcome, Handlers, Outcome};
+use crate::handler::{BatchOutcome, Conflict, Handlers, Outcome};
 use crate::sequence::{Deferral, Position, Sequencer, Sequences, Turn};
 
 /// The decoded deliveries of one batch.
@@ -49,6 +49,35 @@ pub(crate) enum Verdict {
     Handled(Outcome),
 }
 
+/// Why a batch's transaction committed nothing.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// It lost to a concurrent transaction (a deadlock or a serialization
+    /// failure, raised by one of its statements or reported by a handler
+    /// as [`Outcome::Conflict`]): worth running again at once.
+    Conflict(Conflict),
+    /// Any other database error.
+    Database(sqlx::Error),
+}
+
+impl From<sqlx::Error> for Failure {
+    fn from(e: sqlx::Error) -> Self {
+        match Conflict::of(&e) {
+            Some(c) => Failure::Conflict(c),
+            None => Failure::Database(e),
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Conflict(c) => c.fmt(f),
+            Failure::Database(e) => e.fmt(f),
+        }
+    }
+}
+
 /// Processes `batch` in one transaction and commits it. `Err` means
 /// nothing committed; the caller retries the batch or lets it be
 /// redelivered. `sequences` is `Some` when ordering is on (per-event
@@ -60,7 +89,7 @@ pub(crate) async fn process(
     sequences: Option<&Sequences>,
     handlers: &Handlers,
     batch: &Batch<'_>,
-) -> sqlx::Result<Vec<Verdict>> {
+) -> Result<Vec<Verdict>, Failure> {
     let events = batch.events;
     let mut keys: Vec<&str> = events.iter().map(|e| e.id()).collect();
     keys.sort_unstable();
@@ -138,7 +167,7 @@ pub(crate) async fn process(
                 tx.rollback().await?;
                 continue;
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
         tx.commit().await?;
         return Ok(verdicts);
@@ -194,7 +223,7 @@ async fn run_handlers(
     (to_handle, passes): (&[usize], &[usize]),
     pass: Pass<'_>,
     verdicts: &mut [Verdict],
-) -> sqlx::Result<Ran> {
+) -> Result<Ran, Failure> {
     Ok(match handlers {
         Handlers::PerEvent(h) => {
             match run_each(tx, h.as_ref(), batch, fresh, passes, pass, verdicts).await? {
@@ -204,7 +233,7 @@ async fn run_handlers(
         }
         Handlers::Batch(h) => {
             let timeout = batch.handler_timeout;
-            if run_batch(tx, h.as_ref(), batch.events, to_handle, timeout, verdicts).await {
+            if run_batch(tx, h.as_ref(), batch.events, to_handle, timeout, verdicts).await? {
                 Ran::AllFailed
             } else {
                 Ran::Done
@@ -275,7 +304,7 @@ async fn run_each(
     passes: &[usize],
     mut pass: Pass<'_>,
     verdicts: &mut [Verdict],
-) -> sqlx::Result<Pass1> {
+) -> Result<Pass1, Failure> {
     // Ids whose handler ran in this pass.
     let mut ran: HashSet<&str> = HashSet::new();
     for &i in passes {
@@ -336,14 +365,16 @@ async fn run_each(
 /// Runs the handler for event `i`; isolated, inside its own savepoint.
 /// `None`: a non-isolated pass found the transaction aborted by an
 /// earlier handler, so this event's failure is only that error's echo
-/// and it must be asked again when isolated.
+/// and it must be asked again when isolated. A handler's
+/// [`Outcome::Conflict`] is the whole transaction's failure: the locks
+/// the batch took before this event are part of the cycle.
 async fn run_one(
     tx: &mut PgConnection,
     h: &dyn crate::handler::DynHandler,
     batch: &Batch<'_>,
     i: usize,
     isolated: bool,
-) -> sqlx::Result<Option<Outcome>> {
+) -> Result<Option<Outcome>, Failure> {
     if isolated {
         sqlx::raw_sql("SAVEPOINT outbox_event")
             .execute(&mut *tx)
@@ -355,12 +386,15 @@ async fn run_one(
     )
     .instrument(batch.spans[i].clone())
     .await;
+    if let Some(c) = outcome.conflict() {
+        return Err(Failure::Conflict(c));
+    }
     if !isolated {
         if !outcome.is_ack() {
             match sqlx::raw_sql("SELECT 1").execute(&mut *tx).await {
                 Ok(_) => {}
                 Err(e) if in_failed_transaction(&e) => return Ok(None),
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             }
         }
         return Ok(Some(outcome));
@@ -380,7 +414,7 @@ async fn run_one(
                 "handler returned Ack but one of its statements failed",
             )))
         }
-        Err(e) => Err(e),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -388,6 +422,7 @@ async fn run_one(
 /// one of them failed (the caller rolls the transaction back). No savepoint:
 /// a batch handler that fails some events of an `Each` outcome must not
 /// have applied their effects (it is set-based: it knows which it applied).
+/// An [`Outcome::Conflict`] for any event fails the whole transaction.
 async fn run_batch(
     tx: &mut PgConnection,
     h: &dyn crate::handler::DynBatchHandler,
@@ -395,9 +430,9 @@ async fn run_batch(
     to_handle: &[usize],
     timeout: std::time::Duration,
     verdicts: &mut [Verdict],
-) -> bool {
+) -> Result<bool, Failure> {
     if to_handle.is_empty() {
-        return false;
+        return Ok(false);
     }
     let fresh: Vec<Event> = to_handle.iter().map(|&i| events[i].clone()).collect();
     let call = std::panic::AssertUnwindSafe(h.handle_batch_dyn(&mut *tx, &fresh)).catch_unwind();
@@ -421,11 +456,14 @@ async fn run_batch(
             vec![Outcome::Retry(why); to_handle.len()]
         }
     };
+    if let Some(c) = outcomes.iter().find_map(Outcome::conflict) {
+        return Err(Failure::Conflict(c));
+    }
     let all_failed = outcomes.iter().all(|o| !o.is_ack());
     for (&i, o) in to_handle.iter().zip(outcomes) {
         verdicts[i] = Verdict::Handled(o);
     }
-    all_failed
+    Ok(all_failed)
 }
 
 /// A panicking handler is a retry, not a dead consumer; so is one that

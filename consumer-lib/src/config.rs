@@ -160,11 +160,13 @@ pub struct ConsumerConfig {
     /// batch for longer. Default 10 s.
     pub lock_timeout: Duration,
     /// How many times in a row a batch's transaction may fail for another
-    /// reason than an unreachable database (a lock timeout, a deadlock, a
-    /// constraint its inbox rows break) before its events go through the
-    /// retry queue one by one, counted against `max_retries` like a
-    /// handler's retry. An unreachable database is waited out instead:
-    /// nothing is acked before its commit. Default 5.
+    /// reason than an unreachable database (a lock timeout, a constraint
+    /// its inbox rows break) before its events go through the retry queue
+    /// one by one, counted against `max_retries` like a handler's retry.
+    /// An unreachable database is waited out instead: nothing is acked
+    /// before its commit. A deadlock or a serialization failure is not
+    /// counted here: the transaction runs again at once
+    /// ([`Outcome::Conflict`](crate::Outcome::Conflict)). Default 5.
     pub max_batch_attempts: u32,
 }
 

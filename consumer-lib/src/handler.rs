@@ -18,6 +18,70 @@ pub enum Outcome {
     /// Permanent failure: the effect is rolled back and the message goes to
     /// `<queue>.dlq` with the reason in header `x-dead-letter-reason`.
     Reject(String),
+    /// The transaction lost to a concurrent one: PostgreSQL aborted it with
+    /// a deadlock or a serialization failure. The whole batch transaction
+    /// is rolled back and run again at once (its handlers are called
+    /// again), counted in `outbox_consumer_transaction_retries_total`; the
+    /// event does not go through the retry queue and its retry count does
+    /// not move. `Outcome::from(e)` gives it for such a [`sqlx::Error`].
+    Conflict(Conflict),
+}
+
+/// Why PostgreSQL rolled a transaction back so that a concurrent one could
+/// go on (SQLSTATE class 40). It says nothing about the events: their batch
+/// runs again at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Conflict {
+    /// `deadlock_detected` (40P01): two transactions each waited for a lock
+    /// the other held; PostgreSQL aborted one after `deadlock_timeout`.
+    Deadlock,
+    /// `serialization_failure` (40001): a `REPEATABLE READ` or
+    /// `SERIALIZABLE` transaction saw a concurrent change.
+    Serialization,
+}
+
+impl Conflict {
+    /// The conflict `e` reports, if it is one.
+    pub fn of(e: &sqlx::Error) -> Option<Self> {
+        let sqlx::Error::Database(db) = e else {
+            return None;
+        };
+        match db.code().as_deref() {
+            Some("40P01") => Some(Conflict::Deadlock),
+            Some("40001") => Some(Conflict::Serialization),
+            _ => None,
+        }
+    }
+
+    /// The `reason` label of `outbox_consumer_transaction_retries_total`.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Conflict::Deadlock => "deadlock",
+            Conflict::Serialization => "serialization",
+        }
+    }
+}
+
+impl std::fmt::Display for Conflict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Conflict::Deadlock => "deadlock detected",
+            Conflict::Serialization => "serialization failure",
+        })
+    }
+}
+
+/// A database error as a handler's outcome: a deadlock or a serialization
+/// failure is an [`Outcome::Conflict`] (the batch runs again at once),
+/// any other error an [`Outcome::Retry`] with the error as its reason.
+impl From<sqlx::Error> for Outcome {
+    fn from(e: sqlx::Error) -> Self {
+        match Conflict::of(&e) {
+            Some(c) => Outcome::Conflict(c),
+            None => Outcome::retry(e),
+        }
+    }
 }
 
 impl Outcome {
@@ -38,8 +102,16 @@ impl Outcome {
     pub(crate) fn label(&self) -> &'static str {
         match self {
             Outcome::Ack => "processed",
-            Outcome::Retry(_) => "retried",
+            Outcome::Retry(_) | Outcome::Conflict(_) => "retried",
             Outcome::Reject(_) => "rejected",
+        }
+    }
+
+    /// The conflict this outcome reports, if it is one.
+    pub(crate) fn conflict(&self) -> Option<Conflict> {
+        match self {
+            Outcome::Conflict(c) => Some(*c),
+            _ => None,
         }
     }
 }
@@ -62,10 +134,13 @@ pub enum BatchOutcome {
 /// inbox; whatever it writes through `conn` commits together with that
 /// record, or not at all.
 ///
-/// The transaction may be retried (after a database error, or to isolate a
-/// failing event of the batch), so the handler may be called more than once
-/// for an event, but its database effect commits exactly once. Keep effects
-/// outside the database out of handlers.
+/// The transaction may be retried (after a database error, a deadlock, or
+/// to isolate a failing event of the batch), so the handler may be called
+/// more than once for an event, but its database effect commits exactly
+/// once. Keep effects outside the database out of handlers. Return a
+/// database error as `e.into()` ([`Outcome::from`]): a deadlock or a
+/// serialization failure then reruns the batch at once instead of sending
+/// the event through the retry queue.
 ///
 /// ```
 /// use outbox_consumer::{Event, Handler, Outcome};
@@ -87,7 +162,8 @@ pub enum BatchOutcome {
 ///             .await
 ///         {
 ///             Ok(_) => Outcome::Ack,
-///             Err(e) => Outcome::retry(e),
+///             // A deadlock: the batch runs again at once; else a retry.
+///             Err(e) => e.into(),
 ///         }
 ///     }
 /// }
@@ -104,7 +180,9 @@ pub trait Handler: Send + Sync + 'static {
 /// Applies the effects of all fresh events of a batch at once, for
 /// set-based writes (one `UPDATE ... FROM unnest(...)` instead of one round
 /// trip per event). Same transaction rules as [`Handler`]; duplicates are
-/// already filtered out and each event appears once.
+/// already filtered out and each event appears once. Seeing the whole
+/// batch, it can also take its rows' locks in one order (by key), so that
+/// concurrent instances never deadlock on them.
 pub trait BatchHandler: Send + Sync + 'static {
     /// Applies the effects of `events` through `conn` (the open
     /// transaction).

@@ -25,7 +25,9 @@
 //!             .await;
 //!         match r {
 //!             Ok(_) => Outcome::Ack,
-//!             Err(e) => Outcome::retry(e), // via <queue>.retry, with backoff
+//!             // A deadlock or serialization failure: the batch runs again
+//!             // at once; any other error via <queue>.retry, with backoff.
+//!             Err(e) => e.into(),
 //!         }
 //!     }
 //! }
@@ -85,7 +87,7 @@ pub use crate::config::{ConsumerConfig, DedupKey, Sequencing};
 pub use crate::consumer::Consumer;
 pub use crate::error::{Error, Result};
 pub use crate::event::{Event, HEADER_DEFERRAL_COUNT, HEADER_DELIVERY_COUNT, MAX_DEDUP_KEY_BYTES};
-pub use crate::handler::{BatchHandler, BatchOutcome, Handler, Outcome};
+pub use crate::handler::{BatchHandler, BatchOutcome, Conflict, Handler, Outcome};
 pub use crate::retention::{DEFAULT_RETENTION, RetentionTask, cleanup_inbox};
 pub use crate::telemetry::ConsumerStats;
 pub use crate::topology::{

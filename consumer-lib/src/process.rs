@@ -14,7 +14,7 @@ use tracing::Span;
 use tracing::field::Empty;
 
 use crate::ack::{AckItem, Disposition, acknowledge};
-use crate::batch::{self, Batch, Verdict};
+use crate::batch::{self, Batch, Failure, Verdict};
 use crate::consumer::Consumer;
 use crate::error::{Error, Result};
 use crate::event::{Event, dedup_key};
@@ -23,6 +23,13 @@ use crate::sequence::{Deferral, Position, position};
 use crate::session::{End, FIRST_BACKOFF, pause};
 use crate::telemetry::Counters;
 use outbox_core::backoff::Backoff;
+
+/// How many times in a row a batch's transaction is run again at once
+/// after losing to a concurrent one (a deadlock, a serialization failure)
+/// before that counts as an ordinary failure, with backoff: enough for any
+/// real contention, a bound on a handler that reports a conflict every
+/// time.
+const CONFLICT_RERUNS: u32 = 10;
 
 /// A batch's deliveries decoded.
 struct Decoded {
@@ -163,9 +170,10 @@ impl Consumer {
     }
 
     /// The transaction stage: the decoded events in one transaction
-    /// ([`batch::process`]), retried while the database is unreachable; a
-    /// batch that keeps failing goes event by event. `None`: `shutdown`
-    /// fired while waiting.
+    /// ([`batch::process`]), run again at once when it lost to a
+    /// concurrent one, retried while the database is unreachable; a batch
+    /// that keeps failing goes event by event. `None`: `shutdown` fired
+    /// while waiting.
     async fn commit(
         &self,
         decoded: &Decoded,
@@ -194,17 +202,17 @@ impl Consumer {
                 }
                 // Nothing committed, nothing acked: retry the same
                 // deliveries once the database is back.
-                Err(e) if database_unreachable(&e) => {
+                Err(Failure::Database(e)) if database_unreachable(&e) => {
                     me.database.failed(&Error::Database(e));
                     if !pause(shutdown, &mut backoff).await {
                         return None;
                     }
                 }
                 // The database answers but this batch fails (a lock
-                // held elsewhere, a deadlock, a constraint): a few
-                // tries, then each event alone; one that still fails
-                // goes through the retry queue, so nothing waits on
-                // this batch for ever.
+                // held elsewhere, a constraint, conflicts past the
+                // reruns): a few tries, then each event alone; one that
+                // still fails goes through the retry queue, so nothing
+                // waits on this batch for ever.
                 Err(e) => {
                     failures += 1;
                     if failures >= cfg.max_batch_attempts {
@@ -221,18 +229,35 @@ impl Consumer {
     }
 
     /// `batch` in one transaction, committed (see [`batch::process`]).
-    async fn transact(&self, batch: &Batch<'_>) -> sqlx::Result<Vec<Verdict>> {
+    /// A transaction that lost to a concurrent one (a deadlock, a
+    /// serialization failure) is run again at once, up to
+    /// [`CONFLICT_RERUNS`] times, each counted: the loss says nothing
+    /// about the batch, and PostgreSQL already made it wait (a deadlock
+    /// costs `deadlock_timeout`). Not a handler retry: no event goes to the
+    /// retry queue for it, no retry count moves.
+    async fn transact(&self, batch: &Batch<'_>) -> Result<Vec<Verdict>, Failure> {
         let me = &self.inner;
-        let sequences = me.sequences.as_ref();
-        batch::process(
-            &me.pool,
-            &me.begin,
-            &me.inbox,
-            sequences,
-            &me.handlers,
-            batch,
-        )
-        .await
+        let name = me.config.consumer_name.as_str();
+        let mut reruns = 0;
+        loop {
+            let done = batch::process(
+                &me.pool,
+                &me.begin,
+                &me.inbox,
+                me.sequences.as_ref(),
+                &me.handlers,
+                batch,
+            )
+            .await;
+            match done {
+                Err(Failure::Conflict(c)) if reruns < CONFLICT_RERUNS => {
+                    reruns += 1;
+                    me.counters.transaction_retried(name, c);
+                    tracing::debug!(consumer = name, conflict = %c, rerun = reruns, events = batch.events.len(), "batch transaction lost to a concurrent one; running it again at once");
+                }
+                done => return done,
+            }
+        }
     }
 
     /// Each event of `batch` in a transaction of its own, in delivery
@@ -383,28 +408,16 @@ impl Consumer {
         span: &Span,
         tally: &mut Tally,
     ) -> Disposition {
-        let cfg = &self.inner.config;
         let _enter = span.enter();
         match outcome {
             Outcome::Ack => {
                 tally.processed += 1;
                 Disposition::Ack
             }
-            Outcome::Retry(reason) => {
-                let attempt = event.retry_count().saturating_add(1);
-                if attempt > cfg.max_retries {
-                    tally.rejected += 1;
-                    tracing::warn!(reason = %reason, retries = cfg.max_retries, "out of retries; sent to the dead-letter queue");
-                    Disposition::DeadLetter {
-                        reason: format!("gave up after {} retries: {reason}", cfg.max_retries),
-                    }
-                } else {
-                    tally.retried += 1;
-                    let delay = cfg.retry_backoff(attempt);
-                    tracing::debug!(reason = %reason, attempt, delay_ms = delay.as_millis() as u64, "retry scheduled");
-                    Disposition::Retry { attempt, delay }
-                }
-            }
+            Outcome::Retry(reason) => self.retry(event, reason, tally),
+            // Never a verdict (the transaction is run again instead); a
+            // retry if it were.
+            Outcome::Conflict(c) => self.retry(event, &c.to_string(), tally),
             Outcome::Reject(reason) => {
                 tally.rejected += 1;
                 tracing::warn!(reason = %reason, "rejected; sent to the dead-letter queue");
@@ -412,6 +425,25 @@ impl Consumer {
                     reason: reason.clone(),
                 }
             }
+        }
+    }
+
+    /// A handler's retry: to the retry queue with backoff, or to the
+    /// dead-letter queue once `max_retries` are spent.
+    fn retry(&self, event: &Event, reason: &str, tally: &mut Tally) -> Disposition {
+        let cfg = &self.inner.config;
+        let attempt = event.retry_count().saturating_add(1);
+        if attempt > cfg.max_retries {
+            tally.rejected += 1;
+            tracing::warn!(reason = %reason, retries = cfg.max_retries, "out of retries; sent to the dead-letter queue");
+            Disposition::DeadLetter {
+                reason: format!("gave up after {} retries: {reason}", cfg.max_retries),
+            }
+        } else {
+            tally.retried += 1;
+            let delay = cfg.retry_backoff(attempt);
+            tracing::debug!(reason = %reason, attempt, delay_ms = delay.as_millis() as u64, "retry scheduled");
+            Disposition::Retry { attempt, delay }
         }
     }
 }

@@ -3,6 +3,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::handler::Conflict;
+
 /// Counts of what a consumer did since it was created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -27,6 +29,13 @@ pub struct ConsumerStats {
     /// Broker sessions that failed (to connect, to declare, to consume, or
     /// mid-stream); each is followed by a backoff and a new attempt.
     pub broker_errors: u64,
+    /// Batch transactions run again at once after a deadlock (SQLSTATE
+    /// 40P01), raised by a statement or reported by a handler as
+    /// [`Outcome::Conflict`](crate::Outcome::Conflict).
+    pub deadlock_retries: u64,
+    /// Batch transactions run again at once after a serialization failure
+    /// (SQLSTATE 40001).
+    pub serialization_retries: u64,
 }
 
 impl ConsumerStats {
@@ -47,6 +56,8 @@ pub(crate) struct Counters {
     pub(crate) batches: AtomicU64,
     pub(crate) connections: AtomicU64,
     pub(crate) broker_errors: AtomicU64,
+    pub(crate) deadlock_retries: AtomicU64,
+    pub(crate) serialization_retries: AtomicU64,
 }
 
 impl Counters {
@@ -62,7 +73,22 @@ impl Counters {
             batches: g(&self.batches),
             connections: g(&self.connections),
             broker_errors: g(&self.broker_errors),
+            deadlock_retries: g(&self.deadlock_retries),
+            serialization_retries: g(&self.serialization_retries),
         }
+    }
+
+    /// Counts a batch transaction run again after `conflict` (in
+    /// `outbox_consumer_transaction_retries_total`, `reason` = deadlock or
+    /// serialization).
+    pub(crate) fn transaction_retried(&self, consumer: &str, conflict: Conflict) {
+        let a = match conflict {
+            Conflict::Deadlock => &self.deadlock_retries,
+            Conflict::Serialization => &self.serialization_retries,
+        };
+        a.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("outbox_consumer_transaction_retries_total", "consumer" => consumer.to_owned(), "reason" => conflict.label())
+            .increment(1);
     }
 
     /// Adds `n` events with `outcome` (a label of

@@ -1,8 +1,9 @@
 //! Example consumer: the inventory service. For every `OrderPlaced` event
-//! it runs `UPDATE stock SET qty = qty - $n WHERE sku = $1`, an effect that
-//! is **not** idempotent, through `consumer-lib`, which records the event
-//! id in its inbox in the same transaction: duplicates and redeliveries
-//! are acked without touching the stock.
+//! it takes the ordered quantity off the stock (`qty = qty - $n`), an
+//! effect that is **not** idempotent, through `consumer-lib`, which records
+//! the event id in its inbox in the same transaction: duplicates and
+//! redeliveries are acked without touching the stock. A batch's rows are
+//! locked in sku order first, so instances sharing a queue never deadlock.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -30,8 +31,9 @@ pub const CONSUMER_NAME: &str = "inventory";
 /// The queue this service consumes unless told otherwise.
 pub const DEFAULT_QUEUE: &str = "inventory.orders";
 
-/// A dedup consumer of `queue` applying [`Stock`]'s effect, with its inbox
-/// in `schema`.
+/// A dedup consumer of `queue` applying [`Stock`]'s effect batch by batch
+/// (its rows locked in sku order, so instances sharing the queue never
+/// deadlock), with its inbox in `schema`.
 pub fn consumer(
     amqp_url: &str,
     queue: &str,
@@ -41,7 +43,7 @@ pub fn consumer(
 ) -> outbox_consumer::Result<Consumer> {
     let mut config = ConsumerConfig::new(amqp_url, queue, CONSUMER_NAME);
     config.schema = schema.to_string();
-    Consumer::new(config, pool, stock)
+    Consumer::with_batch_handler(config, pool, stock)
 }
 
 /// Declares `queue` (durable, with its retry queue and DLQ) bound to the
