@@ -1573,3 +1573,147 @@ fn rand_seed() -> [u8; 32] {
     seed[16..].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
     seed
 }
+
+/// Commits `n` events through `ob`, `per_tx` per transaction; returns
+/// their ids.
+async fn commit_events(
+    db: &TestDb,
+    ob: &outbox::Outbox,
+    n: usize,
+    per_tx: usize,
+) -> Vec<uuid::Uuid> {
+    let mut ids = Vec::with_capacity(n);
+    for start in (0..n).step_by(per_tx) {
+        let mut tx = db.pool.begin().await.unwrap();
+        for i in start..(start + per_tx).min(n) {
+            let e =
+                NewEvent::new("order", format!("o-{i}"), "OrderPlaced", &json!({"i": i})).unwrap();
+            ids.push(ob.enqueue(&mut *tx, e).await.unwrap());
+        }
+        tx.commit().await.unwrap();
+    }
+    ids
+}
+
+/// A nack settles every batch still on the channel before the channel is
+/// replaced: with a queue that refuses what it has no room for
+/// (`x-overflow = reject-publish`), batches on the wire are nacked
+/// mid-window; they all go to the table and are published from there once
+/// the queue has room, and the session never ends for it, so nothing
+/// delivered is read and published again.
+#[tokio::test]
+async fn wal_nack_settles_every_batch_on_the_channel_before_replacing_it() {
+    use lapin::types::{AMQPValue, ShortString};
+    let db = TestDb::producer_wal("wal_nack").await;
+    let mut args = FieldTable::default();
+    args.insert(ShortString::from("x-max-length"), AMQPValue::LongInt(50));
+    args.insert(
+        ShortString::from("x-overflow"),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    let broker = TestBroker::new("wal_nack", args).await;
+    let ob = db.outbox(Capture::Wal).await;
+    let mut cfg = config(&db, &broker);
+    cfg.batch_size = 20;
+    cfg.max_attempts = 100_000;
+    let relay = spawn(cfg, &format!("r-{}", db.schema)).await;
+    let ids = commit_events(&db, &ob, 400, 10).await;
+    let end = position(&db).await;
+    // The queue is full: the rest were nacked into the table, and the slot
+    // moved past all of them.
+    wait_until(
+        DEADLINE,
+        "nacked events in the table, the slot past the end",
+        || async { db.count("outbox").await > 0 && confirmed_past(&db, &end).await },
+    )
+    .await;
+    let collector = Collector::start(&broker.queue);
+    wait_until(DEADLINE, "every event", || async {
+        ids.iter().all(|i| collector.has(&i.to_string()))
+    })
+    .await;
+    wait_until(DEADLINE, "the table empty", || async {
+        db.count("outbox").await == 0
+    })
+    .await;
+    relay.stop().await;
+    collector.drain(DEADLINE).await;
+    assert_eq!(collector.distinct(), ids.len());
+    assert_eq!(
+        collector.duplicates(),
+        0,
+        "a nack ended the session: delivered events were read and published again"
+    );
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+/// After a confirm timeout the session ends with the later batches of the
+/// window unsettled: they are read and published again. WAL_CAPTURE.md
+/// says what that costs: at most four batches' worth of copies (the
+/// window), never a lost event.
+#[tokio::test]
+async fn wal_confirm_timeout_copies_at_most_the_window() {
+    let db = TestDb::producer_wal("wal_timeout").await;
+    let broker = TestBroker::new("wal_timeout", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let ob = db.outbox(Capture::Wal).await;
+    let mut cfg = config(&db, &broker);
+    cfg.amqp_url = proxy.url(&amqp_url()).into();
+    cfg.batch_size = 20;
+    cfg.confirm_timeout = Duration::from_millis(1500);
+    // The timed-out events go to the table; retried there only once the
+    // broker answers in time again, each is one copy (a retry that times
+    // out too would be one more).
+    cfg.retry_base = Duration::from_secs(5);
+    cfg.retry_max = Duration::from_secs(5);
+    let batch = cfg.batch_size;
+    let relay = spawn(cfg, &format!("r-{}", db.schema)).await;
+    let warm = commit_events(&db, &ob, 10, 10).await;
+    wait_until(DEADLINE, "the relay publishing", || async {
+        warm.iter().all(|i| collector.has(&i.to_string()))
+    })
+    .await;
+    // The broker's answers now come 4 s late: the first batch's confirms
+    // time out while later batches are on the wire.
+    proxy.set(e2e::Mode::Delay(Duration::from_secs(4)));
+    let mut ids = warm;
+    ids.extend(commit_events(&db, &ob, 200, 5).await);
+    let end = position(&db).await;
+    // One timeout: once the timed-out batch is in the table, the broker
+    // answers in time again (a second slow session would time out again,
+    // each with its own window of copies).
+    wait_until(DEADLINE, "the timed-out batch in the table", || async {
+        db.count("outbox").await > 0
+    })
+    .await;
+    proxy.set(e2e::Mode::Pass);
+    wait_until(
+        DEADLINE,
+        "every event, the slot past the end, the table empty",
+        || async {
+            ids.iter().all(|i| collector.has(&i.to_string()))
+                && confirmed_past(&db, &end).await
+                && db.count("outbox").await == 0
+        },
+    )
+    .await;
+    relay.stop().await;
+    collector.drain(DEADLINE).await;
+    proxy.stop();
+    assert_eq!(collector.distinct(), ids.len());
+    let copies = collector.duplicates();
+    println!(
+        "{copies} copies after a confirm timeout (window: {} events)",
+        4 * batch
+    );
+    assert!(copies > 0, "the timeout landed on nothing in flight");
+    assert!(
+        copies <= 4 * batch,
+        "{copies} copies: more than the window of four batches ({})",
+        4 * batch
+    );
+    db.cleanup().await;
+    broker.cleanup().await;
+}

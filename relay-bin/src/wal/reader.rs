@@ -358,11 +358,14 @@ impl Relay {
         }
         publisher.close().await;
         let _ = tokio::time::timeout(cfg.broker_timeout, conn.close(200, "bye".into())).await;
-        if matches!(end, Ok(SessionEnd::Shutdown)) && acked > confirmed {
+        if acked > confirmed {
             // The stream's last report may be up to a second old: move the
-            // slot to what was confirmed, so a restart does not publish it
-            // again. A standby that took the slot meanwhile refuses this
-            // (it then publishes that second again: duplicates only).
+            // slot to what was confirmed (delivered or recorded), so the
+            // next session does not publish it again, whether this one
+            // stopped or failed (a confirm timeout ends it just after it
+            // recorded the timed-out batch). A standby that took the slot
+            // meanwhile refuses this (it then publishes that second again:
+            // duplicates only).
             let advance = sqlx::query(
                 "SELECT pg_replication_slot_advance($1, $2::text::pg_lsn)
                  FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
