@@ -57,6 +57,9 @@ struct World {
     broker: TestBroker,
     wire: Collector,
     wire_queue: String,
+    /// Consumers apply ordered aggregates by their sequence numbers
+    /// (`Sequencing::by_sequence`).
+    ordered: bool,
 }
 
 /// What the oracle saw once everything was quiet.
@@ -86,7 +89,7 @@ impl World {
             .await
             .unwrap();
         sqlx::raw_sql(AssertSqlSafe(format!(
-            "CREATE TABLE \"{consumer_schema}\".effects (event_id text NOT NULL, at timestamptz NOT NULL DEFAULT now())"
+            "CREATE TABLE \"{consumer_schema}\".effects (event_id text NOT NULL, at timestamptz NOT NULL DEFAULT now(), n bigserial)"
         )))
         .execute(&db.pool)
         .await
@@ -112,6 +115,7 @@ impl World {
             broker,
             wire,
             wire_queue,
+            ordered: false,
         }
     }
 
@@ -148,6 +152,15 @@ impl World {
         config.schema = self.consumer_schema.to_string();
         config.declare_retry_queues = false;
         config.max_reconnect_delay = Duration::from_millis(500);
+        if self.ordered {
+            // Deferred events wait in `<queue>.retry` (the judge waits for
+            // it too).
+            config.declare_retry_queues = true;
+            config.sequencing = outbox_consumer::Sequencing::by_sequence();
+            config.retry_delay = Duration::from_millis(100);
+            config.max_retry_delay = Duration::from_millis(500);
+            config.max_deferrals = 1_000;
+        }
         let insert = format!(
             "INSERT INTO \"{}\".effects (event_id) VALUES ($1)",
             self.consumer_schema
@@ -245,20 +258,33 @@ impl World {
         scenario: &str,
     ) -> Verdict {
         let conn = e2e::connect().await;
-        let queue = self.broker.queue.as_str();
+        let mut queues = vec![self.broker.queue.clone()];
+        if self.ordered {
+            queues.push(format!("{}.retry", self.broker.queue));
+        }
         let mut consumer = Some(consumer);
         loop {
             let end = std::time::Instant::now() + deadline();
             wait_until(
                 deadline(),
                 &format!("{scenario}: the queue to empty"),
-                || async { e2e::depth(&conn, queue).await.0 == 0 },
+                || async {
+                    let mut ready = 0;
+                    for q in &queues {
+                        ready += e2e::depth(&conn, q).await.0;
+                    }
+                    ready == 0
+                },
             )
             .await;
             if let Some(c) = consumer.take() {
                 c.stop().await;
             }
-            if settled_depth(&conn, queue, end).await == 0 {
+            let mut left = 0;
+            for q in &queues {
+                left += settled_depth(&conn, q, end).await;
+            }
+            if left == 0 {
                 break;
             }
             consumer = Some(self.consumer(&format!("c-{}", suffix())).await);
@@ -299,6 +325,14 @@ impl World {
             let _ = ch
                 .queue_delete(self.wire_queue.as_str().into(), Default::default())
                 .await;
+        }
+        if self.ordered
+            && let Ok(ch) = conn.create_channel().await
+        {
+            for suffix in ["retry", "dlq"] {
+                let q = format!("{}.{suffix}", self.broker.queue);
+                let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+            }
         }
         let _ = sqlx::raw_sql(AssertSqlSafe(format!(
             "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
@@ -1194,4 +1228,525 @@ async fn postgres_crash(w: World) {
         .await;
     assert_eq!(v.events, ids.len());
     w.cleanup().await;
+}
+
+// ---------------------------------------------------------------------------
+// The matrix: every capability with every other. Each cell is one way a user
+// deploys the toolkit (capture: the table or the log; producers: Rust or
+// SQL; ordering off or on for one type), run with bad inputs mixed into the
+// stream through that cell's producer path, the relay SIGKILLed on work in
+// flight, duplicate deliveries injected into the consumer, and judged by
+// the one oracle above once everything is quiet.
+// ---------------------------------------------------------------------------
+
+/// How a cell's producers write events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Producer {
+    /// `Outbox::enqueue_many` (the table or the log, as the capture says).
+    Rust,
+    /// SQL, as another language would: `INSERT INTO outbox` (table) or
+    /// `SELECT outbox_emit(..)` (log).
+    Sql,
+}
+
+/// The aggregate type ordered cells order.
+const ORDERED_TYPE: &str = "account";
+/// The relay's payload limit in the matrix; a bad input goes over it.
+const MATRIX_MAX_PAYLOAD: usize = 16 * 1024;
+
+/// Event `i` of a cell: its aggregate (a third of them accounts).
+fn cell_aggregate(i: usize) -> (&'static str, String) {
+    if i.is_multiple_of(3) {
+        (ORDERED_TYPE, format!("a-{}", i % 40))
+    } else {
+        ("order", format!("o-{}", i % 97))
+    }
+}
+
+/// One event as a cell's producer writes it.
+struct Spec {
+    aggregate_type: String,
+    aggregate_id: String,
+    event_type: String,
+    payload: String,
+    exchange: Option<String>,
+}
+
+impl Spec {
+    fn new(aggregate_type: &str, aggregate_id: &str, event_type: &str, payload: &str) -> Self {
+        Self {
+            aggregate_type: aggregate_type.to_owned(),
+            aggregate_id: aggregate_id.to_owned(),
+            event_type: event_type.to_owned(),
+            payload: payload.to_owned(),
+            exchange: None,
+        }
+    }
+}
+
+/// Writes one event through the cell's producer path in `tx`; returns its
+/// id, or the error that refused it.
+async fn write_event(
+    db: &TestDb,
+    outbox: &Outbox,
+    producer: Producer,
+    tx: &mut PgConnection,
+    e: &Spec,
+) -> Result<String, String> {
+    match producer {
+        Producer::Rust => {
+            let mut event = NewEvent::from_json(
+                e.aggregate_type.clone(),
+                e.aggregate_id.clone(),
+                e.event_type.clone(),
+                e.payload.clone(),
+            )
+            .map_err(|e| e.to_string())?;
+            if let Some(x) = &e.exchange {
+                event = event.exchange(x.clone());
+            }
+            outbox
+                .enqueue(tx, event)
+                .await
+                .map(|id| id.to_string())
+                .map_err(|e| e.to_string())
+        }
+        Producer::Sql => {
+            let sql = if db.capture == Capture::Wal {
+                format!(
+                    "SELECT \"{}\".outbox_emit($1, $2, $3, $4::jsonb, '{{}}', $5)::text",
+                    db.schema
+                )
+            } else {
+                format!(
+                    "INSERT INTO \"{}\".outbox (aggregate_type, aggregate_id, event_type, payload, exchange)
+                     VALUES ($1, $2, $3, $4::jsonb, $5) RETURNING id::text",
+                    db.schema
+                )
+            };
+            sqlx::query_scalar(AssertSqlSafe(sql))
+                .bind(&e.aggregate_type)
+                .bind(&e.aggregate_id)
+                .bind(&e.event_type)
+                .bind(&e.payload)
+                .bind(&e.exchange)
+                .fetch_one(tx)
+                .await
+                .map_err(|e| e.to_string())
+        }
+    }
+}
+
+/// Commits good events through the cell's producer path, `per_tx` per
+/// transaction with `pace` between them, until `stop`; returns
+/// `(id, aggregate)` in commit order.
+fn produce_cell(
+    db: &TestDb,
+    producer: Producer,
+    per_tx: usize,
+    pace: Duration,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<Vec<(String, String)>> {
+    let db = db.clone();
+    tokio::spawn(async move {
+        let outbox = db.outbox(db.capture).await;
+        let mut committed = Vec::new();
+        let mut i = 0;
+        while !stop.is_cancelled() {
+            let mut tx = db.pool.begin().await.unwrap();
+            let mut this = Vec::with_capacity(per_tx);
+            for _ in 0..per_tx {
+                let (t, a) = cell_aggregate(i);
+                let e = Spec::new(t, &a, "Happened", &format!("{{\"i\": {i}}}"));
+                let id = write_event(&db, &outbox, producer, &mut tx, &e)
+                    .await
+                    .unwrap();
+                this.push((id, format!("{t}/{a}")));
+                i += 1;
+            }
+            tx.commit().await.unwrap();
+            committed.extend(this);
+            tokio::time::sleep(pace).await;
+        }
+        committed
+    })
+}
+
+/// A bad input of a cell, and where it must end: refused at the door (the
+/// producer's error) or dead-lettered, each with a reason containing
+/// `reason`.
+#[derive(Debug)]
+struct Bad {
+    what: &'static str,
+    outcome: Result<String, String>,
+    reason: &'static str,
+}
+
+/// Every kind of bad input the cell's producer path can write, each in a
+/// transaction of its own between the good ones; `missing` is an exchange
+/// that does not exist.
+async fn write_bad_inputs(w: &World, producer: Producer, missing: &str) -> Vec<Bad> {
+    let db = &w.db;
+    let outbox = db.outbox(db.capture).await;
+    let big = format!("{{\"pad\": \"{}\"}}", "x".repeat(MATRIX_MAX_PAYLOAD + 1));
+    let long = "E".repeat(300);
+    let refused_name = match (producer, db.capture) {
+        (Producer::Rust, _) => "255",
+        (Producer::Sql, Capture::Wal) => "event_type is 300 bytes",
+        (Producer::Sql, _) => "outbox_names_publishable",
+    };
+    let mut cases: Vec<(&'static str, Spec, &'static str)> = vec![
+        (
+            "event type over 255 bytes",
+            Spec::new("order", "bad-1", &long, "{}"),
+            refused_name,
+        ),
+        (
+            "payload over the relay's limit",
+            Spec::new("order", "bad-2", "Happened", &big),
+            "over the relay's limit",
+        ),
+        (
+            "exchange that does not exist",
+            Spec {
+                exchange: Some(missing.to_owned()),
+                ..Spec::new("order", "bad-3", "Happened", "{}")
+            },
+            "does not exist",
+        ),
+    ];
+    if producer == Producer::Sql && db.capture == Capture::Table {
+        cases.push((
+            "headers that are not an object",
+            Spec::new("order", "bad-4", "Happened", "{}"),
+            "outbox_headers",
+        ));
+    }
+    let mut bad = Vec::new();
+    for (what, event, reason) in cases {
+        let mut tx = db.pool.begin().await.unwrap();
+        let outcome = if what == "headers that are not an object" {
+            sqlx::query_scalar::<_, String>(AssertSqlSafe(format!(
+                "INSERT INTO \"{}\".outbox (aggregate_type, aggregate_id, event_type, payload, headers)
+                 VALUES ('order', 'bad-4', 'Happened', '{{}}', '[1]') RETURNING id::text",
+                db.schema
+            )))
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(|e| e.to_string())
+        } else {
+            write_event(db, &outbox, producer, &mut tx, &event).await
+        };
+        if outcome.is_ok() {
+            tx.commit().await.unwrap();
+        }
+        bad.push(Bad {
+            what,
+            outcome,
+            reason,
+        });
+    }
+    if db.capture == Capture::Wal {
+        // What no producer of ours writes: text that is no event.
+        sqlx::query("SELECT pg_logical_emit_message(true, $1, 'not an event')")
+            .bind(format!("outbox:{}", db.schema))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    bad
+}
+
+/// Publishes copies of up to `n` events the wire saw straight into the
+/// consumer's queue (same message id, properties and body): duplicate
+/// deliveries the consumer must absorb. Returns how many it published.
+async fn inject_duplicates(w: &World, n: usize) -> usize {
+    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    let copies: Vec<(lapin::BasicProperties, Vec<u8>)> = w
+        .wire
+        .received
+        .lock()
+        .unwrap()
+        .first
+        .values()
+        .take(n)
+        .map(|d| (d.properties.clone(), d.data.clone()))
+        .collect();
+    let conn = e2e::connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let mut confirms = Vec::new();
+    for (props, body) in &copies {
+        confirms.push(
+            ch.basic_publish(
+                "".into(),
+                w.broker.queue.as_str().into(),
+                BasicPublishOptions::default(),
+                body,
+                props.clone(),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    for c in confirms {
+        assert!(c.await.unwrap().is_ack(), "a duplicate was not taken");
+    }
+    let _ = conn.close(200, "ok".into()).await;
+    copies.len()
+}
+
+/// The relay process SIGKILLed on work in flight, `rounds` times, while
+/// producers commit: the table's relay caught holding a batch's row locks,
+/// the log's reader once it holds the slot and has published. Returns how
+/// many kills landed on a batch (table; the log's landings show as copies
+/// on the wire).
+async fn kill_relays_in_flight(w: &World, rounds: usize) -> usize {
+    let outbox = format!("\"{}\".outbox", w.db.schema);
+    let mut landed = 0;
+    for _ in 0..rounds {
+        let before = w.wire.distinct();
+        let child = w.relay_process_with(&MATRIX_RELAY);
+        wait_until(deadline(), "the relay publishing", || async {
+            w.wire.distinct() > before
+        })
+        .await;
+        // The log's landings show as copies on the wire (the judge).
+        if w.is_wal() || freeze_mid_batch(&child, &w.db.pool, &outbox, 200).await > 0 {
+            landed += 1;
+        }
+        kill_now(child);
+    }
+    landed
+}
+
+/// The relay's settings in the matrix: a payload limit a bad input goes
+/// over, and few, fast attempts for the one whose exchange is missing.
+const MATRIX_RELAY: [(&str, &str); 4] = [
+    ("MAX_PAYLOAD_BYTES", "16384"),
+    ("MAX_ATTEMPTS", "3"),
+    ("RETRY_BASE_MS", "100"),
+    ("BATCH_SIZE", "50"),
+];
+
+async fn matrix_cell(capture: Capture, producer: Producer, ordered: bool) {
+    let cell = format!(
+        "{}/{:?}/{}",
+        if capture == Capture::Wal {
+            "wal"
+        } else {
+            "table"
+        },
+        producer,
+        if ordered { "ordered" } else { "unordered" }
+    );
+    let prefix = format!(
+        "m_{}{}{}",
+        if capture == Capture::Wal { "w" } else { "t" },
+        if producer == Producer::Sql { "s" } else { "r" },
+        if ordered { "o" } else { "u" }
+    );
+    let mut w = match capture {
+        Capture::Wal => World::wal(&prefix).await,
+        _ => World::new(&prefix).await,
+    };
+    if ordered {
+        sqlx::query(AssertSqlSafe(format!(
+            "SELECT \"{}\".outbox_set_ordered($1, true)",
+            w.db.schema
+        )))
+        .bind(ORDERED_TYPE)
+        .execute(&w.db.pool)
+        .await
+        .unwrap();
+        w.ordered = true;
+    }
+    let consumer = w.consumer(&format!("c-{}", suffix())).await;
+    let stop_producing = CancellationToken::new();
+    let producing = produce_cell(
+        &w.db,
+        producer,
+        10,
+        Duration::from_millis(5),
+        stop_producing.clone(),
+    );
+
+    // Bad inputs while a relay publishes the good ones around them.
+    let mut relay = w.relay_process_with(&MATRIX_RELAY);
+    wait_until(deadline(), "the relay publishing", || async {
+        w.wire.distinct() > 0
+    })
+    .await;
+    let from = std::time::Instant::now();
+    let missing = format!("{}.missing", w.broker.exchange);
+    let bad = write_bad_inputs(&w, producer, &missing).await;
+    let committed_bad: Vec<&Bad> = bad.iter().filter(|b| b.outcome.is_ok()).collect();
+    let expected_dead = committed_bad.len() + usize::from(w.is_wal());
+    wait_until(
+        deadline(),
+        &format!("{cell}: every bad input dead-lettered"),
+        || async { w.db.count("outbox_dead_letters").await as usize >= expected_dead },
+    )
+    .await;
+    let to = std::time::Instant::now();
+    let gap = w.wire.received.lock().unwrap().longest_gap(from, to);
+    assert_eq!(
+        stop_child(&mut relay, Signal::SIGINT, deadline()).await,
+        Some(0)
+    );
+
+    // The fault: relays SIGKILLed on work in flight while producers commit.
+    let landed = kill_relays_in_flight(&w, 3 * scale()).await;
+    stop_producing.cancel();
+    let good = producing.await.unwrap();
+    let mut last = w.relay_process_with(&MATRIX_RELAY);
+    w.outbox_drained().await;
+    let end = sqlx::query_scalar::<_, String>("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&w.db.pool)
+        .await
+        .unwrap();
+    if w.is_wal() {
+        wait_until(deadline(), &format!("{cell}: the slot past everything"), || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+            )
+            .bind(w.db.slot())
+            .bind(&end)
+            .fetch_one(&w.db.pool)
+            .await
+            .unwrap()
+        })
+        .await;
+    }
+    assert_eq!(
+        stop_child(&mut last, Signal::SIGINT, deadline()).await,
+        Some(0)
+    );
+    let injected = inject_duplicates(&w, 200).await;
+
+    let ids: Vec<String> = good.iter().map(|(id, _)| id.clone()).collect();
+    let verdict = w
+        .judge(
+            consumer,
+            &ids,
+            &format!("{cell}: {landed} kills in flight, {injected} duplicates injected"),
+        )
+        .await;
+    if w.is_wal() {
+        assert!(
+            verdict.wire_duplicates > 0,
+            "{cell}: no kill landed on published, unconfirmed events"
+        );
+    } else {
+        assert!(landed > 0, "{cell}: no kill landed inside a batch");
+    }
+
+    // Every bad input accounted for, with its reason.
+    let dead: Vec<(String, String, String)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT id::text, event_type, last_error FROM \"{}\".outbox_dead_letters",
+        w.db.schema
+    )))
+    .fetch_all(&w.db.pool)
+    .await
+    .unwrap();
+    for b in &bad {
+        match &b.outcome {
+            Err(refused) => assert!(
+                refused.contains(b.reason),
+                "{cell}: {} refused without its reason: {refused}",
+                b.what
+            ),
+            Ok(id) => {
+                let letter = dead.iter().find(|(d, ..)| d == id);
+                assert!(
+                    letter.is_some_and(|(_, _, e)| e.contains(b.reason)),
+                    "{cell}: {} ({id}) not dead-lettered with its reason: {letter:?}",
+                    b.what
+                );
+            }
+        }
+    }
+    if w.is_wal() {
+        assert!(
+            dead.iter()
+                .any(|(_, t, e)| t == "(unreadable)" && e.contains("not an outbox event message")),
+            "{cell}: the message that is no event was not dead-lettered: {dead:?}"
+        );
+    }
+    assert_eq!(dead.len(), expected_dead, "{cell}: dead letters {dead:?}");
+    assert!(
+        gap < to - from,
+        "{cell}: publishing paused for the whole time bad inputs were in flight ({gap:?})"
+    );
+
+    if ordered {
+        // Each ordered aggregate's effects in commit order.
+        let applied: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT event_id FROM \"{}\".effects ORDER BY n",
+            w.consumer_schema
+        )))
+        .fetch_all(&w.db.pool)
+        .await
+        .unwrap();
+        let aggregate_of: std::collections::HashMap<&str, &str> = good
+            .iter()
+            .map(|(id, a)| (id.as_str(), a.as_str()))
+            .collect();
+        fn per_aggregate<'a>(
+            ids: impl Iterator<Item = &'a str>,
+            aggregate_of: &std::collections::HashMap<&'a str, &'a str>,
+        ) -> std::collections::HashMap<&'a str, Vec<&'a str>> {
+            let mut by: std::collections::HashMap<&str, Vec<&str>> = Default::default();
+            for id in ids {
+                let a = aggregate_of[id];
+                if a.starts_with(ORDERED_TYPE) {
+                    by.entry(a).or_default().push(id);
+                }
+            }
+            by
+        }
+        let committed_order = per_aggregate(ids.iter().map(String::as_str), &aggregate_of);
+        let applied_order = per_aggregate(applied.iter().map(String::as_str), &aggregate_of);
+        let out_of_order = committed_order
+            .iter()
+            .filter(|(a, c)| applied_order.get(*a) != Some(c))
+            .count();
+        assert_eq!(
+            out_of_order, 0,
+            "{cell}: {out_of_order} ordered aggregates applied out of commit order"
+        );
+    }
+    println!(
+        "{cell}: {} good events, {} bad inputs ({} refused at the door), {landed} kills, \
+         {injected} duplicates injected, {} copies on the wire, longest gap in publishing \
+         while bad inputs were in flight {gap:?} of {:?}",
+        verdict.events,
+        bad.len() + usize::from(w.is_wal()),
+        bad.len() - committed_bad.len(),
+        verdict.wire_duplicates,
+        to - from
+    );
+    w.cleanup().await;
+}
+
+macro_rules! matrix {
+    ($($name:ident: $capture:expr, $producer:expr, $ordered:expr;)*) => {$(
+        #[tokio::test]
+        async fn $name() {
+            matrix_cell($capture, $producer, $ordered).await;
+        }
+    )*};
+}
+
+matrix! {
+    matrix_table_rust_unordered: Capture::Table, Producer::Rust, false;
+    matrix_table_rust_ordered: Capture::Table, Producer::Rust, true;
+    matrix_table_sql_unordered: Capture::Table, Producer::Sql, false;
+    matrix_table_sql_ordered: Capture::Table, Producer::Sql, true;
+    matrix_wal_rust_unordered: Capture::Wal, Producer::Rust, false;
+    matrix_wal_rust_ordered: Capture::Wal, Producer::Rust, true;
+    matrix_wal_sql_unordered: Capture::Wal, Producer::Sql, false;
+    matrix_wal_sql_ordered: Capture::Wal, Producer::Sql, true;
 }

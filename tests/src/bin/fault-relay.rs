@@ -3,8 +3,9 @@
 //! BATCH_SIZE (default 100), LISTEN (default 1), LEASE_TTL_MS (default
 //! 2000), NAME (relay name and database application name; default
 //! `fault-relay-<schema>`), CAPTURE (`wal`: also read the schema's slot),
-//! WAL_SENDER_TIMEOUT_MS (default 3000). SIGINT or SIGTERM stop it
-//! gracefully.
+//! WAL_SENDER_TIMEOUT_MS (default 3000), MAX_PAYLOAD_BYTES, MAX_ATTEMPTS
+//! and RETRY_BASE_MS (the relay's defaults when unset). SIGINT or SIGTERM
+//! stop it gracefully.
 
 use std::time::Duration;
 
@@ -53,6 +54,17 @@ async fn main() -> Result<()> {
                 .unwrap_or(2000),
         );
         c.name = name;
+        let number = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
+        if let Some(n) = number("MAX_PAYLOAD_BYTES") {
+            c.max_payload_bytes = n as usize;
+        }
+        if let Some(n) = number("MAX_ATTEMPTS") {
+            c.max_attempts = n as i32;
+        }
+        if let Some(ms) = number("RETRY_BASE_MS") {
+            c.retry_base = Duration::from_millis(ms);
+            c.retry_max = Duration::from_millis(ms * 4);
+        }
         if std::env::var("CAPTURE").is_ok_and(|c| c == "wal") {
             let mut wal = WalCapture::new(env("DATABASE_URL")?);
             wal.standby_poll = Duration::from_millis(200);

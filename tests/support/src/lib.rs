@@ -424,12 +424,26 @@ pub struct Received {
     pub counts: HashMap<String, usize>,
     /// The first delivery of each message id.
     pub first: HashMap<String, lapin::message::Delivery>,
+    /// When each delivery arrived, in order.
+    pub arrivals: Vec<Instant>,
 }
 
 impl Received {
     /// Duplicates seen on the wire.
     pub fn duplicates(&self) -> usize {
         self.counts.values().map(|c| c - 1).sum()
+    }
+
+    /// The longest time between two deliveries that arrived within
+    /// `from..to` (including the time from `from` to the first one).
+    pub fn longest_gap(&self, from: Instant, to: Instant) -> Duration {
+        let mut last = from;
+        let mut longest = Duration::ZERO;
+        for &at in self.arrivals.iter().filter(|&&a| a >= from && a <= to) {
+            longest = longest.max(at - last);
+            last = at;
+        }
+        longest
     }
 }
 
@@ -600,6 +614,7 @@ impl Collector {
                 .map(|s| s.to_string())
                 .unwrap_or_default();
             let mut g = r.lock().unwrap();
+            g.arrivals.push(Instant::now());
             *g.counts.entry(id.clone()).or_default() += 1;
             g.first.entry(id).or_insert(d);
         });
