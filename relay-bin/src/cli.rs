@@ -242,8 +242,9 @@ impl Target {
 struct RunArgs {
     /// RabbitMQ URL (`amqp://` or `amqps://` for TLS). For a cluster, give
     /// each node's URL (repeat the flag, or separate them with commas): the
-    /// relay connects to the first that answers and, on every reconnect,
-    /// starts with the next. Write a comma in a password as %2C.
+    /// relay connects to the first that answers and stays on it; once a
+    /// session there fails, it starts with the next. Write a comma in a
+    /// password as %2C.
     #[arg(
         long,
         env = "AMQP_URL",
