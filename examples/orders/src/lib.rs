@@ -30,7 +30,17 @@ pub use crate::store::{AGGREGATE_TYPE, MAX_QTY, NewOrder, ORDER_PLACED, Order, O
 /// `orders` table if missing; both idempotent) and returns the state the
 /// [`router`] serves.
 pub async fn setup(pool: &PgPool, schema: &str) -> outbox::Result<AppState> {
-    let orders = Orders::setup(pool, schema).await?;
+    setup_with(pool, schema, outbox::Capture::Table).await
+}
+
+/// [`setup`] with the events written as `capture` says (the outbox table,
+/// or the write-ahead log: [`outbox::Capture::Wal`]).
+pub async fn setup_with(
+    pool: &PgPool,
+    schema: &str,
+    capture: outbox::Capture,
+) -> outbox::Result<AppState> {
+    let orders = Orders::setup_with(pool, schema, capture).await?;
     let idem = Idempotency::new(pool, {
         let mut c = IdempotencyConfig::default();
         c.schema = schema.to_string();

@@ -69,6 +69,18 @@ impl Orders {
     /// Migrates the outbox tables into `schema`, creates the `orders` table
     /// if missing and opens the outbox (which wakes relays after commits).
     pub async fn setup(pool: &PgPool, schema: &str) -> outbox::Result<Self> {
+        Self::setup_with(pool, schema, outbox::Capture::Table).await
+    }
+
+    /// [`Orders::setup`] with the events written as `capture` says: rows
+    /// of the outbox table, or messages in the write-ahead log
+    /// ([`outbox::Capture::Wal`]: the schema's slot must exist,
+    /// `outbox-relay migrate --capture wal`).
+    pub async fn setup_with(
+        pool: &PgPool,
+        schema: &str,
+        capture: outbox::Capture,
+    ) -> outbox::Result<Self> {
         let ident = Ident::new("schema", schema)?;
         outbox::migrate(pool, schema).await?;
         let q = ident.quoted();
@@ -86,6 +98,7 @@ impl Orders {
         let outbox = Outbox::new(pool, {
             let mut c = OutboxConfig::default();
             c.schema = schema.to_string();
+            c.capture = capture;
             c
         })
         .await?;
