@@ -92,7 +92,7 @@ pub use crate::retention::{DEFAULT_RETENTION, RetentionTask, cleanup_inbox};
 pub use crate::telemetry::ConsumerStats;
 pub use crate::topology::{
     DEFAULT_DELIVERY_LIMIT, MAX_PARTITIONS, OrderedTopology, QueueType, TopologyConfig,
-    declare_ordered_topology, declare_topology,
+    declare_ordered_topology, declare_ordered_topology_at, declare_topology, declare_topology_at,
 };
 pub use crate::trace::TraceContext;
 pub use crate::version::apply_if_newer;

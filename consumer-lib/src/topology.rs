@@ -4,7 +4,8 @@ use lapin::options::{
     ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, Connection, ErrorKind, ExchangeKind};
+use lapin::{Channel, Connection, ConnectionProperties, ErrorKind, ExchangeKind};
+use outbox::redact::SecretUrl;
 use outbox::wire;
 
 use crate::error::{Error, Result, bounded};
@@ -152,6 +153,41 @@ pub async fn declare_topology(conn: &Connection, topology: &TopologyConfig) -> R
     Ok(())
 }
 
+/// [`declare_topology`] on a connection of its own to the broker at
+/// `amqp_url`, or to the first node of a cluster that answers: the same
+/// URL list as [`ConsumerConfig::amqp_url`](crate::ConsumerConfig::amqp_url)
+/// (URLs separated by commas, a comma in a password written `%2C`),
+/// tried in order as the consumer tries them. Each connect and each round
+/// trip is bounded by [`TopologyConfig::timeout`]; the connection is closed
+/// before it returns.
+///
+/// A node that fails during the declaration (it is idempotent) costs one
+/// more attempt on the next node, at most one per URL. A malformed URL is
+/// [`Error::Config`], which never quotes it; a refused login or a missing
+/// virtual host on every node, [`Error::Broker`] that is not
+/// [transient](Error::is_transient).
+///
+/// ```no_run
+/// use outbox_consumer::{Consumer, ConsumerConfig, TopologyConfig};
+/// # async fn demo(pool: sqlx::PgPool, handler: impl outbox_consumer::Handler)
+/// # -> Result<(), Box<dyn std::error::Error>> {
+/// // Every node of the cluster: the consumer and the declaration fail over alike.
+/// let nodes = "amqp://app:secret@rabbit-1:5672/%2f,amqp://app:secret@rabbit-2:5672/%2f";
+/// let topology = TopologyConfig::new("stock.orders", "outbox.events", "order.#");
+/// outbox_consumer::declare_topology_at(nodes, &topology).await?;
+/// let consumer = Consumer::new(ConsumerConfig::new(nodes, "stock.orders", "stock"), pool, handler)?;
+/// # Ok(()) }
+/// ```
+pub async fn declare_topology_at(
+    amqp_url: impl Into<SecretUrl>,
+    topology: &TopologyConfig,
+) -> Result<()> {
+    at_any_node(&amqp_url.into(), topology.timeout, async |conn| {
+        declare_topology(conn, topology).await
+    })
+    .await
+}
+
 /// Most partitions [`declare_ordered_topology`] declares.
 pub const MAX_PARTITIONS: u16 = 64;
 
@@ -257,27 +293,8 @@ impl OrderedTopology {
 /// Fails with [`Error::MissingPlugin`] when the broker lacks the
 /// consistent-hash exchange (the broker then closes the connection), and
 /// `PRECONDITION_FAILED` when a queue or exchange exists with other
-/// arguments.
-///
-/// ```no_run
-/// use outbox_consumer::{Consumer, ConsumerConfig, OrderedTopology, Sequencing};
-/// # async fn demo(pool: sqlx::PgPool, handler: impl outbox_consumer::Handler + Clone)
-/// # -> Result<(), Box<dyn std::error::Error>> {
-/// let url = "amqp://guest:guest@127.0.0.1:5672/%2f";
-/// let conn = lapin::Connection::connect(url, Default::default()).await?;
-/// let topology = OrderedTopology::new("stock.orders", "outbox.events", "order.#", 4);
-/// let queues = outbox_consumer::declare_ordered_topology(&conn, &topology).await?;
-/// let shutdown = tokio_util::sync::CancellationToken::new();
-/// let mut running = Vec::new();
-/// for queue in queues {
-///     let mut config = ConsumerConfig::new(url, queue, "stock");
-///     config.sequencing = Sequencing::by_sequence();
-///     let consumer = Consumer::new(config, pool.clone(), handler.clone())?;
-///     let shutdown = shutdown.clone();
-///     running.push(tokio::spawn(async move { consumer.run(shutdown).await }));
-/// }
-/// # Ok(()) }
-/// ```
+/// arguments. [`declare_ordered_topology_at`] connects by itself, to the
+/// first node of a cluster that answers.
 pub async fn declare_ordered_topology(
     conn: &Connection,
     topology: &OrderedTopology,
@@ -319,6 +336,88 @@ pub async fn declare_ordered_topology(
     }
     let _ = tokio::time::timeout(t, ch.close(200, "OK".into())).await;
     Ok(queues)
+}
+
+/// [`declare_ordered_topology`] on a connection of its own to the first
+/// node of `amqp_url` that answers, as [`declare_topology_at`] does (the
+/// consumer's URL list, each round trip bounded by
+/// [`OrderedTopology::timeout`], the connection closed afterwards).
+/// Returns the queue names.
+///
+/// ```no_run
+/// use outbox_consumer::{Consumer, ConsumerConfig, OrderedTopology, Sequencing};
+/// # async fn demo(pool: sqlx::PgPool, handler: impl outbox_consumer::Handler + Clone)
+/// # -> Result<(), Box<dyn std::error::Error>> {
+/// // One node, or every node of a cluster separated by commas.
+/// let url = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// let topology = OrderedTopology::new("stock.orders", "outbox.events", "order.#", 4);
+/// let queues = outbox_consumer::declare_ordered_topology_at(url, &topology).await?;
+/// let shutdown = tokio_util::sync::CancellationToken::new();
+/// let mut running = Vec::new();
+/// for queue in queues {
+///     let mut config = ConsumerConfig::new(url, queue, "stock");
+///     config.sequencing = Sequencing::by_sequence();
+///     let consumer = Consumer::new(config, pool.clone(), handler.clone())?;
+///     let shutdown = shutdown.clone();
+///     running.push(tokio::spawn(async move { consumer.run(shutdown).await }));
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn declare_ordered_topology_at(
+    amqp_url: impl Into<SecretUrl>,
+    topology: &OrderedTopology,
+) -> Result<Vec<String>> {
+    topology.validate()?;
+    at_any_node(&amqp_url.into(), topology.timeout, async |conn| {
+        declare_ordered_topology(conn, topology).await
+    })
+    .await
+}
+
+/// Connects to the first node of `amqp_url` that answers
+/// ([`outbox_core::amqp::connect_any`], as the consumer's sessions do),
+/// runs `declare` on the connection and closes it. A transient failure
+/// moves on to the next node: at most one attempt per URL.
+async fn at_any_node<T>(
+    amqp_url: &SecretUrl,
+    timeout: Duration,
+    declare: impl AsyncFn(&Connection) -> Result<T>,
+) -> Result<T> {
+    let urls = broker_urls(amqp_url)?;
+    let (mut start, mut attempts_left) = (0, urls.len());
+    loop {
+        let props =
+            ConnectionProperties::default().with_connection_name("outbox-consumer topology".into());
+        let (conn, i) = outbox_core::amqp::connect_any(&urls, start, timeout, props).await?;
+        let declared = declare(&conn).await;
+        let _ = tokio::time::timeout(timeout, conn.close(200, "topology declared".into())).await;
+        attempts_left -= 1;
+        match declared {
+            Err(e) if e.is_transient() && attempts_left > 0 => {
+                let node = outbox::redact::host_port(urls[i]);
+                tracing::debug!(broker = %node, error = %e, "declaring the topology failed; trying the next node");
+                start = i + 1;
+            }
+            done => return done,
+        }
+    }
+}
+
+/// The URLs of `amqp_url`, each checked before anything connects with it:
+/// lapin's own error for a malformed one would quote it, password and all.
+fn broker_urls(amqp_url: &SecretUrl) -> Result<Vec<&str>> {
+    let list = amqp_url.expose();
+    outbox::redact::check_urls(list, "AMQP URL", &["amqp", "amqps"]).map_err(Error::Config)?;
+    let urls = outbox::redact::split_urls(list);
+    if urls
+        .iter()
+        .any(|u| u.parse::<lapin::uri::AMQPUri>().is_err())
+    {
+        return Err(Error::Config(
+            "AMQP URL is malformed (its user, host, vhost or query parameters); the value is not shown: it may hold a password".to_owned(),
+        ));
+    }
+    Ok(urls)
 }
 
 /// The consistent-hash exchange `name`, fed from the source exchange.

@@ -2,12 +2,17 @@
 //! schema in each, and fixed queue and exchange names, all reset at start
 //! so that every run begins from nothing.
 
+use std::time::Duration;
+
 use anyhow::{Context, Result};
-use lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions};
-use lapin::types::FieldTable;
-use lapin::{Connection, options::QueueBindOptions};
+use lapin::options::{
+    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
+
+use crate::broker::{Broker, bounded};
 
 /// Schema used in every demo database.
 pub(crate) const SCHEMA: &str = "demo";
@@ -90,46 +95,76 @@ async fn create_database(admin: &PgPool, db: &str) -> Result<()> {
     }
 }
 
-/// Deletes the previous run's queues (with their retry queues and DLQs)
-/// and exchange.
-pub(crate) async fn reset_broker(conn: &Connection) -> Result<()> {
-    let ch = conn.create_channel().await?;
-    for queue in [INVENTORY_QUEUE, NOTIFICATIONS_QUEUE] {
-        for name in [
-            queue.to_owned(),
-            format!("{queue}.retry"),
-            format!("{queue}.dlq"),
-        ] {
-            ch.queue_delete(name.as_str().into(), QueueDeleteOptions::default())
-                .await
-                .with_context(|| format!("deleting queue {name}"))?;
-        }
-    }
-    ch.queue_delete(AUDIT_QUEUE.into(), QueueDeleteOptions::default())
-        .await?;
-    ch.exchange_delete(EXCHANGE.into(), ExchangeDeleteOptions::default())
-        .await?;
-    let _ = ch.close(200, "reset".into()).await;
-    Ok(())
+/// Bound on deleting a queue: RabbitMQ waits about 5 s for each member of
+/// a quorum queue on a node that is down.
+const DELETE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Deletes the previous run's queues (with their retry queues and DLQs),
+/// the audit queue and the exchange.
+pub(crate) async fn reset_broker(broker: &Broker) -> Result<()> {
+    broker
+        .run(async |conn| {
+            let ch = bounded("channel open", conn.create_channel()).await?;
+            for name in all_queues() {
+                let deleted = ch.queue_delete(name.as_str().into(), QueueDeleteOptions::default());
+                outbox_core::amqp::bounded("queue.delete", DELETE_TIMEOUT, deleted)
+                    .await
+                    .with_context(|| format!("deleting queue {name}"))?;
+            }
+            let deleted = ch.exchange_delete(EXCHANGE.into(), ExchangeDeleteOptions::default());
+            bounded("exchange.delete", deleted).await?;
+            let _ = bounded("channel close", ch.close(200, "reset".into())).await;
+            Ok(())
+        })
+        .await
 }
 
-/// Declares the audit queue, bound like the consumers' queues. It is
-/// exclusive to this connection: it disappears with the demo.
-pub(crate) async fn declare_audit_queue(conn: &Connection) -> Result<()> {
-    let ch = conn.create_channel().await?;
-    let options = QueueDeclareOptions {
-        exclusive: true,
-        ..Default::default()
-    };
-    ch.queue_declare(AUDIT_QUEUE.into(), options, FieldTable::default())
-        .await?;
-    ch.queue_bind(
-        AUDIT_QUEUE.into(),
-        EXCHANGE.into(),
-        BINDING_KEY.into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await?;
-    Ok(())
+/// The consumers' queues with their retry queues and DLQs, and the audit
+/// queue.
+fn all_queues() -> Vec<String> {
+    let mut queues: Vec<String> = [INVENTORY_QUEUE, NOTIFICATIONS_QUEUE]
+        .iter()
+        .flat_map(|q| [q.to_string(), format!("{q}.retry"), format!("{q}.dlq")])
+        .collect();
+    queues.push(AUDIT_QUEUE.to_owned());
+    queues
+}
+
+/// The queues whose messages are deliveries still to settle: the
+/// consumers' work and retry queues.
+pub(crate) fn unsettled_queues() -> Vec<String> {
+    [INVENTORY_QUEUE, NOTIFICATIONS_QUEUE]
+        .iter()
+        .flat_map(|q| [q.to_string(), format!("{q}.retry")])
+        .collect()
+}
+
+/// Declares the audit queue, bound like the consumers' queues: a quorum
+/// queue like theirs, so it keeps what the relay published while a node
+/// is lost and the demo reconnects to another. [`reset_broker`] deletes
+/// it.
+pub(crate) async fn declare_audit_queue(broker: &Broker) -> Result<()> {
+    broker
+        .run(async |conn| {
+            let ch = bounded("channel open", conn.create_channel()).await?;
+            let mut args = FieldTable::default();
+            args.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString("quorum".into()),
+            );
+            let declared =
+                ch.queue_declare(AUDIT_QUEUE.into(), QueueDeclareOptions::durable(), args);
+            bounded("queue.declare", declared).await?;
+            let bound = ch.queue_bind(
+                AUDIT_QUEUE.into(),
+                EXCHANGE.into(),
+                BINDING_KEY.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            );
+            bounded("queue.bind", bound).await?;
+            let _ = bounded("channel close", ch.close(200, "declared".into())).await;
+            Ok(())
+        })
+        .await
 }

@@ -5,6 +5,7 @@
 //! inventory and a notifications consumer apply each event once. A report
 //! and its checks end it; the exit code is non-zero if a check fails.
 
+mod broker;
 mod client;
 mod env;
 mod progress;
@@ -22,13 +23,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use lapin::{Connection, ConnectionProperties};
+use outbox_consumer::Consumer;
 use outbox_relay::RelayConfig;
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::broker::Broker;
 use crate::env::{BINDING_KEY, EXCHANGE, INVENTORY_QUEUE, NOTIFICATIONS_QUEUE, SCHEMA};
 use crate::progress::Progress;
 use crate::relay::RunningRelay;
@@ -52,7 +54,9 @@ struct Args {
         default_value = "postgres://postgres@127.0.0.1:5432/test"
     )]
     database_url: String,
-    /// RabbitMQ URL (default: the local broker, guest account).
+    /// RabbitMQ URL, or the URLs of every node of a cluster separated by
+    /// commas: every service of the demo is given them all (default: the
+    /// local broker, guest account).
     #[arg(
         long,
         env = "AMQP_URL",
@@ -83,14 +87,18 @@ async fn main() -> ExitCode {
                 .unwrap_or_else(|_| "warn,lapin=off,sqlx::postgres::notice=off".into()),
         )
         .init();
-    match run(Args::parse()).await {
+    let args = Args::parse();
+    // Errors of the libraries below may quote the URLs they were given.
+    let urls = [args.amqp_url.clone(), args.database_url.clone()];
+    match run(args).await {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => {
             eprintln!("demo: a check FAILED");
             ExitCode::from(1)
         }
         Err(e) => {
-            eprintln!("demo: {e:#}");
+            let e = outbox::redact::scrub_all(&format!("{e:#}"), &urls);
+            eprintln!("demo: {e}");
             ExitCode::from(2)
         }
     }
@@ -99,11 +107,11 @@ async fn main() -> ExitCode {
 async fn run(args: Args) -> Result<bool> {
     let started = Instant::now();
     let total = args.orders as usize;
+    outbox::redact::check_urls(&args.amqp_url, "AMQP URL", &["amqp", "amqps"])
+        .map_err(anyhow::Error::msg)?;
     let dbs = env::databases(&args.database_url).await?;
-    let amqp = Connection::connect(&args.amqp_url, ConnectionProperties::default())
-        .await
-        .context("connecting to RabbitMQ (run `make services`)")?;
-    env::reset_broker(&amqp).await?;
+    let broker = Arc::new(Broker::new(&args.amqp_url));
+    env::reset_broker(&broker).await?;
 
     // The three services, each on its own database.
     let state = orders::setup(&dbs.orders, SCHEMA)
@@ -118,7 +126,7 @@ async fn run(args: Args) -> Result<bool> {
     inventory::declare_queue(&args.amqp_url, INVENTORY_QUEUE, EXCHANGE, BINDING_KEY).await?;
     notifications::declare_queue(&args.amqp_url, NOTIFICATIONS_QUEUE, EXCHANGE, BINDING_KEY)
         .await?;
-    env::declare_audit_queue(&amqp).await?;
+    env::declare_audit_queue(&broker).await?;
     println!(
         "demo: demo_orders, demo_inventory, demo_notifications migrated (schema {SCHEMA}); \
          stock {INITIAL_STOCK} of each of {}",
@@ -153,7 +161,7 @@ async fn run(args: Args) -> Result<bool> {
         tokio::spawn(async move { c.run(stop).await })
     });
     let wire = Arc::new(Wire::default());
-    let tap = wire::tap(&amqp, wire.clone()).await?;
+    let tap = wire::tap(broker.clone(), wire.clone());
     let relay_config = relay::config(&args.amqp_url);
     let mut relay = relay::start(&dbs.relay, &relay_config).await?;
     println!(
@@ -191,7 +199,7 @@ async fn run(args: Args) -> Result<bool> {
     relay = crash_and_restart(relay, &wire, &dbs.relay, &relay_config, accepted()).await?;
     crashes += 1;
     reach(&driving, || accepted() >= total / 2).await;
-    let mut injected = inject(&amqp, &wire, 150, 1).await?;
+    let mut injected = inject(&broker, &wire, 150, 1).await?;
     reach(&driving, || accepted() >= total * 2 / 3).await;
     relay = crash_and_restart(relay, &wire, &dbs.relay, &relay_config, accepted()).await?;
     crashes += 1;
@@ -205,13 +213,9 @@ async fn run(args: Args) -> Result<bool> {
     .await;
     if drained {
         // Copies of events long applied, each sent twice back to back.
-        injected += inject(&amqp, &wire, 100, 2).await?;
+        injected += inject(&broker, &wire, 100, 2).await?;
     }
-    let expected = wire.deliveries() + injected;
-    wait(CATCH_UP, || async {
-        inventory.stats().acked() >= expected && notifier.stats().acked() >= expected
-    })
-    .await;
+    settle(&broker, &inventory, &notifier, wire.distinct() + injected).await;
     ticker.abort();
     progress.print().await;
 
@@ -238,12 +242,14 @@ async fn run(args: Args) -> Result<bool> {
         notes: &notes,
         traffic: &traffic,
         wire: &wire,
+        broker: &broker,
     }
     .gather()
     .await?;
     let passed = facts.print();
-    env::reset_broker(&amqp).await?;
-    let _ = amqp.close(200, "demo over".into()).await;
+    if let Err(e) = env::reset_broker(&broker).await {
+        println!("\ndemo: the queues stay until the next run: {e:#}");
+    }
     println!(
         "\nThe data stays in schema {SCHEMA} of demo_orders, demo_inventory and \
          demo_notifications until the next run."
@@ -295,12 +301,36 @@ async fn crash_and_restart(
     Ok(relay)
 }
 
+/// Waits (at most [`CATCH_UP`]) until the consumers have settled every
+/// delivery: their queues hold nothing ready, each has acked at least
+/// `floor` deliveries (every event published and every duplicate
+/// injected), and neither acked more since the last look, so none holds
+/// a delivery it has yet to settle. Copies the relay published twice are
+/// counted by the queues, not by the audit queue: when a node fails
+/// under a publish, its queues may each keep or lose their copy.
+async fn settle(broker: &Broker, inventory: &Consumer, notifier: &Consumer, floor: u64) {
+    let queues = env::unsettled_queues();
+    let mut last = None;
+    wait(CATCH_UP, || {
+        let acked = (inventory.stats().acked(), notifier.stats().acked());
+        let steady = last.replace(acked) == Some(acked);
+        let queues = &queues;
+        async move {
+            steady
+                && acked.0 >= floor
+                && acked.1 >= floor
+                && broker.ready(queues).await.ok() == Some(0)
+        }
+    })
+    .await;
+}
+
 /// Sends `n` already-published messages again, `copies` times each,
 /// straight to both consumers' queues.
-async fn inject(amqp: &Connection, wire: &Wire, n: usize, copies: usize) -> Result<u64> {
+async fn inject(broker: &Broker, wire: &Wire, n: usize, copies: usize) -> Result<u64> {
     let samples = wire.take_samples(n);
     let queues = [INVENTORY_QUEUE, NOTIFICATIONS_QUEUE];
-    let sent = wire::inject(amqp, &samples, &queues, copies)
+    let sent = wire::inject(broker, &samples, &queues, copies)
         .await
         .context("injecting duplicates")?;
     println!(

@@ -20,7 +20,6 @@
 
 mod stock;
 
-use lapin::{Connection, ConnectionProperties};
 use outbox_consumer::{Consumer, ConsumerConfig, TopologyConfig};
 use sqlx::PgPool;
 
@@ -48,23 +47,14 @@ pub fn consumer(
 
 /// Declares `queue` (durable, with its retry queue and DLQ) bound to the
 /// relay's topic `exchange` with `binding_key` (e.g. `order.#`). Idempotent.
+/// `amqp_url` is the consumer's: one broker, or every node of a cluster
+/// separated by commas (the first that answers declares).
 pub async fn declare_queue(
     amqp_url: &str,
     queue: &str,
     exchange: &str,
     binding_key: &str,
 ) -> outbox_consumer::Result<()> {
-    let conn = Connection::connect(amqp_url, ConnectionProperties::default())
-        .await
-        .map_err(|source| outbox_consumer::Error::Broker {
-            what: "connect",
-            source,
-        })?;
-    let declared = outbox_consumer::declare_topology(
-        &conn,
-        &TopologyConfig::new(queue, exchange, binding_key),
-    )
-    .await;
-    let _ = conn.close(200, "topology declared".into()).await;
-    declared
+    let topology = TopologyConfig::new(queue, exchange, binding_key);
+    outbox_consumer::declare_topology_at(amqp_url, &topology).await
 }

@@ -13,7 +13,8 @@ struct Args {
     /// PostgreSQL URL of the inventory's own database [default: $DATABASE_URL].
     #[arg(long, env = "INVENTORY_DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
-    /// RabbitMQ URL (default: the local broker, guest account).
+    /// RabbitMQ URL, or the URLs of every node of a cluster separated by
+    /// commas (default: the local broker, guest account).
     #[arg(
         long,
         env = "AMQP_URL",
@@ -81,7 +82,7 @@ async fn run(args: Args) -> Result<()> {
     };
     outbox::redact::check_url(&database_url, "database URL", &["postgres", "postgresql"])
         .map_err(anyhow::Error::msg)?;
-    outbox::redact::check_url(&args.amqp_url, "AMQP URL", &["amqp", "amqps"])
+    outbox::redact::check_urls(&args.amqp_url, "AMQP URL", &["amqp", "amqps"])
         .map_err(anyhow::Error::msg)?;
     let pool = sqlx::PgPool::connect(&database_url)
         .await
