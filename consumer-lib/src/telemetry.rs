@@ -9,7 +9,11 @@ use crate::handler::Conflict;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ConsumerStats {
-    /// Fresh events whose handler succeeded (effect committed).
+    /// Fresh events whose handler succeeded: effect committed, then
+    /// acked. An effect whose ack was lost (the broker connection went
+    /// down between the commit and the ack) is not counted here: its
+    /// redelivery finds it in the inbox and counts as a duplicate. For the
+    /// exact number of effects, count the consumer's inbox rows.
     pub processed: u64,
     /// Deliveries recognised as duplicates and acked without effect.
     pub duplicates: u64,
