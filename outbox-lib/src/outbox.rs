@@ -217,7 +217,7 @@ impl Outbox {
     pub async fn enqueue(&self, conn: &mut PgConnection, event: NewEvent) -> Result<Uuid> {
         event.validate(self.inner.max_payload_bytes)?;
         if self.inner.capture == Capture::Wal {
-            sqlx::query(self.inner.insert_one.clone())
+            let written = sqlx::query(self.inner.insert_one.clone())
                 .bind(&self.inner.prefix)
                 .bind(wal_head(&event))
                 .bind(&event.aggregate_type)
@@ -225,6 +225,9 @@ impl Outbox {
                 .execute(&mut *conn)
                 .await
                 .map_err(|e| self.wal_error(e))?;
+            if written.rows_affected() != 1 {
+                return Err(self.not_readable(conn).await);
+            }
             return Ok(event.id);
         }
         // A plain VALUES insert: cheaper for the database than the unnest
@@ -273,7 +276,7 @@ impl Outbox {
                 .iter()
                 .map(|e| (e.aggregate_type.as_str(), e.aggregate_id.as_str()))
                 .unzip();
-            sqlx::query(self.inner.insert_many.clone())
+            let written = sqlx::query(self.inner.insert_many.clone())
                 .bind(&self.inner.prefix)
                 .bind(&heads)
                 .bind(&types)
@@ -281,6 +284,9 @@ impl Outbox {
                 .execute(&mut *conn)
                 .await
                 .map_err(|e| self.wal_error(e))?;
+            if written.rows_affected() != ids.len() as u64 {
+                return Err(self.not_readable(conn).await);
+            }
             return Ok(ids);
         }
         let n = events.len();
@@ -339,6 +345,27 @@ impl Outbox {
     /// [`Outbox::new`]) is [`crate::Error::WalCaptureNotReady`].
     fn wal_error(&self, e: sqlx::Error) -> crate::Error {
         not_ready(&self.inner.schema, e)
+    }
+
+    /// The statement wrote nothing: no slot would read it
+    /// (`outbox_wal_readable` has no row). Asks `outbox_wal_ready` why,
+    /// which raises and so aborts the caller's transaction: its business
+    /// writes cannot commit without their event.
+    async fn not_readable(&self, conn: &mut PgConnection) -> crate::Error {
+        let why = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {}.outbox_wal_ready()",
+            self.inner.schema.quoted()
+        )))
+        .execute(&mut *conn)
+        .await;
+        match why {
+            Err(e) => self.wal_error(e),
+            // Readable again this instant: nothing was written all the same.
+            Ok(_) => crate::Error::WalCaptureNotReady {
+                schema: self.inner.schema.to_string(),
+                reason: "the replication slot was not readable when the event was written (it is now); nothing was written, retry the transaction".to_owned(),
+            },
+        }
     }
 
     /// Tells relays that events were committed. Call it after committing a
@@ -432,12 +459,13 @@ fn wal_tail(s: &str, aggregate_type: &str, aggregate_id: &str) -> String {
 // The schema is a validated `Ident`; everything else is bound. One plain
 // statement per event, no function call unless the type is ordered:
 // measured cheaper for producers than calling `outbox_emit`. The slot is
-// checked first (`outbox_wal_ready`, a one-time filter that raises when
-// nothing would read the message), in the same statement.
+// checked in the same statement (`outbox_wal_readable`, a one-time
+// filter: no row written when nothing would read it; the caller then asks
+// `outbox_wal_ready` why, which aborts the transaction).
 fn emit_one_sql(schema: &Ident) -> SqlStr {
     let s = schema.quoted();
     AssertSqlSafe(format!(
-        "SELECT pg_logical_emit_message(true, $1, $2 || {}) WHERE {s}.outbox_wal_ready()",
+        "SELECT pg_logical_emit_message(true, $1, $2 || {}) WHERE EXISTS (SELECT 1 FROM {s}.outbox_wal_readable)",
         wal_tail(&s, "$3", "$4")
     ))
     .into_sql_str()
@@ -454,7 +482,7 @@ fn emit_many_sql(schema: &Ident) -> SqlStr {
          FROM (SELECT * FROM unnest($2::text[], $3::text[], $4::text[])
                     WITH ORDINALITY AS e(head, aggregate_type, aggregate_id, n)
                ORDER BY aggregate_type, aggregate_id, n) e
-         WHERE {s}.outbox_wal_ready()",
+         WHERE EXISTS (SELECT 1 FROM {s}.outbox_wal_readable)",
         wal_tail(&s, "e.aggregate_type", "e.aggregate_id")
     ))
     .into_sql_str()
