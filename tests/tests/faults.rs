@@ -18,14 +18,17 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use e2e::cluster::Cluster;
 use e2e::{
     Collector, KillOnDrop, Mode, Proxy, TestBroker, TestDb, amqp_url, database_url,
     freeze_mid_batch, kill_now, settled_depth, stop_child, suffix, wait_until,
 };
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use nix::sys::signal::Signal;
 use outbox::{Capture, NewEvent, Outbox, OutboxConfig};
-use outbox_consumer::{Consumer, ConsumerConfig, Event, Handler, Outcome};
+use outbox_consumer::{
+    Consumer, ConsumerConfig, Event, Handler, Outcome, TopologyConfig, declare_topology,
+};
 use outbox_relay::{Relay, RelayConfig, WalCapture};
 use serde_json::json;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
@@ -49,11 +52,117 @@ fn deadline() -> Duration {
     Duration::from_secs(120 * scale() as u64)
 }
 
+/// Where a world's exchange and queues live.
+enum Broker {
+    /// The test broker (`AMQP_URL`); classic queues.
+    Single,
+    /// The local three-node cluster (`make cluster`); quorum queues, and
+    /// every relay, consumer and wire counter given all three URLs,
+    /// starting with node `first`.
+    Cluster { cluster: Cluster, first: usize },
+}
+
+impl Broker {
+    /// The URLs the world's clients take, comma-separated.
+    fn urls(&self) -> String {
+        match self {
+            Broker::Single => amqp_url(),
+            Broker::Cluster { cluster, first } => cluster.url_list(*first),
+        }
+    }
+
+    async fn connect(&self) -> lapin::Connection {
+        match self {
+            Broker::Single => e2e::connect().await,
+            Broker::Cluster { cluster, .. } => cluster.connect().await.expect("a cluster node"),
+        }
+    }
+
+    fn cluster(&self) -> Option<&Cluster> {
+        match self {
+            Broker::Single => None,
+            Broker::Cluster { cluster, .. } => Some(cluster),
+        }
+    }
+
+    /// The exchange and the consumer's queue: on the cluster, the quorum
+    /// topology consumers are told to declare (delivery limit, confirmed
+    /// dead-lettering to `<queue>.dlq`, the retry queue).
+    async fn declare(&self, prefix: &str) -> TestBroker {
+        let Some(cluster) = self.cluster() else {
+            return TestBroker::new(prefix, FieldTable::default()).await;
+        };
+        cluster.ensure_started().await.expect("make cluster");
+        let s = suffix();
+        let b = TestBroker {
+            exchange: format!("test.{prefix}.{s}"),
+            queue: format!("test.{prefix}.{s}.q"),
+        };
+        let conn = self.connect().await;
+        declare_topology(&conn, &TopologyConfig::new(&b.queue, &b.exchange, "#"))
+            .await
+            .unwrap();
+        let _ = conn.close(200, "ok".into()).await;
+        b
+    }
+
+    /// Arguments of the wire-counting queue.
+    fn tap_args(&self) -> FieldTable {
+        let mut args = FieldTable::default();
+        if self.cluster().is_some() {
+            args.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString("quorum".into()),
+            );
+        }
+        args
+    }
+
+    /// Messages of `queues` a passive declare does not count: none on one
+    /// node; on the cluster, any a quorum queue holds (unacknowledged, or
+    /// waiting to be dead-lettered at-least-once, such as an expired
+    /// retry the work queue has not confirmed yet).
+    async fn uncounted(&self, queues: &[String]) -> u64 {
+        let Some(cluster) = self.cluster() else {
+            return 0;
+        };
+        let mut n = 0;
+        for q in queues {
+            n += cluster.messages(q).await.unwrap_or(u64::MAX / 4);
+        }
+        n
+    }
+
+    /// Deletes `queues`, then the consumer's queue and the exchange.
+    async fn cleanup(&self, broker: TestBroker, queues: &[String]) {
+        let conn = self.connect().await;
+        if let Ok(ch) = conn.create_channel().await {
+            let on_cluster = self.cluster().map(|_| &broker.queue);
+            for q in queues.iter().chain(on_cluster) {
+                let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+            }
+            if on_cluster.is_some() {
+                let exchange = broker.exchange.as_str();
+                let _ = ch
+                    .exchange_delete(exchange.into(), Default::default())
+                    .await;
+            }
+        }
+        let _ = conn.close(200, "ok".into()).await;
+        if self.cluster().is_none() {
+            // The test broker's own clean-up.
+            broker.cleanup().await;
+        }
+    }
+}
+
 /// One scenario's world: producer schema, consumer schema with an effects
-/// table, an exchange with the consumer's queue and a wire-counting queue.
+/// table, an exchange with the consumer's queue and a wire-counting queue,
+/// on the test broker or the cluster.
 struct World {
     db: TestDb,
     consumer_schema: String,
+    nodes: Broker,
     broker: TestBroker,
     wire: Collector,
     wire_queue: String,
@@ -70,20 +179,20 @@ struct Verdict {
 
 impl World {
     async fn new(prefix: &str) -> Self {
-        Self::with(TestDb::producer(prefix).await, prefix).await
+        Self::with(TestDb::producer(prefix).await, prefix, Broker::Single).await
     }
 
     /// A world whose producers write to the write-ahead log and whose
     /// relays read the schema's slot (`--capture wal`).
     async fn wal(prefix: &str) -> Self {
-        Self::with(TestDb::producer_wal(prefix).await, prefix).await
+        Self::with(TestDb::producer_wal(prefix).await, prefix, Broker::Single).await
     }
 
     fn is_wal(&self) -> bool {
         self.db.capture == Capture::Wal
     }
 
-    async fn with(db: TestDb, prefix: &str) -> Self {
+    async fn with(db: TestDb, prefix: &str, nodes: Broker) -> Self {
         let consumer_schema = format!("{}_c", db.schema);
         outbox_consumer::migrate(&db.pool, &consumer_schema)
             .await
@@ -94,24 +203,18 @@ impl World {
         .execute(&db.pool)
         .await
         .unwrap();
-        let broker = TestBroker::new(prefix, FieldTable::default()).await;
+        let broker = nodes.declare(prefix).await;
         // A second queue on the same exchange counts what the relay put on
         // the wire, duplicates included.
         let wire_queue = format!("{}.wire", broker.queue);
-        let conn = e2e::connect().await;
-        e2e::declare_tap_queue(
-            &conn,
-            &broker.exchange,
-            &wire_queue,
-            "#",
-            FieldTable::default(),
-        )
-        .await;
+        let conn = nodes.connect().await;
+        e2e::declare_tap_queue(&conn, &broker.exchange, &wire_queue, "#", nodes.tap_args()).await;
         let _ = conn.close(200, "ok".into()).await;
-        let wire = Collector::start(&wire_queue);
+        let wire = Collector::start_on(&nodes.urls(), &wire_queue);
         Self {
             db,
             consumer_schema,
+            nodes,
             broker,
             wire,
             wire_queue,
@@ -148,7 +251,7 @@ impl World {
 
     async fn consumer(&self, app: &str) -> Running<outbox_consumer::Error> {
         let pool = e2e::pool(app, 4).await;
-        let mut config = ConsumerConfig::new(amqp_url(), &self.broker.queue, "faults");
+        let mut config = ConsumerConfig::new(self.nodes.urls(), &self.broker.queue, "faults");
         config.schema = self.consumer_schema.to_string();
         config.declare_retry_queues = false;
         config.max_reconnect_delay = Duration::from_millis(500);
@@ -172,7 +275,7 @@ impl World {
     fn process(&self, bin: &str) -> Command {
         let mut c = Command::new(bin);
         c.env("DATABASE_URL", database_url())
-            .env("AMQP_URL", amqp_url())
+            .env("AMQP_URL", self.nodes.urls())
             .env("SCHEMA", &self.db.schema)
             .env("EXCHANGE", &self.broker.exchange)
             .env("RUST_LOG", "error")
@@ -257,7 +360,7 @@ impl World {
         committed: &[String],
         scenario: &str,
     ) -> Verdict {
-        let conn = e2e::connect().await;
+        let conn = self.nodes.connect().await;
         let mut queues = vec![self.broker.queue.clone()];
         if self.ordered {
             queues.push(format!("{}.retry", self.broker.queue));
@@ -284,7 +387,7 @@ impl World {
             for q in &queues {
                 left += settled_depth(&conn, q, end).await;
             }
-            if left == 0 {
+            if left == 0 && self.nodes.uncounted(&queues).await == 0 {
                 break;
             }
             consumer = Some(self.consumer(&format!("c-{}", suffix())).await);
@@ -320,20 +423,14 @@ impl World {
 
     async fn cleanup(self) {
         self.wire.stop();
-        let conn = e2e::connect().await;
-        if let Ok(ch) = conn.create_channel().await {
-            let _ = ch
-                .queue_delete(self.wire_queue.as_str().into(), Default::default())
-                .await;
-        }
-        if self.ordered
-            && let Ok(ch) = conn.create_channel().await
-        {
+        let mut queues = vec![self.wire_queue.clone()];
+        // The cluster's topology declares them; ordered consumers too.
+        if self.ordered || self.nodes.cluster().is_some() {
             for suffix in ["retry", "dlq"] {
-                let q = format!("{}.{suffix}", self.broker.queue);
-                let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+                queues.push(format!("{}.{suffix}", self.broker.queue));
             }
         }
+        self.nodes.cleanup(self.broker, &queues).await;
         let _ = sqlx::raw_sql(AssertSqlSafe(format!(
             "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
             self.consumer_schema
@@ -341,7 +438,6 @@ impl World {
         .execute(&self.db.pool)
         .await;
         self.db.cleanup().await;
-        self.broker.cleanup().await;
     }
 }
 
@@ -1472,7 +1568,7 @@ async fn inject_duplicates(w: &World, n: usize) -> usize {
         .take(n)
         .map(|d| (d.properties.clone(), d.data.clone()))
         .collect();
-    let conn = e2e::connect().await;
+    let conn = w.nodes.connect().await;
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
@@ -1531,8 +1627,99 @@ const MATRIX_RELAY: [(&str, &str); 4] = [
     ("BATCH_SIZE", "50"),
 ];
 
-async fn matrix_cell(capture: Capture, producer: Producer, ordered: bool) {
-    let cell = format!(
+/// The cluster cells: the relay's node stopped (gracefully) while it
+/// publishes, and started again once publishing resumed on another node.
+/// The relay is learnt from the node it records (`outbox_relays.broker`,
+/// written at its lease rounds); only a session that failed on a node moves
+/// it to the next, so its recording another node shows the stop landed on
+/// its session. Returns what happened, for the cell's line.
+async fn stop_the_relays_node(w: &World, cluster: &Cluster, cell: &str) -> String {
+    let name = format!("fault-relay-node-{}", suffix());
+    let mut env = MATRIX_RELAY.to_vec();
+    env.push(("NAME", &name));
+    let mut relay = w.relay_process_with(&env);
+    let node_of_relay = || async {
+        let recorded: Option<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT broker FROM \"{}\".outbox_relays WHERE name = $1 AND broker IS NOT NULL",
+            w.db.schema
+        )))
+        .bind(&name)
+        .fetch_optional(&w.db.pool)
+        .await
+        .unwrap();
+        recorded.and_then(|b| cluster.node_at(&b))
+    };
+    let node = std::cell::Cell::new(None);
+    wait_until(deadline(), &format!("{cell}: the relay's node"), || async {
+        node.set(node_of_relay().await);
+        node.get().is_some()
+    })
+    .await;
+    let node = node.get().unwrap();
+    // Work in flight: a batch holding rows (table), the log's reader
+    // publishing (WAL); the producers go on committing throughout.
+    let held = w.in_flight(0).await;
+    let stopped_at = std::time::Instant::now();
+    let moved = std::cell::Cell::new(None);
+    // Publishing resumes while the node is still stopping: timed from the
+    // stop's start, beside it.
+    let (stopped, resumed) = tokio::join!(
+        async {
+            let stopped = cluster.stop_for_a_while(node).await.unwrap();
+            (stopped, stopped_at.elapsed())
+        },
+        async {
+            wait_until(
+                deadline(),
+                &format!("{cell}: the relay to move off node {node}"),
+                || async {
+                    moved.set(node_of_relay().await.filter(|m| *m != node));
+                    moved.get().is_some()
+                },
+            )
+            .await;
+            let seen = w.wire.distinct();
+            wait_until(
+                deadline(),
+                &format!("{cell}: publishing through node {:?}", moved.get()),
+                || async { w.wire.distinct() > seen },
+            )
+            .await;
+            stopped_at.elapsed()
+        }
+    );
+    let (stopped, stop_took) = stopped;
+    stopped.start().await.unwrap();
+    assert_eq!(
+        stop_child(&mut relay, Signal::SIGINT, deadline()).await,
+        Some(0),
+        "{cell}: the relay that lost its node did not stop cleanly"
+    );
+    format!(
+        "relay's node {node} stopped ({:.1} s) with {} in flight: publishing through node {} \
+         {:.1} s after the stop began",
+        stop_took.as_secs_f64(),
+        if w.is_wal() {
+            "the log's reader publishing".to_owned()
+        } else {
+            format!("{held} rows left")
+        },
+        moved.get().unwrap(),
+        resumed.as_secs_f64()
+    )
+}
+
+/// Where a matrix cell runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum On {
+    /// The test broker.
+    Node,
+    /// The three-node cluster, quorum queues, the relay's node stopped.
+    Cluster,
+}
+
+async fn matrix_cell(capture: Capture, producer: Producer, ordered: bool, on: On) {
+    let mut cell = format!(
         "{}/{:?}/{}",
         if capture == Capture::Wal {
             "wal"
@@ -1542,16 +1729,33 @@ async fn matrix_cell(capture: Capture, producer: Producer, ordered: bool) {
         producer,
         if ordered { "ordered" } else { "unordered" }
     );
-    let prefix = format!(
+    let mut prefix = format!(
         "m_{}{}{}",
         if capture == Capture::Wal { "w" } else { "t" },
         if producer == Producer::Sql { "s" } else { "r" },
         if ordered { "o" } else { "u" }
     );
-    let mut w = match capture {
-        Capture::Wal => World::wal(&prefix).await,
-        _ => World::new(&prefix).await,
+    let nodes = match on {
+        On::Node => Broker::Single,
+        On::Cluster => {
+            cell = format!("cluster {cell}");
+            prefix = format!("c{prefix}");
+            // The cells spread over the nodes: each starts its clients'
+            // URL lists (so its relay, mostly) on a node of its own.
+            let first = usize::from(capture == Capture::Wal)
+                + usize::from(producer == Producer::Sql)
+                + usize::from(ordered);
+            Broker::Cluster {
+                cluster: Cluster::local(),
+                first: first % 3,
+            }
+        }
     };
+    let db = match capture {
+        Capture::Wal => TestDb::producer_wal(&prefix).await,
+        _ => TestDb::producer(&prefix).await,
+    };
+    let mut w = World::with(db, &prefix, nodes).await;
     if ordered {
         sqlx::query(AssertSqlSafe(format!(
             "SELECT \"{}\".outbox_set_ordered($1, true)",
@@ -1599,6 +1803,10 @@ async fn matrix_cell(capture: Capture, producer: Producer, ordered: bool) {
 
     // The fault: relays SIGKILLed on work in flight while producers commit.
     let landed = kill_relays_in_flight(&w, 3 * scale()).await;
+    let node_stopped = match w.nodes.cluster() {
+        Some(cluster) => Some(stop_the_relays_node(&w, cluster, &cell).await),
+        None => None,
+    };
     stop_producing.cancel();
     let good = producing.await.unwrap();
     let mut last = w.relay_process_with(&MATRIX_RELAY);
@@ -1721,32 +1929,48 @@ async fn matrix_cell(capture: Capture, producer: Producer, ordered: bool) {
     println!(
         "{cell}: {} good events, {} bad inputs ({} refused at the door), {landed} kills, \
          {injected} duplicates injected, {} copies on the wire, longest gap in publishing \
-         while bad inputs were in flight {gap:?} of {:?}",
+         while bad inputs were in flight {gap:?} of {:?}{}",
         verdict.events,
         bad.len() + usize::from(w.is_wal()),
         bad.len() - committed_bad.len(),
         verdict.wire_duplicates,
-        to - from
+        to - from,
+        node_stopped.map_or(String::new(), |n| format!("; {n}"))
     );
     w.cleanup().await;
 }
 
 macro_rules! matrix {
-    ($($name:ident: $capture:expr, $producer:expr, $ordered:expr;)*) => {$(
+    ($($name:ident, $cluster_name:ident: $capture:expr, $producer:expr, $ordered:expr;)*) => {$(
         #[tokio::test]
         async fn $name() {
-            matrix_cell($capture, $producer, $ordered).await;
+            matrix_cell($capture, $producer, $ordered, On::Node).await;
+        }
+
+        /// `make test` runs the `cluster_` tests alone, after the rest:
+        /// they stop and start the cluster's nodes.
+        #[tokio::test]
+        async fn $cluster_name() {
+            matrix_cell($capture, $producer, $ordered, On::Cluster).await;
         }
     )*};
 }
 
 matrix! {
-    matrix_table_rust_unordered: Capture::Table, Producer::Rust, false;
-    matrix_table_rust_ordered: Capture::Table, Producer::Rust, true;
-    matrix_table_sql_unordered: Capture::Table, Producer::Sql, false;
-    matrix_table_sql_ordered: Capture::Table, Producer::Sql, true;
-    matrix_wal_rust_unordered: Capture::Wal, Producer::Rust, false;
-    matrix_wal_rust_ordered: Capture::Wal, Producer::Rust, true;
-    matrix_wal_sql_unordered: Capture::Wal, Producer::Sql, false;
-    matrix_wal_sql_ordered: Capture::Wal, Producer::Sql, true;
+    matrix_table_rust_unordered, cluster_matrix_table_rust_unordered:
+        Capture::Table, Producer::Rust, false;
+    matrix_table_rust_ordered, cluster_matrix_table_rust_ordered:
+        Capture::Table, Producer::Rust, true;
+    matrix_table_sql_unordered, cluster_matrix_table_sql_unordered:
+        Capture::Table, Producer::Sql, false;
+    matrix_table_sql_ordered, cluster_matrix_table_sql_ordered:
+        Capture::Table, Producer::Sql, true;
+    matrix_wal_rust_unordered, cluster_matrix_wal_rust_unordered:
+        Capture::Wal, Producer::Rust, false;
+    matrix_wal_rust_ordered, cluster_matrix_wal_rust_ordered:
+        Capture::Wal, Producer::Rust, true;
+    matrix_wal_sql_unordered, cluster_matrix_wal_sql_unordered:
+        Capture::Wal, Producer::Sql, false;
+    matrix_wal_sql_ordered, cluster_matrix_wal_sql_ordered:
+        Capture::Wal, Producer::Sql, true;
 }

@@ -61,6 +61,33 @@ impl Cluster {
         self.urls[n].clone()
     }
 
+    /// The nodes' URLs starting with node `first`, comma-separated: the
+    /// list a relay or a consumer takes (`AMQP_URL`), tried in that order.
+    pub fn url_list(&self, first: usize) -> String {
+        let n = self.urls.len();
+        (0..n)
+            .map(|k| self.urls[(first + k) % n].as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The node whose URL names `host_port` (`127.0.0.1:5701`, as a relay
+    /// records the node it uses in `outbox_relays.broker`).
+    pub fn node_at(&self, host_port: &str) -> Option<usize> {
+        self.urls.iter().position(|u| {
+            url::Url::parse(u).is_ok_and(|u| {
+                u.host_str()
+                    .zip(u.port())
+                    .is_some_and(|(h, p)| format!("{h}:{p}") == host_port)
+            })
+        })
+    }
+
+    /// A connection to the first node that answers.
+    pub async fn connect(&self) -> Result<lapin::Connection> {
+        crate::connect_any(&self.url_list(0)).await
+    }
+
     /// Node `n`'s Erlang node name, `outbox-c{n+1}@localhost` (panics unless `n` < 3).
     pub fn node_name(&self, n: usize) -> String {
         NODES[n].to_owned()
@@ -83,6 +110,20 @@ impl Cluster {
         self.run(&["stop-node", &self.arg(n)], CONTROL_TIMEOUT)
             .await
             .map(drop)
+    }
+
+    /// Stops node `n` gracefully, like [`Cluster::stop`]; the node starts
+    /// again when the guard is started or dropped, so a test that panics
+    /// leaves all three nodes running.
+    pub async fn stop_for_a_while(&self, n: usize) -> Result<StoppedNode> {
+        // A stop that failed half-way still leaves the guard to start it.
+        let guard = StoppedNode {
+            cluster: self.clone(),
+            n,
+            stopped: true,
+        };
+        self.stop(n).await?;
+        Ok(guard)
     }
 
     /// Starts node `n` again (it rejoins by itself); returns once it runs in the cluster.
@@ -174,6 +215,49 @@ impl Cluster {
     }
 }
 
+/// A node stopped by [`Cluster::stop_for_a_while`], started again by
+/// [`StoppedNode::start`] or, blocking, when dropped.
+#[derive(Debug)]
+pub struct StoppedNode {
+    cluster: Cluster,
+    n: usize,
+    stopped: bool,
+}
+
+impl StoppedNode {
+    /// The stopped node's number.
+    pub fn node(&self) -> usize {
+        self.n
+    }
+
+    /// Starts the node again; returns once it runs in the cluster.
+    pub async fn start(mut self) -> Result<()> {
+        self.stopped = false;
+        self.cluster.start(self.n).await
+    }
+}
+
+impl Drop for StoppedNode {
+    fn drop(&mut self) {
+        if !self.stopped {
+            return;
+        }
+        // No runtime to await on while a test unwinds: the script runs to
+        // its end here (it bounds its own waits).
+        let ok = std::process::Command::new(&self.cluster.script)
+            .args(["start-node", &self.cluster.arg(self.n)])
+            .stdin(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!(
+                "could not start cluster node {} again: run `make cluster`",
+                self.n
+            );
+        }
+    }
+}
+
 /// The URLs from `CLUSTER_AMQP_URLS`, or the local nodes' (guest/guest).
 fn urls_from(var: Option<String>) -> Vec<String> {
     match var {
@@ -224,5 +308,20 @@ mod tests {
             ["amqp://a:1/%2f", "amqp://b:2/%2f", "amqp://c:3/%2f"]
         );
         assert!(Cluster::local().script.ends_with("scripts/cluster.sh"));
+    }
+
+    #[test]
+    fn url_lists_rotate_and_nodes_are_found_by_address() {
+        let c = Cluster {
+            urls: urls_from(None),
+            script: PathBuf::new(),
+        };
+        assert_eq!(
+            c.url_list(2),
+            "amqp://guest:guest@127.0.0.1:5703/%2f,amqp://guest:guest@127.0.0.1:5701/%2f,\
+             amqp://guest:guest@127.0.0.1:5702/%2f"
+        );
+        assert_eq!(c.node_at("127.0.0.1:5702"), Some(1));
+        assert_eq!(c.node_at("127.0.0.1:5672"), None);
     }
 }
