@@ -382,37 +382,41 @@ async fn wal_growth(r: &mut Report, pool: &sqlx::PgPool, url: &str, sizes: &Size
 
 async fn wal_write(r: &mut Report, pool: &sqlx::PgPool, sizes: &Sizes) -> Result<()> {
     eprintln!("bench: WAL capture: write path (one insert per transaction, 8 writers)");
-    // Interleaved: no event, a row in the outbox table, a log message, and
-    // the ceiling of the last two: one more statement that does nothing.
-    let mut rates = vec![Stats::default(); 4];
-    let (mut table_ratio, mut wal_ratio, mut ceiling, mut to_ceiling) = (
+    // Interleaved: no event, a row in the outbox table, a log message, the
+    // ceiling of the last two (one more statement that does nothing), and
+    // the design's own ceiling: a bare pg_logical_emit_message of the same
+    // bytes (no slot check, no ordered-type lookup).
+    let mut rates = vec![Stats::default(); 5];
+    let (mut table_ratio, mut wal_ratio, mut ceiling, mut to_ceiling, mut to_bare) = (
+        Stats::default(),
         Stats::default(),
         Stats::default(),
         Stats::default(),
         Stats::default(),
     );
     for round in 0..sizes.rounds {
-        let mut got = [0.0; 4];
-        for k in 0..4 {
-            let i = (k + round) % 4;
+        let mut got = [0.0; 5];
+        for k in 0..5 {
+            let i = (k + round) % 5;
             common::use_wal_capture(i == 2);
             let mode = (i == 1 || i == 2).then_some(Wakeup::AfterCommit);
-            let shape = if i == 3 {
-                Shape::OneInsertAndNoop
-            } else {
-                Shape::OneInsert
+            let shape = match i {
+                3 => Shape::OneInsertAndNoop,
+                4 => Shape::OneInsertAndBareEmit,
+                _ => Shape::OneInsert,
             };
             got[i] = write::write_path(pool, shape, mode, sizes.worst_secs).await?;
         }
         common::use_wal_capture(true);
         eprintln!("bench:   round {}: {got:.0?} tx/s", round + 1);
-        for i in 0..4 {
+        for i in 0..5 {
             rates[i].push(got[i]);
         }
         table_ratio.push(got[1] / got[0]);
         wal_ratio.push(got[2] / got[0]);
         ceiling.push(got[3] / got[0]);
         to_ceiling.push(got[2] / got[3]);
+        to_bare.push(got[2] / got[4]);
     }
     r.stats(
         "wal_write_tx_per_s_baseline",
@@ -461,6 +465,18 @@ async fn wal_write(r: &mut Report, pool: &sqlx::PgPool, sizes: &Sizes) -> Result
         &to_ceiling,
         "  log message / one more statement",
         "",
+    );
+    r.stats(
+        "wal_write_tx_per_s_bare_emit",
+        &rates[4],
+        "WAL: write tx/s, one insert + bare pg_logical_emit_message",
+        "",
+    );
+    r.ceiling(
+        "wal_write_path_design_ratio",
+        &to_bare,
+        "  log message (slot check included) / bare pg_logical_emit_message",
+        ">= 0.95",
     );
     Ok(())
 }

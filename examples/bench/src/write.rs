@@ -30,6 +30,10 @@ pub(crate) enum Shape {
     /// One insert and one more statement that does nothing (`SELECT 1`):
     /// the ceiling of any event written by a statement of its own.
     OneInsertAndNoop,
+    /// One insert and a bare `pg_logical_emit_message` of the bytes the
+    /// log capture writes for one event: the least a log event can cost
+    /// (no slot check, no ordered-type lookup, no library).
+    OneInsertAndBareEmit,
 }
 
 struct Statements {
@@ -38,6 +42,8 @@ struct Statements {
     order: String,
     lines: String,
     one: String,
+    /// The log capture's message prefix.
+    prefix: String,
 }
 
 impl Statements {
@@ -55,6 +61,7 @@ impl Statements {
                  SELECT $1, l, s, q, p FROM unnest($2::int[], $3::text[], $4::int[], $5::bigint[]) AS t(l, s, q, p)"
             ),
             one: format!("INSERT INTO \"{s}\".one_row (sku, qty) VALUES ($1, $2)"),
+            prefix: format!("outbox:{s}"),
         }
     }
 }
@@ -179,7 +186,7 @@ pub(crate) async fn write_path(
                             None => None,
                         }
                     }
-                    Shape::OneInsert | Shape::OneInsertAndNoop => {
+                    Shape::OneInsert | Shape::OneInsertAndNoop | Shape::OneInsertAndBareEmit => {
                         sqlx::query(AssertSqlSafe(sql.one.clone()))
                             .bind("A-1")
                             .bind(w as i32)
@@ -187,6 +194,13 @@ pub(crate) async fn write_path(
                             .await?;
                         if shape == Shape::OneInsertAndNoop {
                             sqlx::query("SELECT 1").execute(&mut *tx).await?;
+                        }
+                        if shape == Shape::OneInsertAndBareEmit {
+                            sqlx::query("SELECT pg_logical_emit_message(true, $1, $2)")
+                                .bind(&sql.prefix)
+                                .bind(bare_message(n))
+                                .execute(&mut *tx)
+                                .await?;
                         }
                         match &ob {
                             Some(_) => Some(NewEvent::new(
@@ -217,4 +231,14 @@ pub(crate) async fn write_path(
     }
     drop_schema(pool, &schema).await?;
     Ok(total as f64 / secs)
+}
+
+/// The message the log capture writes for event `n` (its contract's
+/// fields, the bench's payload), as one text.
+fn bare_message(n: u64) -> String {
+    format!(
+        r#"{{"v":1,"id":"{}","aggregate_type":"order","aggregate_id":"{n}","event_type":"OrderPlaced","payload":{},"headers":{{}},"exchange":null,"routing_key":null,"created_at":"2026-12-02T00:00:00.000000+00:00"}}"#,
+        Uuid::now_v7(),
+        crate::common::payload(),
+    )
 }
