@@ -117,6 +117,20 @@ async fn wal_set_up_is_checked_created_and_dropped() {
 
     assert!(admin::drop_wal_slot(&db.pool, &s).await.unwrap());
     assert!(!admin::drop_wal_slot(&db.pool, &s).await.unwrap());
+    // A schema that is no producer's (a consumer's, say) has nothing to
+    // drop, and says so without an error.
+    let other = format!("{}_c", db.schema);
+    sqlx::raw_sql(AssertSqlSafe(format!("CREATE SCHEMA \"{other}\"")))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let other = outbox::Ident::new("schema", &other).unwrap();
+    assert!(!admin::drop_wal_slot(&db.pool, &other).await.unwrap());
+    assert!(admin::wal_slot(&db.pool, &other).await.unwrap().is_none());
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA \"{other}\"")))
+        .execute(&db.pool)
+        .await
+        .unwrap();
     assert!(matches!(
         outbox::Outbox::new(&db.pool, config).await.unwrap_err(),
         outbox::Error::WalCaptureNotReady { .. }

@@ -23,15 +23,22 @@ pub struct WalSetUp {
 
 /// The replication slot the write-ahead-log capture of `schema` reads, as
 /// [`create_wal_slot`] recorded it (table `outbox_wal_capture`); `None`
-/// when the capture is not set up. Producers check this slot with every
-/// write, and relays read it.
+/// when the capture is not set up, or the schema has no such table (not a
+/// producer schema, or one migrated before version 11). Producers check
+/// this slot with every write, and relays read it.
 pub async fn recorded_wal_slot(pool: &PgPool, schema: &Ident) -> Result<Option<String>> {
-    Ok(sqlx::query_scalar(AssertSqlSafe(format!(
+    let recorded = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT slot FROM {}.outbox_wal_capture",
         schema.quoted()
     )))
     .fetch_optional(pool)
-    .await?)
+    .await;
+    match recorded {
+        Err(sqlx::Error::Database(e)) if matches!(e.code().as_deref(), Some("42P01" | "3F000")) => {
+            Ok(None)
+        }
+        other => Ok(other?),
+    }
 }
 
 /// A replication slot name PostgreSQL takes as it is: `[a-z_][a-z0-9_]*`,
@@ -156,8 +163,9 @@ pub async fn create_wal_slot(
 /// published are lost with the slot. Fails while a relay reads the slot.
 /// Returns whether a slot was dropped.
 pub async fn drop_wal_slot(pool: &PgPool, schema: &Ident) -> Result<bool> {
-    let slot = recorded_wal_slot(pool, schema)
-        .await?
+    let recorded = recorded_wal_slot(pool, schema).await?;
+    let slot = recorded
+        .clone()
         .unwrap_or_else(|| outbox::wal_slot_name(schema));
     let dropped: Option<bool> = sqlx::query_scalar(
         "SELECT pg_drop_replication_slot(slot_name) IS NULL FROM pg_replication_slots
@@ -171,12 +179,14 @@ pub async fn drop_wal_slot(pool: &PgPool, schema: &Ident) -> Result<bool> {
     )))
     .execute(pool)
     .await?;
-    sqlx::query(AssertSqlSafe(format!(
-        "DELETE FROM {}.outbox_wal_capture",
-        schema.quoted()
-    )))
-    .execute(pool)
-    .await?;
+    if recorded.is_some() {
+        sqlx::query(AssertSqlSafe(format!(
+            "DELETE FROM {}.outbox_wal_capture",
+            schema.quoted()
+        )))
+        .execute(pool)
+        .await?;
+    }
     Ok(dropped.is_some())
 }
 
