@@ -61,8 +61,11 @@ pub fn wakeup_channel(schema: &Ident) -> String {
     format!("outbox_{}", schema.as_str())
 }
 
-/// The logical replication slot (and the publication) the write-ahead-log
-/// capture of `schema` reads: `outbox_<schema>`, at most 63 bytes.
+/// The default name of the logical replication slot (and the
+/// publication) the write-ahead-log capture of `schema` reads:
+/// `outbox_<schema>`, at most 63 bytes. The name in use is the one
+/// `outbox-relay migrate --capture wal [--slot NAME]` recorded in the
+/// schema's table `outbox_wal_capture` (slot names are cluster-wide).
 pub fn wal_slot_name(schema: &Ident) -> String {
     format!("outbox_{}", schema.as_str())
 }
