@@ -16,29 +16,14 @@ use outbox::Capture;
 use outbox_consumer::{Consumer, ConsumerConfig, Event, Handler, Outcome};
 use outbox_relay::{Relay, RelayConfig, WalCapture};
 use sqlx::{AssertSqlSafe, PgConnection};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
 /// One `POST /orders` under `key`: status, whether it was replayed, body.
 async fn post_order(addr: SocketAddr, key: &str, body: &str) -> (u16, bool, String) {
-    let request = format!(
-        "POST /orders HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nIdempotency-Key: {key}\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).await.unwrap();
-    let status = raw.split(' ').nth(1).unwrap().parse().unwrap();
-    let replayed = raw
-        .to_ascii_lowercase()
-        .contains("\r\nidempotent-replayed: true\r\n");
-    let body = raw.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
-    (status, replayed, body)
+    let reply = e2e::post_json(addr, "/orders", key, body).await;
+    (reply.status, reply.replayed, reply.body)
 }
 
 struct Effect {

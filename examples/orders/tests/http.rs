@@ -9,7 +9,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use axum::extract::Request;
 use axum::middleware::Next;
 use e2e::TestDb;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tracing::instrument::WithSubscriber;
 use tracing_subscriber::layer::SubscriberExt;
 
@@ -27,21 +26,8 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Errors {
 
 /// Status and whether it was replayed, of one `POST /orders` under `key`.
 async fn post_order(addr: SocketAddr, key: &str, body: &str) -> (u16, bool) {
-    let request = format!(
-        "POST /orders HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nIdempotency-Key: {key}\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).await.unwrap();
-    let status = raw.split(' ').nth(1).unwrap().parse().unwrap();
-    let replayed = raw
-        .to_ascii_lowercase()
-        .contains("\r\nidempotent-replayed: true\r\n");
-    (status, replayed)
+    let reply = e2e::post_json(addr, "/orders", key, body).await;
+    (reply.status, reply.replayed)
 }
 
 #[tokio::test]
