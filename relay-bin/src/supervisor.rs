@@ -123,7 +123,7 @@ impl Relay {
 
     /// [`open_session`](Self::open_session), and the index of the node's
     /// URL.
-    async fn open_session_on_node(&self) -> Result<(Arc<Connection>, usize)> {
+    pub(crate) async fn open_session_on_node(&self) -> Result<(Arc<Connection>, usize)> {
         let cfg = &self.inner.config;
         let urls = cfg.amqp_urls();
         let start = inner_next(&self.inner);
@@ -228,7 +228,7 @@ impl Relay {
     /// node after it, so a failing node is not the first one tried again.
     /// Unless another session already moved on (the WAL reader's, or a
     /// connection made since): then that choice stands.
-    fn leave_node(&self, i: usize) {
+    pub(crate) fn leave_node(&self, i: usize) {
         let n = self.inner.config.amqp_urls().len().max(1);
         let _ = self.inner.broker_next.compare_exchange(
             i,

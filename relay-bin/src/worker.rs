@@ -205,6 +205,16 @@ impl Relay {
                         _ = wake.changed() => {}
                         _ = tokio::time::sleep(cfg.poll_interval) => {}
                     }
+                    // An idle worker publishes nothing, so nothing else
+                    // would notice a node that closed the connection (a
+                    // stopped node): the session ends and fails over now,
+                    // not at the next event, and readiness tells the truth.
+                    if !session.publisher.is_open() {
+                        session.publisher.close().await;
+                        return Err(Error::ChannelClosed(
+                            "the broker closed the connection while the worker was idle".to_owned(),
+                        ));
+                    }
                 }
                 Err(e) if e.is_broker() || !session.publisher.is_open() => {
                     session.publisher.close().await;

@@ -217,3 +217,92 @@ async fn after_a_failed_session_the_relay_moves_to_the_next_node() {
     db.cleanup().await;
     broker.cleanup().await;
 }
+
+/// Defect (the cluster matrix, a node stopped while the relay idled): a
+/// session with nothing to publish never noticed that its node closed the
+/// connection, so the relay stayed "connected" to a stopped node (ready,
+/// its node recorded) until the next event. Now an idle table worker and an
+/// idle log reader notice at their next poll or keep-alive: every session
+/// moves to the next node with nothing produced meanwhile.
+async fn an_idle_relay_leaves_a_node_that_closed_its_connections(capture: outbox::Capture) {
+    let wal = capture == outbox::Capture::Wal;
+    let prefix = if wal { "nodes_idle_w" } else { "nodes_idle_t" };
+    let db = if wal {
+        TestDb::producer_wal(prefix).await
+    } else {
+        TestDb::producer(prefix).await
+    };
+    let broker = TestBroker::new(prefix, FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let (first, first_url) = proxy_node().await;
+    let (second, second_url) = proxy_node().await;
+    let mut c = RelayConfig::default();
+    c.amqp_url = format!("{first_url},{second_url}").into();
+    c.schema = db.schema.clone();
+    c.default_exchange = broker.exchange.clone();
+    c.declare_exchange = None;
+    c.workers = 1;
+    c.poll_interval = Duration::from_millis(100);
+    c.reconnect_min = Duration::from_millis(50);
+    c.reconnect_max = Duration::from_millis(200);
+    if wal {
+        let mut w = outbox_relay::WalCapture::new(database_url());
+        w.standby_poll = Duration::from_millis(200);
+        c.wal = Some(w);
+    }
+    let relay = Relay::new(db.pool.clone(), c).await.unwrap();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn({
+        let (r, s) = (relay.clone(), stop.clone());
+        async move { r.run(s).await }
+    });
+    let ids = db.produce(20, 10, Duration::ZERO).await;
+    wait_until(DEADLINE, "the first events published", || async {
+        ids.iter().all(|id| collector.has(id))
+    })
+    .await;
+    assert_eq!(relay.health().broker_node(), Some(host_port(&first_url)));
+    assert_eq!(
+        second.connections(),
+        0,
+        "nothing went to the second node yet"
+    );
+
+    // Nothing more is produced: only noticing the closed connection moves
+    // the sessions (the table's, and the log reader's in WAL capture).
+    first.set(e2e::Mode::Reset);
+    let sessions = if wal { 2 } else { 1 };
+    wait_until(
+        DEADLINE,
+        &format!("{sessions} idle session(s) to reconnect on the second node"),
+        || async { second.connections() >= sessions },
+    )
+    .await;
+    wait_until(DEADLINE, "the relay ready on the second node", || async {
+        relay.health().is_ready() && relay.health().broker_node() == Some(host_port(&second_url))
+    })
+    .await;
+    first.set(e2e::Mode::Pass);
+    let ids = db.produce(20, 10, Duration::ZERO).await;
+    wait_until(
+        DEADLINE,
+        "the events published on the second node",
+        || async { ids.iter().all(|id| collector.has(id)) },
+    )
+    .await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_table_relay_leaves_a_node_that_closed_its_connections() {
+    an_idle_relay_leaves_a_node_that_closed_its_connections(outbox::Capture::Table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_wal_relay_leaves_a_node_that_closed_its_connections() {
+    an_idle_relay_leaves_a_node_that_closed_its_connections(outbox::Capture::Wal).await;
+}

@@ -288,7 +288,6 @@ impl Relay {
         failures: &mut u32,
     ) -> Result<SessionEnd> {
         let inner = &self.inner;
-        let cfg = &inner.config;
         let row = slot_row(&inner.pool, slot).await?;
         if let Some(e) = refusal(slot, row.as_ref()) {
             return Err(e);
@@ -304,8 +303,31 @@ impl Relay {
             .as_deref()
             .and_then(|l| Lsn::parse(l).ok())
             .unwrap_or(Lsn::ZERO);
-        let conn = self.open_session().await?;
-        let mut publisher = Publisher::open(&conn, cfg.broker_timeout).await?;
+        let (conn, node) = self.open_session_on_node().await?;
+        let end = self
+            .wal_session_on(wal, slot, &conn, confirmed, failures, shutdown)
+            .await;
+        if end.as_ref().is_err_and(Error::is_broker) {
+            // As the table's sessions do: the next connection starts after
+            // the node that failed.
+            self.leave_node(node);
+        }
+        end
+    }
+
+    /// [`wal_session`](Self::wal_session) on the broker connection `conn`.
+    async fn wal_session_on(
+        &self,
+        wal: &WalCapture,
+        slot: &str,
+        conn: &Arc<Connection>,
+        confirmed: Lsn,
+        failures: &mut u32,
+        shutdown: &CancellationToken,
+    ) -> Result<SessionEnd> {
+        let inner = &self.inner;
+        let cfg = &inner.config;
+        let mut publisher = Publisher::open(conn, cfg.broker_timeout).await?;
         let mut source = crate::wal::source(wal.database_url.expose()).map_err(Error::Config)?;
         source.slot = slot.to_owned();
         source.publication = slot.to_owned().into();
@@ -337,7 +359,7 @@ impl Relay {
                 metrics::gauge!("outbox_relay_wal_reading").set(1.0);
                 tracing::info!(slot = %slot, from = %lsn_text(confirmed.as_u64()), "reading the write-ahead log");
                 let end = self
-                    .stream(&mut client, &mut publisher, &conn, shutdown, &mut acked)
+                    .stream(&mut client, &mut publisher, conn, shutdown, &mut acked)
                     .await;
                 metrics::gauge!("outbox_relay_wal_reading").set(0.0);
                 end
@@ -416,6 +438,16 @@ impl Relay {
                     .await?;
                 continue;
             } else if pending.is_empty() {
+                if wire.len() == 0 && !publisher.is_open() {
+                    // Nothing to publish, so nothing else would notice a
+                    // node that closed the connection (a stopped node):
+                    // fail over now, not at the next event (keep-alives
+                    // bring the reader here at every status interval).
+                    return Err(Error::ChannelClosed(
+                        "the broker closed the connection while the log's reader was idle"
+                            .to_owned(),
+                    ));
+                }
                 tokio::select! {
                     _ = shutdown.cancelled() => continue,
                     sent = wire.oldest_confirms() => {
