@@ -11,7 +11,7 @@ use outbox::redact::{redact_url, redact_urls, scrub};
 use outbox_relay::admin::{self, Selection};
 use outbox_relay::{Relay, RelayConfig, WalCapture};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -40,6 +40,13 @@ pub(crate) struct Args {
     /// Log format on stderr.
     #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub(crate) log_format: LogFormat,
+
+    /// A database statement that takes longer than this is logged at WARN
+    /// (with its text); faster ones are not logged. The relay's
+    /// maintenance statements (the lease round, the stats) take seconds on
+    /// a saturated machine: below this they are normal, not news.
+    #[arg(long, env = "OUTBOX_SLOW_STATEMENT", default_value = "10s", value_parser = humantime::parse_duration, global = true)]
+    slow_statement: Duration,
 
     #[command(subcommand)]
     command: Command,
@@ -323,8 +330,14 @@ struct RunArgs {
 }
 
 pub(crate) fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // lapin logs a broker outage from inside its IO loop at ERROR; the
+    // relay handles it (fails over, reconnects) and logs it itself at WARN
+    // with the cause. Its lines only when RUST_LOG asks for them by name.
+    if !std::env::var("RUST_LOG").is_ok_and(|v| v.contains("lapin")) {
+        filter = filter.add_directive("lapin=off".parse().expect("a constant directive parses"));
+    }
     // Colours only on a terminal: a log file or collector gets plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -380,7 +393,7 @@ fn amqp_url(args: &Args) -> String {
 }
 
 async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
-    let pool = connect_db(url, 8).await?;
+    let pool = connect_db(url, 8, args.slow_statement).await?;
     match &args.command {
         Command::Migrate { capture, slot } => {
             if slot.is_some() && *capture != CaptureArg::Wal {
@@ -429,7 +442,7 @@ async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
         Command::DeadLetters(cmd) => dead_letters(&pool, schema, cmd).await?,
         Command::Blocked(cmd) => blocked(&pool, schema, cmd).await?,
         Command::Ordering(cmd) => ordering(&pool, schema, cmd).await?,
-        Command::Run(r) => return run_relay(url, schema, r).await,
+        Command::Run(r) => return run_relay(url, schema, r, args.slow_statement).await,
         Command::Console(c) => {
             let options = crate::console::Options {
                 listen: c.listen,
@@ -451,7 +464,7 @@ async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn connect_db(url: &str, max: u32) -> Result<PgPool> {
+async fn connect_db(url: &str, max: u32, slow: Duration) -> Result<PgPool> {
     outbox::redact::check_url(url, "database URL", &["postgres", "postgresql"])
         .map_err(anyhow::Error::msg)?;
     // sqlx's parse errors do not quote the URL; say which setting anyway.
@@ -461,10 +474,13 @@ async fn connect_db(url: &str, max: u32) -> Result<PgPool> {
     // Bounds on the database side: no statement runs forever, and a relay
     // frozen inside a transaction (SIGSTOP, a hung broker) loses its
     // session and its row locks instead of holding them for ever.
-    let options = options.application_name("outbox-relay").options([
-        ("statement_timeout", "30s"),
-        ("idle_in_transaction_session_timeout", "60s"),
-    ]);
+    let options = options
+        .application_name("outbox-relay")
+        .options([
+            ("statement_timeout", "30s"),
+            ("idle_in_transaction_session_timeout", "60s"),
+        ])
+        .log_slow_statements(log::LevelFilter::Warn, slow);
     // One direct connection first: its error names the cause (refused,
     // auth, TLS), where a pool would only report a timeout.
     let probe = tokio::time::timeout(
@@ -487,7 +503,7 @@ async fn connect_db(url: &str, max: u32) -> Result<PgPool> {
         .connect_lazy_with(options))
 }
 
-async fn run_relay(url: &str, schema: &Ident, r: &RunArgs) -> Result<ExitCode> {
+async fn run_relay(url: &str, schema: &Ident, r: &RunArgs, slow: Duration) -> Result<ExitCode> {
     let mut config = RelayConfig::default();
     config.amqp_url = r.amqp_url.join(",").into();
     config.schema = schema.to_string();
@@ -516,7 +532,7 @@ async fn run_relay(url: &str, schema: &Ident, r: &RunArgs) -> Result<ExitCode> {
         config.wal = Some(wal);
     }
     config.validate()?;
-    let pool = connect_db(url, r.workers as u32 + 3).await?;
+    let pool = connect_db(url, r.workers as u32 + 3, slow).await?;
     let relay = Relay::new(pool.clone(), config).await?;
     // Fail fast with one line when the broker is unreachable at start;
     // after that the supervisor reconnects by itself.
