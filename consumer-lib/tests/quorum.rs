@@ -249,20 +249,32 @@ async fn classic_retries_expiring_into_a_full_work_queue_are_lost() {
 /// Every message of `queue` on the default broker, ready or not: a quorum
 /// queue's messages waiting to be dead-lettered at-least-once are not
 /// counted by an AMQP passive declare, `rabbitmqctl` counts them.
+/// A failed `rabbitmqctl` (it times out on a loaded machine) is asked
+/// again until a deadline, then reported with what it printed.
 fn all_messages(queue: &str) -> u64 {
-    let out = std::process::Command::new("rabbitmqctl")
-        .args([
-            "-q",
-            "list_queues",
-            "name",
-            "messages",
-            "--formatter",
-            "json",
-        ])
-        .output()
-        .expect("rabbitmqctl");
-    let rows: Vec<serde_json::Value> =
-        serde_json::from_slice(&out.stdout).expect("rabbitmqctl's JSON");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let rows: Vec<serde_json::Value> = loop {
+        let out = std::process::Command::new("rabbitmqctl")
+            .args([
+                "-q",
+                "list_queues",
+                "name",
+                "messages",
+                "--formatter",
+                "json",
+            ])
+            .output()
+            .expect("rabbitmqctl");
+        match serde_json::from_slice(&out.stdout) {
+            Ok(rows) if out.status.success() => break rows,
+            _ if std::time::Instant::now() < deadline => continue,
+            _ => panic!(
+                "rabbitmqctl list_queues failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        }
+    };
     rows.iter()
         .find(|r| r["name"] == queue)
         .and_then(|r| r["messages"].as_u64())

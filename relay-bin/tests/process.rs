@@ -321,6 +321,21 @@ async fn bad_configuration_gets_one_line_and_a_non_zero_exit_and_no_password_is_
             "cannot connect to the database",
             vec![("DATABASE_URL", "postgres://u:pg-S3cret-pw@127.0.0.1:1/x")],
         ),
+        // TLS is compiled in, on one provider (two would panic in rustls):
+        // a TLS handshake with a plain AMQP port fails as a connect error.
+        (
+            vec!["run"],
+            "cannot connect to the broker",
+            vec![("AMQP_URL", "amqps://guest:mq-S3cret-pw@127.0.0.1:5672/%2f")],
+        ),
+        (
+            vec!["status"],
+            "cannot connect to the database",
+            vec![(
+                "DATABASE_URL",
+                "postgres://postgres:pg-S3cret-pw@127.0.0.1:5672/test?sslmode=require",
+            )],
+        ),
         (
             vec!["run"],
             "amqp:// or amqps://",
@@ -418,6 +433,10 @@ async fn bad_configuration_gets_one_line_and_a_non_zero_exit_and_no_password_is_
         }
         let (code, text) = output(&mut cmd);
         assert_ne!(code, Some(0), "{args:?} should fail");
+        assert!(
+            code != Some(101) && !text.contains("panicked"),
+            "{args:?} panicked: {text}"
+        );
         assert!(
             text.contains(needle),
             "{args:?}: {text:?} should mention {needle:?}"
