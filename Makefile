@@ -9,7 +9,7 @@ export TEST_AMQP_URL ?= $(AMQP_URL)
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 
-.PHONY: help services browser cluster test-cluster package doc build test lint fmt demo bench bench-smoke soak clean-test-schemas
+.PHONY: help services browser cluster test-cluster package doc build test lint check-deploy fmt demo bench bench-smoke soak clean-test-schemas
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-20s %s\n", $$1, $$2}'
@@ -48,6 +48,10 @@ lint: ## rustfmt and clippy, warnings are errors; make targets share one feature
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	./scripts/check-feature-sets.sh
+	./scripts/check-deploy.sh
+
+check-deploy: ## check deploy/: Kubernetes manifests, systemd unit, alert rules and their tests, dashboard (installs promtool, kubernetes-validate if missing)
+	./scripts/check-deploy.sh
 
 doc: ## API docs of the published crates as docs.rs builds them (all features); rustdoc warnings are errors
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --all-features -p outbox-core -p outbox-lib -p consumer-lib -p relay-bin
