@@ -30,6 +30,7 @@ pub(crate) async fn serve(
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;
+    let gauge_health = health.clone();
     let app = Router::new()
         .route("/metrics", get(move || std::future::ready(handle.render())))
         .route("/healthz", get(|| async { "ok" }))
@@ -59,6 +60,7 @@ pub(crate) async fn serve(
     // Backlog gauges, refreshed off the hot path.
     tokio::spawn(async move {
         loop {
+            metrics::gauge!("outbox_relay_ready").set(f64::from(u8::from(gauge_health.is_ready())));
             // Cheap on any outbox size: estimates and index probes only.
             if let Ok(g) = outbox_relay::admin::gauges(&pool, &schema).await {
                 metrics::gauge!("outbox_relay_backlog").set(g.backlog as f64);
@@ -66,9 +68,29 @@ pub(crate) async fn serve(
                 metrics::gauge!("outbox_relay_dead_letters").set(g.dead_letters as f64);
                 metrics::gauge!("outbox_relay_blocked_aggregates").set(g.blocked_aggregates as f64);
             }
+            if let Ok(Some(slot)) = outbox_relay::admin::wal_slot(&pool, &schema).await {
+                wal_slot_gauges(&slot);
+            }
             tokio::time::sleep(Duration::from_secs(10)).await;
         }
     });
     tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
     Ok(())
+}
+
+/// The schema's replication slot as gauges (WAL capture set up): what it
+/// keeps on disk, how much more it may keep, and its `wal_status` as one
+/// series per status, 1 for the current one.
+fn wal_slot_gauges(slot: &outbox_relay::admin::WalSlot) {
+    if let Some(lag) = slot.lag_bytes {
+        metrics::gauge!("outbox_relay_wal_slot_lag_bytes").set(lag as f64);
+    }
+    if let Some(safe) = slot.safe_wal_size {
+        metrics::gauge!("outbox_relay_wal_slot_safe_bytes").set(safe as f64);
+    }
+    let now = slot.wal_status.as_deref().unwrap_or("unknown");
+    for status in ["reserved", "extended", "unreserved", "lost", "unknown"] {
+        metrics::gauge!("outbox_relay_wal_slot_status", "status" => status)
+            .set(f64::from(u8::from(status == now)));
+    }
 }
