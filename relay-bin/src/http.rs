@@ -59,6 +59,7 @@ pub(crate) async fn serve(
     });
     // Backlog gauges, refreshed off the hot path.
     tokio::spawn(async move {
+        let mut reported_slot = false;
         loop {
             metrics::gauge!("outbox_relay_ready").set(f64::from(u8::from(gauge_health.is_ready())));
             // Cheap on any outbox size: estimates and index probes only.
@@ -68,8 +69,15 @@ pub(crate) async fn serve(
                 metrics::gauge!("outbox_relay_dead_letters").set(g.dead_letters as f64);
                 metrics::gauge!("outbox_relay_blocked_aggregates").set(g.blocked_aggregates as f64);
             }
-            if let Ok(Some(slot)) = outbox_relay::admin::wal_slot(&pool, &schema).await {
-                wal_slot_gauges(&slot);
+            match outbox_relay::admin::wal_slot(&pool, &schema).await {
+                Ok(Some(slot)) => {
+                    wal_slot_gauges(&slot);
+                    reported_slot = true;
+                }
+                // Reported before, gone now (dropped, or its record
+                // deleted): no stale figures for the alerts to fire on.
+                Ok(None) if reported_slot => wal_slot_gone(),
+                _ => {}
             }
             tokio::time::sleep(Duration::from_secs(10)).await;
         }
@@ -88,7 +96,16 @@ fn wal_slot_gauges(slot: &outbox_relay::admin::WalSlot) {
     if let Some(safe) = slot.safe_wal_size {
         metrics::gauge!("outbox_relay_wal_slot_safe_bytes").set(safe as f64);
     }
-    let now = slot.wal_status.as_deref().unwrap_or("unknown");
+    wal_slot_status(slot.wal_status.as_deref().unwrap_or("unknown"));
+}
+
+/// The slot reported before is gone: status `unknown`, nothing kept.
+fn wal_slot_gone() {
+    metrics::gauge!("outbox_relay_wal_slot_lag_bytes").set(0.0);
+    wal_slot_status("unknown");
+}
+
+fn wal_slot_status(now: &str) {
     for status in ["reserved", "extended", "unreserved", "lost", "unknown"] {
         metrics::gauge!("outbox_relay_wal_slot_status", "status" => status)
             .set(f64::from(u8::from(status == now)));
