@@ -51,6 +51,12 @@
 //! each aggregate on one single-active-consumer queue (optionally
 //! partitioned by a consistent-hash exchange).
 //!
+//! **Testing a handler** (feature `testing`): the `testing` module runs
+//! your [`Handler`] on built events against a real test database, without
+//! RabbitMQ, through this crate's own batch code (dedup, sequencing,
+//! outcomes), and tells what a running consumer would have done with each
+//! message ([`docs/GETTING_STARTED.md`](https://github.com/outbox-rs/outbox/blob/main/docs/GETTING_STARTED.md), "Tests").
+//!
 //! Contracts: [`docs/CONSUMER.md`](https://github.com/outbox-rs/outbox/blob/main/docs/CONSUMER.md) (guarantees, retries, dead letters,
 //! metrics) and [`docs/INBOX_TABLE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/INBOX_TABLE.md) (the inbox table and retention).
 //!
@@ -77,6 +83,9 @@ mod retention;
 mod sequence;
 mod session;
 mod telemetry;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 mod topology;
 mod trace;
 mod version;
@@ -96,6 +105,18 @@ pub use crate::topology::{
 };
 pub use crate::trace::TraceContext;
 pub use crate::version::apply_if_newer;
+
+/// The lapin (4) whose `Connection` [`declare_topology`] and
+/// [`declare_ordered_topology`] take and whose types [`Event`] exposes
+/// (`BasicProperties`, `AMQPValue`): use `outbox_consumer::lapin` instead
+/// of a dependency of your own, or depend on the same version.
+pub use lapin;
+
+/// The sqlx (0.9) whose types this API takes (`PgPool`, the
+/// `&mut PgConnection` a [`Handler`] writes through): use
+/// `outbox_consumer::sqlx` instead of a dependency of your own, or depend
+/// on the same version.
+pub use sqlx;
 
 /// Applies the consumer's migrations (the inbox, version and sequence tables) to
 /// `schema`, creating it if needed. Safe to run concurrently and

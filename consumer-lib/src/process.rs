@@ -2,13 +2,16 @@
 //! delivery), the batch transaction (`batch.rs`; retried while the
 //! database is unreachable, event by event when the batch keeps failing),
 //! a disposition per delivery from its verdict and the retry budgets, then
-//! the ack stage (`ack.rs`) and the counters.
+//! the ack stage (`ack.rs`) and the counters. Everything before the ack
+//! stage ([`Consumer::decode`], [`Consumer::decide`]) reads no broker
+//! type but the message's properties: the test harness (`testing`)
+//! drives the same stages with built events.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use lapin::Channel;
 use lapin::message::Delivery;
+use lapin::{BasicProperties, Channel};
 use tokio_util::sync::CancellationToken;
 use tracing::Span;
 use tracing::field::Empty;
@@ -31,16 +34,72 @@ use outbox_core::backoff::Backoff;
 /// time.
 const CONFLICT_RERUNS: u32 = 10;
 
+/// What the decode stage reads of one delivery: a lapin delivery's
+/// parts, or a built event's (the test harness). An event takes the
+/// properties and body; a poison delivery keeps them.
+pub(crate) struct Incoming<'a> {
+    pub(crate) properties: &'a mut BasicProperties,
+    pub(crate) data: &'a mut Vec<u8>,
+    pub(crate) redelivered: bool,
+}
+
+impl<'a> From<&'a mut Delivery> for Incoming<'a> {
+    fn from(d: &'a mut Delivery) -> Self {
+        Self {
+            properties: &mut d.properties,
+            data: &mut d.data,
+            redelivered: d.redelivered,
+        }
+    }
+}
+
+/// A delivery that could not be decoded.
+pub(crate) struct Poison {
+    /// Why (the dead-letter reason, after `poison message: `).
+    reason: String,
+    span: Span,
+    /// Its `message_id`, for the log line.
+    message_id: Option<String>,
+}
+
 /// A batch's deliveries decoded.
-struct Decoded {
-    /// Per delivery: the index of its event, or why it is poison (and its
-    /// span).
-    slots: Vec<std::result::Result<usize, (String, Span)>>,
+pub(crate) struct Decoded {
+    /// Per delivery: the index of its event, or why it is poison.
+    pub(crate) slots: Vec<std::result::Result<usize, Poison>>,
     /// Per event, its position when sequencing is on; otherwise empty.
     positions: Vec<Option<Position>>,
     /// One span per event.
     spans: Vec<Span>,
-    events: Vec<Event>,
+    pub(crate) events: Vec<Event>,
+}
+
+/// A decoded batch after its transaction: what each delivery's verdict
+/// was and what the ack stage does with it.
+pub(crate) struct Decided {
+    pub(crate) decoded: Decoded,
+    /// Per event (indexed as `decoded.events`).
+    pub(crate) verdicts: Vec<Verdict>,
+    /// Per delivery, in delivery order.
+    pub(crate) dispositions: Vec<Disposition>,
+    tally: Tally,
+}
+
+/// What the transaction stage does while the database cannot be reached.
+pub(crate) enum OnOutage<'a> {
+    /// Waits it out, retrying the same batch with backoff until `shutdown`
+    /// fires: nothing is acked before its commit (a running consumer).
+    WaitOut(&'a CancellationToken),
+    /// Gives up at once with the error (the test harness).
+    GiveUp,
+}
+
+/// Why the transaction stage returned without a committed batch.
+#[derive(Debug)]
+pub(crate) enum Stopped {
+    /// The shutdown token fired while waiting.
+    Shutdown,
+    /// The database could not be reached ([`OnOutage::GiveUp`]).
+    Unreachable(sqlx::Error),
 }
 
 /// What became of a batch's deliveries, per outcome of
@@ -87,39 +146,80 @@ impl Consumer {
         publisher: &Channel,
         shutdown: &CancellationToken,
     ) -> Result<Option<End>> {
-        let me = &self.inner;
-        let cfg = &me.config;
-        let name = cfg.consumer_name.as_str();
+        let cfg = &self.inner.config;
         let started = Instant::now();
-        let decoded = self.decode(&mut deliveries);
-        let Some(verdicts) = self.commit(&decoded, shutdown).await else {
+        let decoded = self.decode(deliveries.iter_mut().map(Incoming::from));
+        // Waiting out outages, only the shutdown ends it without a commit.
+        let Ok(decided) = self.decide(decoded, OnOutage::WaitOut(shutdown)).await else {
             return Ok(Some(End::Shutdown));
         };
-        let mut tally = Tally::default();
-        let items = self.dispositions(&deliveries, &decoded, &verdicts, &mut tally);
-        acknowledge(publisher, &cfg.queue, name, &items, cfg.broker_timeout).await?;
+        let Decided {
+            decoded,
+            dispositions,
+            tally,
+            ..
+        } = decided;
+        let items = ack_items(&deliveries, &decoded, dispositions);
+        acknowledge(
+            publisher,
+            &cfg.queue,
+            &cfg.consumer_name,
+            &items,
+            cfg.broker_timeout,
+        )
+        .await?;
+        self.record(&tally, started, deliveries.len());
+        Ok(None)
+    }
 
-        let c = &me.counters;
-        tally.record(c, name);
-        c.batches.fetch_add(1, Ordering::Relaxed);
+    /// The stages between decode and ack: the batch's transaction, then
+    /// each delivery's disposition from its verdict and the retry budgets.
+    pub(crate) async fn decide(
+        &self,
+        decoded: Decoded,
+        on_outage: OnOutage<'_>,
+    ) -> std::result::Result<Decided, Stopped> {
+        let verdicts = self.commit(&decoded, on_outage).await?;
+        let mut tally = Tally::default();
+        let dispositions = self.dispositions(&decoded, &verdicts, &mut tally);
+        Ok(Decided {
+            decoded,
+            verdicts,
+            dispositions,
+            tally,
+        })
+    }
+
+    /// Counts a batch whose deliveries were acked: `outbox_consumer_*`
+    /// and [`ConsumerStats`](crate::ConsumerStats).
+    pub(crate) fn record_decided(&self, decided: &Decided, started: Instant) {
+        self.record(&decided.tally, started, decided.dispositions.len());
+    }
+
+    fn record(&self, tally: &Tally, started: Instant, deliveries: usize) {
+        let me = &self.inner;
+        let name = me.config.consumer_name.as_str();
+        tally.record(&me.counters, name);
+        me.counters.batches.fetch_add(1, Ordering::Relaxed);
         metrics::histogram!("outbox_consumer_batch_seconds", "consumer" => name.to_owned())
             .record(started.elapsed().as_secs_f64());
         metrics::histogram!("outbox_consumer_batch_size", "consumer" => name.to_owned())
-            .record(deliveries.len() as f64);
-        Ok(None)
+            .record(deliveries as f64);
     }
 
     /// The decode stage: an event, with its span, per decodable delivery;
     /// poison stays in its delivery for the dead-letter copy.
-    fn decode(&self, deliveries: &mut [Delivery]) -> Decoded {
+    pub(crate) fn decode<'a>(
+        &self,
+        deliveries: impl ExactSizeIterator<Item = Incoming<'a>>,
+    ) -> Decoded {
         let cfg = &self.inner.config;
         let name = cfg.consumer_name.as_str();
         let mut events = Vec::with_capacity(deliveries.len());
         let mut spans = Vec::with_capacity(deliveries.len());
         let mut positions = Vec::new();
         let ordered = cfg.sequencing.is_on();
-        let mut slots: Vec<std::result::Result<usize, (String, Span)>> =
-            Vec::with_capacity(deliveries.len());
+        let mut slots = Vec::with_capacity(deliveries.len());
         for d in deliveries {
             let span = tracing::info_span!(
                 "outbox_consumer.event",
@@ -134,9 +234,9 @@ impl Consumer {
                 duplicate = Empty,
                 outcome = Empty,
             );
-            let decoded = dedup_key(&d.properties, &d.data, &cfg.dedup_key).and_then(|id| {
+            let decoded = dedup_key(d.properties, d.data, &cfg.dedup_key).and_then(|id| {
                 let at = if ordered {
-                    position(&d.properties)?
+                    position(d.properties)?
                 } else {
                     None
                 };
@@ -146,8 +246,8 @@ impl Consumer {
                 Ok((id, at)) => {
                     let event = Event {
                         id,
-                        properties: std::mem::take(&mut d.properties),
-                        payload: std::mem::take(&mut d.data),
+                        properties: std::mem::take(d.properties),
+                        payload: std::mem::take(d.data),
                         redelivered: d.redelivered,
                     };
                     record_event(&span, &event);
@@ -158,7 +258,11 @@ impl Consumer {
                     }
                     spans.push(span);
                 }
-                Err(reason) => slots.push(Err((reason, span))),
+                Err(reason) => slots.push(Err(Poison {
+                    reason,
+                    span,
+                    message_id: d.properties.message_id().as_ref().map(|s| s.to_string()),
+                })),
             }
         }
         Decoded {
@@ -172,17 +276,22 @@ impl Consumer {
     /// The transaction stage: the decoded events in one transaction
     /// ([`batch::process`]), run again at once when it lost to a
     /// concurrent one, retried while the database is unreachable; a batch
-    /// that keeps failing goes event by event. `None`: `shutdown` fired
-    /// while waiting.
+    /// that keeps failing goes event by event.
     async fn commit(
         &self,
         decoded: &Decoded,
-        shutdown: &CancellationToken,
-    ) -> Option<Vec<Verdict>> {
+        on_outage: OnOutage<'_>,
+    ) -> std::result::Result<Vec<Verdict>, Stopped> {
         let events = &decoded.events;
         if events.is_empty() {
-            return Some(Vec::new());
+            return Ok(Vec::new());
         }
+        let never = CancellationToken::new();
+        let shutdown = match on_outage {
+            OnOutage::WaitOut(shutdown) => shutdown,
+            OnOutage::GiveUp => &never,
+        };
+        let wait_out = matches!(on_outage, OnOutage::WaitOut(_));
         let me = &self.inner;
         let cfg = &me.config;
         let name = cfg.consumer_name.as_str();
@@ -198,14 +307,17 @@ impl Consumer {
             match self.transact(&batch).await {
                 Ok(v) => {
                     me.database.ok();
-                    return Some(v);
+                    return Ok(v);
+                }
+                Err(Failure::Database(e)) if database_unreachable(&e) && !wait_out => {
+                    return Err(Stopped::Unreachable(e));
                 }
                 // Nothing committed, nothing acked: retry the same
                 // deliveries once the database is back.
                 Err(Failure::Database(e)) if database_unreachable(&e) => {
                     me.database.failed(&Error::Database(e));
                     if !pause(shutdown, &mut backoff).await {
-                        return None;
+                        return Err(Stopped::Shutdown);
                     }
                 }
                 // The database answers but this batch fails (a lock
@@ -217,11 +329,11 @@ impl Consumer {
                     failures += 1;
                     if failures >= cfg.max_batch_attempts {
                         tracing::warn!(consumer = name, error = %e, attempts = failures, events = events.len(), "batch transaction keeps failing; processing its events one by one");
-                        return Some(self.one_by_one(&batch).await);
+                        return Ok(self.one_by_one(&batch).await);
                     }
                     tracing::warn!(consumer = name, error = %e, attempt = failures, "batch transaction failed; retrying it");
                     if !pause(shutdown, &mut backoff).await {
-                        return None;
+                        return Err(Stopped::Shutdown);
                     }
                 }
             }
@@ -284,36 +396,23 @@ impl Consumer {
 
     /// The disposition stage: what the ack stage does with each delivery,
     /// in delivery order.
-    fn dispositions<'a>(
+    fn dispositions(
         &self,
-        deliveries: &'a [Delivery],
-        decoded: &'a Decoded,
+        decoded: &Decoded,
         verdicts: &[Verdict],
         tally: &mut Tally,
-    ) -> Vec<AckItem<'a>> {
-        let mut items = Vec::with_capacity(deliveries.len());
-        for (d, slot) in deliveries.iter().zip(&decoded.slots) {
-            let (disposition, props, body) = match slot {
+    ) -> Vec<Disposition> {
+        decoded
+            .slots
+            .iter()
+            .map(|slot| match slot {
                 Ok(i) => {
-                    let event = &decoded.events[*i];
-                    let span = &decoded.spans[*i];
-                    let disposition = self.disposition(event, &verdicts[*i], span, tally);
-                    (disposition, &event.properties, event.payload.as_slice())
+                    let (event, span) = (&decoded.events[*i], &decoded.spans[*i]);
+                    self.disposition(event, &verdicts[*i], span, tally)
                 }
-                Err((reason, span)) => (
-                    self.poison(d, reason, span, tally),
-                    &d.properties,
-                    d.data.as_slice(),
-                ),
-            };
-            items.push(AckItem {
-                acker: &d.acker,
-                disposition,
-                properties: props,
-                body,
-            });
-        }
-        items
+                Err(poison) => self.poison(poison, tally),
+            })
+            .collect()
     }
 
     /// The disposition of a decoded event, from its verdict.
@@ -355,12 +454,16 @@ impl Consumer {
     }
 
     /// A delivery that could not be decoded: to the dead-letter queue.
-    fn poison(&self, d: &Delivery, reason: &str, span: &Span, tally: &mut Tally) -> Disposition {
+    fn poison(&self, poison: &Poison, tally: &mut Tally) -> Disposition {
         let cfg = &self.inner.config;
         let name = cfg.consumer_name.as_str();
+        let Poison {
+            reason,
+            span,
+            message_id,
+        } = poison;
         span.record("outcome", "poison");
         tally.poison += 1;
-        let message_id = d.properties.message_id().as_ref().map(|s| s.to_string());
         tracing::warn!(
             consumer = name,
             queue = %cfg.queue,
@@ -446,6 +549,35 @@ impl Consumer {
             Disposition::Retry { attempt, delay }
         }
     }
+}
+
+/// The ack stage's work: each delivery with its disposition and the
+/// properties and body of its copy (the event's, or the poison's own).
+fn ack_items<'a>(
+    deliveries: &'a [Delivery],
+    decoded: &'a Decoded,
+    dispositions: Vec<Disposition>,
+) -> Vec<AckItem<'a>> {
+    deliveries
+        .iter()
+        .zip(&decoded.slots)
+        .zip(dispositions)
+        .map(|((d, slot), disposition)| {
+            let (properties, body) = match slot {
+                Ok(i) => {
+                    let event = &decoded.events[*i];
+                    (&event.properties, event.payload.as_slice())
+                }
+                Err(_) => (&d.properties, d.data.as_slice()),
+            };
+            AckItem {
+                acker: &d.acker,
+                disposition,
+                properties,
+                body,
+            }
+        })
+        .collect()
 }
 
 /// Records a decoded event's identity and trace context on its span.

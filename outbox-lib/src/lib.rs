@@ -41,6 +41,11 @@
 //! ([`docs/ORDERING.md`](https://github.com/outbox-rs/outbox/blob/main/docs/ORDERING.md)). `OutboxConfig::ordering` ([`OrderedAggregates`]) makes a
 //! service check at start-up that the types it relies on are ordered.
 //!
+//! A service from zero (dependencies, producer, relay, consumer, tests):
+//! [`docs/GETTING_STARTED.md`](https://github.com/outbox-rs/outbox/blob/main/docs/GETTING_STARTED.md).
+//! Its tests use the `testing` module (feature `testing`): a fresh schema
+//! per test, and the events a transaction enqueued.
+//!
 //! ## Glossary: the pipeline and the words for it
 //!
 //! An event goes enqueue → claim → publish → settle → consume → dedup →
@@ -77,6 +82,9 @@ mod ordered_types;
 mod outbox;
 #[cfg(feature = "signal")]
 mod signal;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 mod wakeup;
 pub mod wire;
 
@@ -96,6 +104,18 @@ pub use crate::wakeup::Wakeup;
 /// helpers the toolkit's own binaries use, for yours.
 pub use outbox_core::redact;
 pub use outbox_core::{Ident, wakeup_channel, wal_message_prefix, wal_slot_name};
+
+/// The sqlx (0.9) whose types this API takes (`PgPool`, `&mut PgConnection`,
+/// `Transaction`): use `outbox::sqlx` instead of a dependency of your own,
+/// or depend on the same version.
+pub use sqlx;
+
+/// The axum (0.8) the Idempotency-Key integration plugs into
+/// ([`idempotency`]): use `outbox::axum` instead of a dependency of your
+/// own, or depend on the same version.
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+pub use axum;
 
 /// Applies the producer's migrations (outbox, dead letters, idempotency
 /// keys) to `schema`, creating it if needed. Safe to run concurrently and
