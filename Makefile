@@ -9,7 +9,7 @@ export TEST_AMQP_URL ?= $(AMQP_URL)
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 
-.PHONY: help services browser cluster test-cluster package doc build test lint check-deploy fmt demo bench bench-smoke soak clean-test-schemas
+.PHONY: help services browser cluster test-cluster package doc build test lint check-deploy fmt demo bench bench-smoke soak clean-test-schemas dist image-test
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-20s %s\n", $$1, $$2}'
@@ -69,6 +69,12 @@ bench: services cluster ## benchmark against the local services (a few minutes);
 bench-smoke: cluster ## the benchmark with tiny counts (CI runs this so it cannot rot)
 	$(CARGO) build -q -p relay-bin -p bench
 	$(TARGET_DIR)/debug/bench --smoke --out target/bench/smoke.json
+
+dist: ## the relay as shipped: stripped target/dist/outbox-relay, its .debug file and a tarball (profile dist)
+	./scripts/dist.sh
+
+image-test: services dist ## build deploy/Containerfile with podman (local base) and run it: migrate, 1,000 events, SIGTERM
+	./scripts/image-test.sh
 
 soak: services ## the fault-injection suite with 10x the events (longer; not part of CI)
 	FAULT_SCALE=10 $(CARGO) nextest run --profile soak --workspace --all-features --no-fail-fast --test-threads 2 -E 'package(e2e-tests) and not test(/^disruptive_/) and not test(/^cluster_/)'

@@ -26,7 +26,7 @@ macro_rules! say {
 /// Every flag can also be set with the environment variable shown. URLs
 /// may carry passwords; they are never printed (not here, not in logs).
 #[derive(Debug, Parser)]
-#[command(name = "outbox-relay", version, about, long_about = None)]
+#[command(name = "outbox-relay", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("OUTBOX_RELAY_BUILD"), ")"), about, long_about = None)]
 pub(crate) struct Args {
     /// PostgreSQL URL of the producer's database. TLS with `?sslmode=require`
     /// (or verify-full with `sslrootcert=`).
