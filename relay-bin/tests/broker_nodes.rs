@@ -65,6 +65,25 @@ fn relay_cmd(db: &TestDb, broker: &TestBroker, urls: &[String], log: &std::path:
     c
 }
 
+/// An in-process relay's settings: one worker on `nodes` (URLs), polling
+/// every 100 ms, reconnecting after `reconnect` (jittered to at least half).
+fn two_node_config(
+    db: &TestDb,
+    broker: &TestBroker,
+    nodes: &[&str],
+    reconnect: (Duration, Duration),
+) -> RelayConfig {
+    let mut c = RelayConfig::default();
+    c.amqp_url = nodes.join(",").into();
+    c.schema = db.schema.clone();
+    c.default_exchange = broker.exchange.clone();
+    c.declare_exchange = None;
+    c.workers = 1;
+    c.poll_interval = Duration::from_millis(100);
+    (c.reconnect_min, c.reconnect_max) = reconnect;
+    c
+}
+
 /// The `broker` column of the relay's `outbox_relays` row, once written.
 async fn recorded_broker(db: &TestDb) -> Option<String> {
     sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
@@ -163,17 +182,14 @@ async fn after_a_failed_session_the_relay_moves_to_the_next_node() {
     let collector = Collector::start(&broker.queue);
     let (first, first_url) = proxy_node().await;
     let (_second, second_url) = proxy_node().await;
-    let mut c = RelayConfig::default();
-    c.amqp_url = format!("{first_url},{second_url}").into();
-    c.schema = db.schema.clone();
-    c.default_exchange = broker.exchange.clone();
-    c.declare_exchange = None;
-    c.workers = 1;
-    c.poll_interval = Duration::from_millis(100);
     // Time to let the first node take connections again before the
-    // reconnect (jittered to at least half of this).
-    c.reconnect_min = Duration::from_secs(2);
-    c.reconnect_max = Duration::from_secs(2);
+    // reconnect.
+    let c = two_node_config(
+        &db,
+        &broker,
+        &[&first_url, &second_url],
+        (Duration::from_secs(2), Duration::from_secs(2)),
+    );
     let relay = Relay::new(db.pool.clone(), c).await.unwrap();
     // As the binary does at start.
     relay
@@ -236,15 +252,12 @@ async fn an_idle_relay_leaves_a_node_that_closed_its_connections(capture: outbox
     let collector = Collector::start(&broker.queue);
     let (first, first_url) = proxy_node().await;
     let (second, second_url) = proxy_node().await;
-    let mut c = RelayConfig::default();
-    c.amqp_url = format!("{first_url},{second_url}").into();
-    c.schema = db.schema.clone();
-    c.default_exchange = broker.exchange.clone();
-    c.declare_exchange = None;
-    c.workers = 1;
-    c.poll_interval = Duration::from_millis(100);
-    c.reconnect_min = Duration::from_millis(50);
-    c.reconnect_max = Duration::from_millis(200);
+    let mut c = two_node_config(
+        &db,
+        &broker,
+        &[&first_url, &second_url],
+        (Duration::from_millis(50), Duration::from_millis(200)),
+    );
     if wal {
         let mut w = outbox_relay::WalCapture::new(database_url());
         w.standby_poll = Duration::from_millis(200);
