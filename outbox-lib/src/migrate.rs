@@ -64,5 +64,15 @@ pub(crate) const PRODUCER: MigrationSet = MigrationSet {
             name: "publishable_and_slot",
             sql: include_str!("../migrations/0011_publishable_and_slot.sql"),
         },
+        Migration {
+            version: 12,
+            name: "dead_letter_groups",
+            sql: include_str!("../migrations/0012_dead_letter_groups.sql"),
+        },
+        Migration {
+            version: 13,
+            name: "published_at_idx",
+            sql: include_str!("../migrations/0013_published_at_idx.sql"),
+        },
     ],
 };

@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 
 use e2e::TestDb;
-use outbox_relay::admin::{self, Filter, PageAfter, Selection};
+use outbox_relay::admin::{self, Filter, Selection};
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
@@ -20,7 +20,7 @@ async fn seed(db: &TestDb) -> Vec<Row> {
              (id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts,
               last_error, dead_lettered_at)
          SELECT gen_random_uuid(), 'agg', 'a-' || (i / 9 % 3), 'Type' || (i % 3),
-                jsonb_build_object('i', i), '{{}}', now(), 10,
+                jsonb_build_object('i', i), '{{}}', now(), 1 + i % 5,
                 (ARRAY['NO_ROUTE: no queue bound', 'broker returned 406 PRECONDITION_FAILED',
                        'timeout waiting for the confirm'])[1 + (i / 3) % 3],
                 now() - i * interval '1 second'
@@ -68,6 +68,16 @@ async fn dead_letter_filters_select_exactly_their_rows_and_paging_visits_each_on
             filter(|f| f.error_words = Some("no route".into())),
             expect(&|r| r.3.starts_with("NO_ROUTE")),
         ),
+        // A phrase of three words, through its pairs.
+        (
+            filter(|f| f.error_words = Some("no queue bound".into())),
+            expect(&|r| r.3.starts_with("NO_ROUTE")),
+        ),
+        // Both words in every NO_ROUTE error, never in this order.
+        (
+            filter(|f| f.error_words = Some("queue no".into())),
+            HashSet::new(),
+        ),
         // Whole words only: a fragment matches nothing.
         (
             filter(|f| f.error_words = Some("PRECOND".into())),
@@ -82,25 +92,24 @@ async fn dead_letter_filters_select_exactly_their_rows_and_paging_visits_each_on
         ),
     ];
     for (f, want) in &cases {
-        // Pages of 7, keyset: every matching row once, newest first.
-        let mut seen = Vec::new();
-        let mut after = None;
-        for pages in 0.. {
-            assert!(pages <= 90 / 7 + 1, "{f:?}: paging does not end");
-            let page = admin::search_dead_letters(&db.pool, &schema, f, after, 7)
-                .await
-                .unwrap();
-            let Some(last) = page.last() else { break };
-            after = Some(PageAfter {
-                dead_lettered_at: last.dead_lettered_at,
-                id: last.id,
-            });
-            seen.extend(page.iter().map(|d| (d.dead_lettered_at, d.id)));
+        // Pages of 7, keyset: every matching row once, newest first; and
+        // back again from the last page, in the same order.
+        let seen = page_through(&db, &schema, f, admin::Order::Newest).await;
+        for order in [admin::Order::Oldest, admin::Order::MostAttempts] {
+            let other = page_through(&db, &schema, f, order).await;
+            let mut a: Vec<_> = other.iter().map(|r| r.1).collect();
+            let mut b: Vec<_> = seen.iter().map(|r| r.1).collect();
+            a.sort();
+            b.sort();
+            assert_eq!(a, b, "{f:?} {order:?}: the same rows in every order");
         }
-        let ids: HashSet<Uuid> = seen.iter().map(|(_, id)| *id).collect();
+        let ids: HashSet<Uuid> = seen.iter().map(|r| r.1).collect();
         assert_eq!(ids.len(), seen.len(), "{f:?}: a row on two pages");
         assert_eq!(&ids, want, "{f:?}");
-        assert!(seen.windows(2).all(|w| w[0] > w[1]), "{f:?}: newest first");
+        assert!(
+            seen.windows(2).all(|w| (w[0].0, w[0].1) > (w[1].0, w[1].1)),
+            "{f:?}: newest first"
+        );
         let selection = Selection::Matching(f.clone());
         let n = admin::count_dead_letters(&db.pool, &schema, &selection, None)
             .await
@@ -110,6 +119,15 @@ async fn dead_letter_filters_select_exactly_their_rows_and_paging_visits_each_on
             .await
             .unwrap();
         assert_eq!(capped as usize, want.len().min(5), "{f:?}: capped count");
+        // A table this small is read whole: the estimate is the count.
+        let about = admin::estimate_dead_letters(&db.pool, &schema, &selection)
+            .await
+            .unwrap();
+        assert_eq!(
+            about as usize,
+            want.len(),
+            "{f:?}: estimate of a small table"
+        );
     }
     // A time range: rows dead-lettered between 10.5 s and 20.5 s ago.
     let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
@@ -118,18 +136,20 @@ async fn dead_letter_filters_select_exactly_their_rows_and_paging_visits_each_on
         .unwrap();
     let since = now - chrono::Duration::milliseconds(20_500);
     let until = now - chrono::Duration::milliseconds(10_500);
-    let windowed = admin::search_dead_letters(
+    let windowed = admin::page_dead_letters(
         &db.pool,
         &schema,
         &filter(|f| {
             f.since = Some(since);
             f.until = Some(until);
         }),
-        None,
+        admin::Order::Newest,
+        admin::PageAt::First,
         100,
     )
     .await
-    .unwrap();
+    .unwrap()
+    .rows;
     assert!(
         !windowed.is_empty() && windowed.len() <= 11,
         "{}",
@@ -251,5 +271,122 @@ async fn a_big_outbox_is_estimated_at_its_current_size_not_its_last_analyze() {
         (204_000..=276_000).contains(&sampled),
         "sampled {sampled} of 240,000"
     );
+    db.cleanup().await;
+}
+
+/// Every row matching `f` in `order`, by pages of 7 forwards, checked
+/// against the same pages walked backwards from the last: (time, id,
+/// attempts) in list order.
+async fn page_through(
+    db: &TestDb,
+    schema: &outbox::Ident,
+    f: &Filter,
+    order: admin::Order,
+) -> Vec<(chrono::DateTime<chrono::Utc>, Uuid, i32)> {
+    let key = |d: &admin::DeadLetter| (d.dead_lettered_at, d.id, d.attempts);
+    let mut pages: Vec<Vec<_>> = Vec::new();
+    let mut at = admin::PageAt::First;
+    loop {
+        assert!(pages.len() <= 90 / 7 + 1, "{f:?}: paging does not end");
+        let page = admin::page_dead_letters(&db.pool, schema, f, order, at, 7)
+            .await
+            .unwrap();
+        assert_eq!(
+            page.has_previous,
+            !pages.is_empty(),
+            "{f:?} {order:?}: previous"
+        );
+        let Some(last) = page.rows.last() else { break };
+        at = admin::PageAt::After(last.into());
+        pages.push(page.rows.iter().map(key).collect());
+        if !page.has_next {
+            break;
+        }
+    }
+    // Backwards from the last page: the same pages, in reverse.
+    for i in (0..pages.len().saturating_sub(1)).rev() {
+        let first = pages[i + 1][0];
+        let before = admin::Cursor {
+            dead_lettered_at: first.0,
+            id: first.1,
+            attempts: first.2,
+        };
+        let page =
+            admin::page_dead_letters(&db.pool, schema, f, order, admin::PageAt::Before(before), 7)
+                .await
+                .unwrap();
+        let got: Vec<_> = page.rows.iter().map(key).collect();
+        assert_eq!(got, pages[i], "{f:?} {order:?}: page {i} backwards");
+        assert_eq!(
+            page.has_previous,
+            i > 0,
+            "{f:?} {order:?}: previous of page {i}"
+        );
+        assert!(page.has_next, "{f:?} {order:?}: next of page {i}");
+    }
+    let all: Vec<_> = pages.concat();
+    let sorted = match order {
+        admin::Order::Oldest => all.windows(2).all(|w| (w[0].0, w[0].1) < (w[1].0, w[1].1)),
+        admin::Order::MostAttempts => all
+            .windows(2)
+            .all(|w| (w[0].2, w[0].0, w[0].1) > (w[1].2, w[1].0, w[1].1)),
+        _ => true,
+    };
+    assert!(sorted, "{f:?} {order:?}: out of order");
+    all
+}
+
+/// The estimate a confirmation shows for a selection too large to count
+/// while the page waits: from a sample of the table's pages, within 15%
+/// of the count, for a phrase and for an event type, on a table several
+/// times the sample.
+#[tokio::test]
+async fn a_large_selection_is_estimated_from_a_sample_within_15_percent() {
+    let db = TestDb::producer("admin_estimate").await;
+    let schema = outbox::Ident::new("schema", &db.schema).unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".outbox_dead_letters
+             (id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts,
+              last_error, dead_lettered_at)
+         SELECT gen_random_uuid(), 'agg', 'a-' || i, 'Type' || (i % 4),
+                jsonb_build_object('i', i, 'note', repeat('x', 600)), '{{}}', now(), 1,
+                (ARRAY['NO_ROUTE: no queue bound', 'timeout waiting for the broker''s confirm',
+                       'nacked by the broker'])[1 + i % 3],
+                now() - i * interval '1 second'
+         FROM generate_series(0, 29999) i",
+        db.schema
+    )))
+    .execute(&db.pool)
+    .await
+    .expect("seed");
+    let pages: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT pg_relation_size('\"{}\".outbox_dead_letters') / 8192",
+        db.schema
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        pages > 2_000,
+        "the table ({pages} pages) is larger than the sample"
+    );
+    for f in [
+        filter(|f| f.error_words = Some("waiting for the broker".into())),
+        filter(|f| f.event_type = Some("Type3".into())),
+        Filter::default(),
+    ] {
+        let selection = Selection::Matching(f.clone());
+        let exact = admin::count_dead_letters(&db.pool, &schema, &selection, None)
+            .await
+            .unwrap();
+        let about = admin::estimate_dead_letters(&db.pool, &schema, &selection)
+            .await
+            .unwrap();
+        let ratio = about as f64 / exact as f64;
+        assert!(
+            (0.85..=1.15).contains(&ratio),
+            "{f:?}: estimated {about} of {exact}"
+        );
+    }
     db.cleanup().await;
 }

@@ -2,8 +2,9 @@
 //! outbox, purge (`outbox-relay dead-letters` and the console).
 //!
 //! Every filter is served by an index (migration 9: event type; aggregate
-//! type and id; the words of the last error; the time of dead-lettering),
-//! so a page costs its rows on any size of table.
+//! type and id; the time of dead-lettering; migration 12: the error's class,
+//! the exchange, the stored words and word pairs of the error), so a page
+//! costs its rows on any size of table.
 
 use chrono::{DateTime, Utc};
 use outbox::Ident;
@@ -11,6 +12,7 @@ use serde::Serialize;
 use sqlx::{AssertSqlSafe, PgPool, Postgres, QueryBuilder};
 use uuid::Uuid;
 
+use crate::admin::failures::Exchange;
 use crate::error::Result;
 
 /// A dead-lettered event.
@@ -33,6 +35,10 @@ pub struct DeadLetter {
     pub created_at: DateTime<Utc>,
     /// When it was dead-lettered.
     pub dead_lettered_at: DateTime<Utc>,
+    /// Exchange (`None`: the relay's default).
+    pub exchange: Option<String>,
+    /// Routing key (`None`: `<aggregate_type>.<event_type>`).
+    pub routing_key: Option<String>,
 }
 
 /// A dead letter in full: [`DeadLetter`] and what it carried.
@@ -47,10 +53,6 @@ pub struct DeadLetterDetail {
     pub payload: serde_json::Value,
     /// Its headers (a JSON object).
     pub headers: serde_json::Value,
-    /// Exchange (`None`: the relay's default).
-    pub exchange: Option<String>,
-    /// Routing key (`None`: `<aggregate_type>.<event_type>`).
-    pub routing_key: Option<String>,
     /// Its number in its aggregate, when ordered.
     pub aggregate_seq: Option<i64>,
     /// Earlier failures, oldest first: a JSON array of `{at, error}`.
@@ -73,6 +75,13 @@ pub struct Filter {
     /// A full-text match (PostgreSQL's `simple` configuration), served by an
     /// index: `NO_ROUTE` finds `NO_ROUTE: no queue bound`, `ROUT` does not.
     pub error_words: Option<String>,
+    /// Error class, exactly: the last error with ids, quoted values, hex
+    /// strings and numbers normalised away, as
+    /// [`failures`](crate::admin::failures()) groups them.
+    pub error_class: Option<String>,
+    /// The exchange it was published to ([`Exchange::RelayDefault`]: the
+    /// relay's default, a NULL `exchange`).
+    pub exchange: Option<Exchange>,
     /// Dead-lettered at or after this instant.
     pub since: Option<DateTime<Utc>>,
     /// Dead-lettered before this instant.
@@ -86,11 +95,12 @@ impl Filter {
     }
 
     /// Appends ` AND <condition>` per set field, on the table alias `d`.
-    fn push_conditions(&self, q: &mut QueryBuilder<Postgres>) {
+    pub(crate) fn push_conditions(&self, q: &mut QueryBuilder<Postgres>) {
         let exact = [
             ("d.event_type", &self.event_type),
             ("d.aggregate_type", &self.aggregate_type),
             ("d.aggregate_id", &self.aggregate_id),
+            ("d.error_class", &self.error_class),
         ];
         for (column, value) in exact {
             if let Some(v) = value {
@@ -99,9 +109,16 @@ impl Filter {
             }
         }
         if let Some(words) = &self.error_words {
-            q.push(" AND to_tsvector('simple', d.last_error) @@ phraseto_tsquery('simple', ")
-                .push_bind(words.clone())
-                .push(")");
+            push_phrase(q, words);
+        }
+        match &self.exchange {
+            Some(Exchange::RelayDefault) => {
+                q.push(" AND d.exchange IS NULL");
+            }
+            Some(Exchange::Named(name)) => {
+                q.push(" AND d.exchange = ").push_bind(name.clone());
+            }
+            None => {}
         }
         if let Some(t) = self.since {
             q.push(" AND d.dead_lettered_at >= ").push_bind(t);
@@ -110,6 +127,32 @@ impl Filter {
             q.push(" AND d.dead_lettered_at < ").push_bind(t);
         }
     }
+}
+
+/// ` AND d.error_words @@ <its pairs> AND <the phrase>`: the phrase's pairs
+/// of adjacent words, which the GIN index finds exactly (migration 12
+/// stores each pair as one more lexeme; a one-word phrase is the word),
+/// then the phrase itself, in order, on those rows only: `ts_match_vq` is
+/// `@@` the index cannot take, so the index scan does not also walk the
+/// single words' long posting lists (every row holding "the").
+pub(crate) fn push_phrase(q: &mut QueryBuilder<Postgres>, words: &str) {
+    const LEXEMES: &str =
+        "SELECT lexeme, unnest(positions) AS pos FROM unnest(to_tsvector('simple', ";
+    q.push(
+        r#" AND d.error_words @@ coalesce(
+            (SELECT string_agg('''' || replace(replace(a.lexeme || ' ' || b.lexeme, '\', '\\'), '''', '\''') || '''', ' & ')::tsquery
+             FROM ("#,
+    )
+    .push(LEXEMES)
+    .push_bind(words.to_owned())
+    .push("))) a JOIN (")
+    .push(LEXEMES)
+    .push_bind(words.to_owned())
+    .push("))) b ON b.pos = a.pos + 1), phraseto_tsquery('simple', ")
+    .push_bind(words.to_owned())
+    .push(")) AND ts_match_vq(d.error_words, phraseto_tsquery('simple', ")
+    .push_bind(words.to_owned())
+    .push("))");
 }
 
 /// Which dead letters an action applies to.
@@ -127,7 +170,7 @@ pub enum Selection {
 
 impl Selection {
     /// Appends ` AND <condition>` selecting these dead letters (alias `d`).
-    fn push_conditions(&self, q: &mut QueryBuilder<Postgres>) {
+    pub(crate) fn push_conditions(&self, q: &mut QueryBuilder<Postgres>) {
         match self {
             Selection::All => {}
             Selection::Ids(ids) => {
@@ -138,44 +181,6 @@ impl Selection {
     }
 }
 
-/// Where a page of dead letters (newest first) starts: strictly after this
-/// one, as given by the last row of the previous page.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PageAfter {
-    /// The previous page's last `dead_lettered_at`.
-    pub dead_lettered_at: DateTime<Utc>,
-    /// The previous page's last id.
-    pub id: Uuid,
-}
-
-/// Up to `limit` dead letters matching `filter`, newest first, starting
-/// after `after` (keyset paging: a page costs its rows, however deep).
-pub async fn search_dead_letters(
-    pool: &PgPool,
-    schema: &Ident,
-    filter: &Filter,
-    after: Option<PageAfter>,
-    limit: i64,
-) -> Result<Vec<DeadLetter>> {
-    let mut q = QueryBuilder::new(format!(
-        "SELECT d.id, d.aggregate_type, d.aggregate_id, d.event_type, d.attempts, d.last_error,
-                d.created_at, d.dead_lettered_at
-         FROM {}.outbox_dead_letters d WHERE TRUE",
-        schema.quoted()
-    ));
-    filter.push_conditions(&mut q);
-    if let Some(a) = after {
-        q.push(" AND (d.dead_lettered_at, d.id) < (")
-            .push_bind(a.dead_lettered_at)
-            .push(", ")
-            .push_bind(a.id)
-            .push(")");
-    }
-    q.push(" ORDER BY d.dead_lettered_at DESC, d.id DESC LIMIT ")
-        .push_bind(limit);
-    Ok(q.build_query_as().fetch_all(pool).await?)
-}
-
 /// How many dead letters `selection` holds, counting at most `cap` of
 /// them when given (the answer is then `min(selected, cap)`).
 pub async fn count_dead_letters(
@@ -184,15 +189,51 @@ pub async fn count_dead_letters(
     selection: &Selection,
     cap: Option<i64>,
 ) -> Result<i64> {
+    // Error words: the matches through the GIN index, fenced (`OFFSET 0`),
+    // or the planner may scan the whole table for a cap it thinks near.
+    let words = matches!(selection, Selection::Matching(f) if f.error_words.is_some());
     let mut q = QueryBuilder::new(format!(
-        "SELECT count(*) FROM (SELECT 1 FROM {}.outbox_dead_letters d WHERE TRUE",
+        "SELECT count(*) FROM (SELECT 1 FROM {}{}.outbox_dead_letters d WHERE TRUE",
+        if words { "(SELECT d.id FROM " } else { "" },
         schema.quoted()
     ));
     selection.push_conditions(&mut q);
+    if words {
+        q.push(" OFFSET 0) d");
+    }
     if let Some(cap) = cap {
         q.push(" LIMIT ").push_bind(cap);
     }
     q.push(") AS m");
+    Ok(q.build_query_scalar().fetch_one(pool).await?)
+}
+
+/// Pages of the dead-letter table an estimate reads (1.6 MiB of 8 KiB
+/// pages: a selection that holds more than 1 in 100 rows is estimated
+/// within a few percent).
+const ESTIMATE_PAGES: u32 = 200;
+
+/// About how many dead letters `selection` holds, without reading them
+/// all: the matches in a sample of about 200 of the
+/// table's pages (`TABLESAMPLE SYSTEM`), scaled up; exact on a table that
+/// small. For a selection too large to count while a page waits.
+pub async fn estimate_dead_letters(
+    pool: &PgPool,
+    schema: &Ident,
+    selection: &Selection,
+) -> Result<i64> {
+    let s = schema.quoted();
+    let mut q = QueryBuilder::new(format!(
+        "SELECT ((SELECT count(*) FROM {s}.outbox_dead_letters d TABLESAMPLE SYSTEM (p.pct) WHERE TRUE"
+    ));
+    selection.push_conditions(&mut q);
+    q.push(format!(
+        ") * 100.0 / p.pct)::int8
+         FROM (SELECT least(100, {ESTIMATE_PAGES} * 100.0 * current_setting('block_size')::float8
+                                 / greatest(1, pg_relation_size(to_regclass("
+    ))
+    .push_bind(format!("{s}.outbox_dead_letters"))
+    .push("))))::float4 AS pct) p");
     Ok(q.build_query_scalar().fetch_one(pool).await?)
 }
 
@@ -240,7 +281,16 @@ pub async fn list_dead_letters(
     schema: &Ident,
     limit: i64,
 ) -> Result<Vec<DeadLetter>> {
-    search_dead_letters(pool, schema, &Filter::default(), None, limit).await
+    let page = crate::admin::dead_letter_pages::page_dead_letters(
+        pool,
+        schema,
+        &Filter::default(),
+        Default::default(),
+        Default::default(),
+        limit,
+    )
+    .await?;
+    Ok(page.rows)
 }
 
 /// How long one operator action (replay, purge) may run: a selection of
