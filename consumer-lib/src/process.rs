@@ -78,6 +78,7 @@ pub(crate) struct Decoded {
 pub(crate) struct Decided {
     pub(crate) decoded: Decoded,
     /// Per event (indexed as `decoded.events`).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // read by `testing`
     pub(crate) verdicts: Vec<Verdict>,
     /// Per delivery, in delivery order.
     pub(crate) dispositions: Vec<Disposition>,
@@ -90,6 +91,7 @@ pub(crate) enum OnOutage<'a> {
     /// fires: nothing is acked before its commit (a running consumer).
     WaitOut(&'a CancellationToken),
     /// Gives up at once with the error (the test harness).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // read by `testing`
     GiveUp,
 }
 
@@ -99,6 +101,7 @@ pub(crate) enum Stopped {
     /// The shutdown token fired while waiting.
     Shutdown,
     /// The database could not be reached ([`OnOutage::GiveUp`]).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // read by `testing`
     Unreachable(sqlx::Error),
 }
 
@@ -192,6 +195,7 @@ impl Consumer {
 
     /// Counts a batch whose deliveries were acked: `outbox_consumer_*`
     /// and [`ConsumerStats`](crate::ConsumerStats).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // read by `testing`
     pub(crate) fn record_decided(&self, decided: &Decided, started: Instant) {
         self.record(&decided.tally, started, decided.dispositions.len());
     }

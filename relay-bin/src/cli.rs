@@ -144,6 +144,27 @@ struct ConsoleArgs {
     /// a table scan) are read again.
     #[arg(long, env = "OUTBOX_CONSOLE_REFRESH", default_value = "5s", value_parser = humantime::parse_duration)]
     refresh: Duration,
+    /// RabbitMQ URL for the consumer pages (queue depths, dead-letter
+    /// queues, reconciliation); without it they say how to turn them on.
+    /// For a cluster, each node's URL (repeat the flag, or separate them
+    /// with commas; a comma in a password as %2C). Never printed.
+    #[arg(
+        long,
+        env = "OUTBOX_CONSOLE_AMQP_URL",
+        hide_env_values = true,
+        value_delimiter = ','
+    )]
+    amqp_url: Vec<String>,
+    /// A consumer's work queue to show, as `QUEUE` or `CONSUMER=QUEUE`
+    /// (`CONSUMER`: the consumer name its inbox rows carry, which the
+    /// reconciliation needs). Its `QUEUE.retry` and `QUEUE.dlq` are shown
+    /// with it. Repeat the flag, or separate them with commas.
+    #[arg(long, env = "OUTBOX_CONSOLE_CONSUMER_QUEUE", value_delimiter = ',')]
+    consumer_queue: Vec<String>,
+    /// Schema of the consumers' inbox table, in the same database.
+    /// Default: --schema.
+    #[arg(long, env = "OUTBOX_CONSOLE_INBOX_SCHEMA")]
+    inbox_schema: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -388,6 +409,7 @@ fn one_line(e: &anyhow::Error) -> String {
 fn amqp_url(args: &Args) -> String {
     match &args.command {
         Command::Run(r) => r.amqp_url.join(","),
+        Command::Console(c) => c.amqp_url.join(","),
         _ => String::new(),
     }
 }
@@ -452,6 +474,11 @@ async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
                 retention: c.retention,
                 refresh: c.refresh.max(Duration::from_millis(100)),
                 database_url: url.to_owned(),
+                consumers: crate::console::ConsumerOptions::new(
+                    &c.amqp_url,
+                    &c.consumer_queue,
+                    c.inbox_schema.as_deref().unwrap_or(schema.as_str()),
+                )?,
             };
             let shutdown = CancellationToken::new();
             let signals =
@@ -473,12 +500,16 @@ async fn connect_db(url: &str, max: u32, slow: Duration) -> Result<PgPool> {
     })?;
     // Bounds on the database side: no statement runs forever, and a relay
     // frozen inside a transaction (SIGSTOP, a hung broker) loses its
-    // session and its row locks instead of holding them for ever.
+    // session and its row locks instead of holding them for ever. No JIT:
+    // these are short statements, and on a table never analysed the
+    // planner's inflated costs made PostgreSQL compile one for 275 ms that
+    // then ran in 2 ms (the console's blocked page).
     let options = options
         .application_name("outbox-relay")
         .options([
             ("statement_timeout", "30s"),
             ("idle_in_transaction_session_timeout", "60s"),
+            ("jit", "off"),
         ])
         .log_slow_statements(log::LevelFilter::Warn, slow);
     // One direct connection first: its error names the cause (refused,
@@ -643,7 +674,8 @@ fn print_status(s: &admin::Status) -> Result<()> {
             );
         }
     }
-    Ok(())
+    // Dead letters by error class, event type and exchange (nothing when none).
+    emit(&s.failures.to_string())
 }
 
 fn print_blocked(rows: &[admin::BlockedAggregate]) -> Result<()> {

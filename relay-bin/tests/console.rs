@@ -4,316 +4,17 @@
 //! on its own schema, and saves screenshots under
 //! `target/console-screenshots/`.
 
-use std::net::TcpListener;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use e2e::{Collector, KillOnDrop, TestBroker, TestDb, amqp_url, database_url, wait_until};
-use fantoccini::{Client, ClientBuilder, Locator};
 use lapin::types::FieldTable;
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
-const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+mod console_support;
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-async fn wait_for_port(port: u16, what: &str) {
-    wait_until(Duration::from_secs(30), what, || async move {
-        tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-    })
-    .await;
-}
-
-fn artifacts(dir: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../target")
-        .join(dir);
-    std::fs::create_dir_all(&d).expect("artifact dir");
-    d
-}
-
-/// Headless chromium behind its own chromedriver.
-struct Browser {
-    client: Client,
-    _driver: KillOnDrop,
-}
-
-impl Browser {
-    async fn start() -> Browser {
-        let port = free_port();
-        let driver = Command::new("chromedriver")
-            .arg(format!("--port={port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("chromedriver not found: run `make browser` (installs chromium and chromium-driver)");
-        let driver = KillOnDrop(driver);
-        wait_for_port(port, "chromedriver to listen").await;
-        let mut caps = serde_json::Map::new();
-        caps.insert(
-            "goog:chromeOptions".to_owned(),
-            serde_json::json!({ "args": [
-                "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1280,1000", "--no-first-run", "--disable-extensions"
-            ] }),
-        );
-        let client = ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
-            .capabilities(caps)
-            .connect(&format!("http://127.0.0.1:{port}"))
-            .await
-            .expect("a chromium session (is chromium installed? `make browser`)");
-        Browser {
-            client,
-            _driver: driver,
-        }
-    }
-
-    async fn goto(&self, url: &str) {
-        self.client.goto(url).await.expect("navigate");
-    }
-
-    /// The text of the first element matching `css`, waiting up to 10 s
-    /// for it (the overview replaces its content as it refreshes).
-    async fn text(&self, css: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let got = match self.client.find(Locator::Css(css)).await {
-                Ok(e) => e.text().await,
-                Err(e) => Err(e),
-            };
-            match got {
-                Ok(t) => return t,
-                Err(e) if Instant::now() > deadline => panic!("no text at {css}: {e}"),
-                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-            }
-        }
-    }
-
-    async fn attr(&self, css: &str, name: &str) -> Option<String> {
-        let e = self
-            .client
-            .wait()
-            .at_most(Duration::from_secs(10))
-            .for_element(Locator::Css(css))
-            .await
-            .unwrap_or_else(|e| panic!("no element {css}: {e}"));
-        e.attr(name).await.expect("attribute")
-    }
-
-    async fn click(&self, css: &str) {
-        self.client
-            .wait()
-            .at_most(Duration::from_secs(10))
-            .for_element(Locator::Css(css))
-            .await
-            .unwrap_or_else(|e| panic!("no element {css}: {e}"))
-            .click()
-            .await
-            .unwrap_or_else(|e| panic!("click {css}: {e}"));
-    }
-
-    async fn type_into(&self, css: &str, text: &str) {
-        let e = self
-            .client
-            .find(Locator::Css(css))
-            .await
-            .unwrap_or_else(|e| panic!("no element {css}: {e}"));
-        e.clear().await.expect("clear");
-        e.send_keys(text).await.expect("type");
-    }
-
-    async fn exists(&self, css: &str) -> bool {
-        !self
-            .client
-            .find_all(Locator::Css(css))
-            .await
-            .expect("find")
-            .is_empty()
-    }
-
-    /// On an action's confirmation page: checks it counts `n` events
-    /// (screenshot `shot` of it, if given), gives a reason, confirms, and
-    /// checks the result says it touched `n`.
-    async fn confirm_action(&self, n: usize, shot: Option<&str>) {
-        let n = n.to_string();
-        let counted = self.attr("#confirm-count", "data-count").await;
-        assert_eq!(
-            counted.as_deref(),
-            Some(n.as_str()),
-            "the confirmation's count"
-        );
-        if let Some(name) = shot {
-            self.screenshot(name).await;
-        }
-        self.type_into("#reason", "consumer fixed, see ticket 7")
-            .await;
-        self.click("#confirm").await;
-        let touched = self.attr("#result", "data-count").await;
-        assert_eq!(
-            touched.as_deref(),
-            Some(n.as_str()),
-            "what the action touched"
-        );
-    }
-
-    async fn screenshot(&self, name: &str) {
-        let png = self.client.screenshot().await.expect("screenshot");
-        let path = artifacts("console-screenshots").join(format!("{name}.png"));
-        std::fs::write(&path, png).expect("write screenshot");
-    }
-
-    async fn close(self) {
-        let _ = self.client.close().await;
-    }
-}
-
-/// A console process on its own port; its log goes to a file under
-/// `target/console-logs/` (for the audit-log checks).
-struct Console {
-    _child: KillOnDrop,
-    url: String,
-    log: PathBuf,
-}
-
-fn console_cmd(db: &TestDb, listen: &str, log: &PathBuf) -> Command {
-    let mut c = Command::new(BIN);
-    c.env("DATABASE_URL", database_url())
-        .env("OUTBOX_SCHEMA", &db.schema)
-        .env("RUST_LOG", "info")
-        .env_remove("OUTBOX_CONSOLE_PASSWORD")
-        .env_remove("OUTBOX_CONSOLE_TOKEN")
-        .args(["console", "--listen", listen, "--refresh", "200ms"])
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).expect("log file"));
-    c
-}
-
-impl Console {
-    async fn start(db: &TestDb, configure: impl FnOnce(&mut Command)) -> Console {
-        let port = free_port();
-        let log = artifacts("console-logs").join(format!("{}.log", db.schema));
-        let mut cmd = console_cmd(db, &format!("127.0.0.1:{port}"), &log);
-        configure(&mut cmd);
-        let child = KillOnDrop(cmd.spawn().expect("console"));
-        wait_for_port(port, "the console to listen").await;
-        Console {
-            _child: child,
-            url: format!("http://127.0.0.1:{port}"),
-            log,
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-/// A relay process publishing `db`'s outbox to `broker`'s exchange.
-fn start_relay(db: &TestDb, broker: &TestBroker) -> KillOnDrop {
-    let child = Command::new(BIN)
-        .env("DATABASE_URL", database_url())
-        .env("AMQP_URL", amqp_url())
-        .env("OUTBOX_SCHEMA", &db.schema)
-        .env("OUTBOX_EXCHANGE", &broker.exchange)
-        .env("OUTBOX_DECLARE_EXCHANGE", "none")
-        .env("OUTBOX_POLL_INTERVAL", "100ms")
-        .env("OUTBOX_LEASE_TTL", "3s")
-        .env("RUST_LOG", "warn")
-        .arg("run")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("relay");
-    KillOnDrop(child)
-}
-
-/// Dead letters of `event_type`, as the relay would have left them:
-/// `n` rows for aggregates `<prefix>-1..n`, one second apart. Returns
-/// their ids.
-async fn dead_letters(
-    db: &TestDb,
-    event_type: &str,
-    prefix: &str,
-    n: i32,
-    error: &str,
-) -> Vec<Uuid> {
-    sqlx::query_scalar(AssertSqlSafe(format!(
-        "INSERT INTO \"{}\".outbox_dead_letters
-             (id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts,
-              last_error, error_history, dead_lettered_at)
-         SELECT gen_random_uuid(), 'payment', $2 || '-' || g, $1, jsonb_build_object('n', g, 'note', 'x'),
-                '{{\"x-tenant\": \"acme\"}}', now() - interval '1 hour', 10, $3,
-                jsonb_build_array(jsonb_build_object('at', now() - interval '5 minutes', 'error', 'first try: ' || $3)),
-                now() - g * interval '1 second'
-         FROM generate_series(1, $4) g RETURNING id",
-        db.schema
-    )))
-    .bind(event_type)
-    .bind(prefix)
-    .bind(error)
-    .bind(n)
-    .fetch_all(&db.pool)
-    .await
-    .expect("dead letters")
-}
-
-/// The text between `start` and the next `end` after it.
-fn between<'a>(text: &'a str, start: &str, end: &str) -> &'a str {
-    let from = text.find(start).unwrap_or_else(|| panic!("no {start:?}")) + start.len();
-    &text[from..from + text[from..].find(end).expect("end")]
-}
-
-async fn count_where(db: &TestDb, table: &str, condition: &str) -> i64 {
-    sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM \"{}\".{table} WHERE {condition}",
-        db.schema
-    )))
-    .fetch_one(&db.pool)
-    .await
-    .expect("count")
-}
-
-/// An ordered aggregate `account/<id>` with `n` events whose head has
-/// failed and waits an hour for its next attempt. Returns the ids in
-/// sequence order.
-async fn blocked_aggregate(db: &TestDb, id: &str, n: usize) -> Vec<Uuid> {
-    outbox::set_ordered(&db.pool, &db.schema, "account", true)
-        .await
-        .expect("order account");
-    let mut ids = Vec::new();
-    for i in 0..n {
-        let id: Uuid = sqlx::query_scalar(AssertSqlSafe(format!(
-            "INSERT INTO \"{}\".outbox (aggregate_type, aggregate_id, event_type, payload)
-             VALUES ('account', $1, $2, '{{}}') RETURNING id",
-            db.schema
-        )))
-        .bind(id)
-        .bind(format!("AccountEvent{}", i + 1))
-        .fetch_one(&db.pool)
-        .await
-        .expect("ordered event");
-        ids.push(id);
-    }
-    sqlx::query(AssertSqlSafe(format!(
-        "UPDATE \"{}\".outbox SET attempts = 3, last_error = 'NO_ROUTE: nobody listens for AccountEvent1',
-             available_at = now() + interval '1 hour' WHERE id = $1",
-        db.schema
-    )))
-    .bind(ids[0])
-    .execute(&db.pool)
-    .await
-    .expect("fail the head");
-    ids
-}
+use console_support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_overview_shows_the_outbox_with_real_numbers() {
@@ -701,6 +402,90 @@ async fn http(method: &str, url: &str, headers: &[(&str, String)], body: &str) -
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
     (status, text)
+}
+
+/// The hidden fields of the form `id` in `page`, URL-encoded as its POST.
+fn form_body(page: &str, id: &str) -> String {
+    let form = between(page, &format!("id=\"{id}\""), "</form>");
+    let mut body = url::form_urlencoded::Serializer::new(String::new());
+    for input in form.split("<input").skip(1) {
+        if !input.contains("type=\"hidden\"") {
+            continue;
+        }
+        let name = between(input, "name=\"", "\"");
+        let value = between(input, "value=\"", "\"").replace("&amp;", "&");
+        body.append_pair(name, &value);
+    }
+    body.finish()
+}
+
+/// A selection too large to count while the page waits: the confirmation
+/// says more than 1,000 and about how many; the action takes every match
+/// dead-lettered before the confirmation and none that came after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_confirms_a_selection_too_large_to_count_and_acts_on_what_was_confirmed() {
+    let db = TestDb::producer("console_large").await;
+    let error = "timeout waiting for the broker's confirm";
+    dead_letters(&db, "Big", "b", 1_500, error).await;
+    dead_letters(&db, "Small", "s", 5, error).await;
+    let console = Console::start(&db, |_| {}).await;
+    let (_, page) = http("GET", &format!("{}/dead-letters", console.url), &[], "").await;
+    let cookie = between(&page, "outbox_console_csrf=", ";").to_owned();
+    let headers = [("Cookie", format!("outbox_console_csrf={cookie}"))];
+    let (status, confirm) = http(
+        "POST",
+        &format!("{}/dead-letters/confirm", console.url),
+        &headers,
+        &format!(
+            "csrf={cookie}&action=purge&scope=matching&event_type=Big&error=waiting+for+the+broker"
+        ),
+    )
+    .await;
+    assert_eq!(status, 200, "{confirm}");
+    assert!(
+        confirm.contains("more than <strong>1,000</strong> (about 1,500"),
+        "{confirm}"
+    );
+    // Dead letters that match but arrive after the confirmation.
+    let late = dead_letters(&db, "Big", "late", 7, error).await;
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE \"{}\".outbox_dead_letters SET dead_lettered_at = clock_timestamp() WHERE id = ANY($1)",
+        db.schema
+    )))
+    .bind(&late)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let act = format!("{}/dead-letters/act", console.url);
+    let body = form_body(&confirm, "confirm-form");
+    assert!(body.contains("expected=more"), "{body}");
+    let (status, done) = http("POST", &act, &headers, &format!("{body}&reason=cleanup")).await;
+    assert_eq!(status, 200, "{done}");
+    assert!(
+        done.contains("Purged <strong>1500</strong>") && done.contains("confirmed more than 1,000"),
+        "{done}"
+    );
+    assert_eq!(
+        count_where(&db, "outbox_dead_letters", "event_type = 'Big'").await,
+        7
+    );
+    assert_eq!(
+        count_where(&db, "outbox_dead_letters", "event_type = 'Small'").await,
+        5
+    );
+    // "More" stands only for a filter pinned to its confirmation time.
+    let ids = format!(
+        "csrf={cookie}&action=purge&scope=ids&ids={}&expected=more&reason=x",
+        late[0]
+    );
+    let (status, _) = http("POST", &act, &headers, &ids).await;
+    assert_eq!(status, 400, "an id selection confirms its count");
+    assert_eq!(
+        count_where(&db, "outbox_dead_letters", "event_type = 'Big'").await,
+        7
+    );
+    drop(console);
+    db.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,7 @@ use outbox_relay::admin;
 use uuid::Uuid;
 
 use super::form::ActionForm;
-use super::layout::{age, count, error_page, page, time};
+use super::layout::{age, count, error_page, page, time, user, user_cut};
 use super::security::{CSRF_FIELD, CsrfToken};
 use super::{ConsoleState, PageResult};
 
@@ -47,11 +47,11 @@ pub(crate) async fn list(
         @for b in &blocked {
             @let behind: Vec<_> = waiting.iter().filter(|w| w.aggregate_type == b.aggregate_type && w.aggregate_id == b.aggregate_id).collect();
             div.card.blocked data-aggregate=(format!("{}/{}", b.aggregate_type, b.aggregate_id)) {
-                h2 { (b.aggregate_type) " / " (b.aggregate_id) }
+                h2 { (user_cut(&b.aggregate_type, 80)) " / " (user_cut(&b.aggregate_id, 120)) }
                 dl.kv {
                     dt { "failing event" } dd { code.event-id { (b.event_id) } " · seq " (b.aggregate_seq) }
                     dt { "attempts" } dd { (b.attempts) }
-                    dt { "last error" } dd.err { (b.last_error.as_deref().unwrap_or("")) }
+                    dt { "last error" } dd.err { (user(b.last_error.as_deref().unwrap_or(""))) }
                     dt { "next attempt" } dd {
                         @if b.next_attempt_at <= now { "due now" } @else { "in " (age((b.next_attempt_at - now).as_seconds_f64())) }
                         " (" (time(b.next_attempt_at)) " UTC)"
@@ -62,7 +62,7 @@ pub(crate) async fn list(
                             ": "
                             @for (i, w) in behind.iter().enumerate() {
                                 @if i > 0 { ", " }
-                                "#" (w.aggregate_seq) " " (w.event_type)
+                                "#" (w.aggregate_seq) " " (user_cut(&w.event_type, 60))
                             }
                             @if b.waiting > behind.len() as i64 { ", …" }
                         }

@@ -32,6 +32,16 @@ impl Fields {
             .find(|v| !v.is_empty())
     }
 
+    /// The first value of `name` that is not blank, as sent: for exact
+    /// matches on stored text, which may begin or end with a space (an
+    /// error class cut at 200 characters).
+    pub(crate) fn untrimmed(&self, name: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(k, v)| k == name && !v.trim().is_empty())
+            .map(|(_, v)| v.as_str())
+    }
+
     pub(crate) fn all(&self, name: &str) -> impl Iterator<Item = &str> {
         self.0
             .iter()
@@ -73,5 +83,40 @@ impl FromRequest<Shared> for ActionForm {
             return Err(refused);
         }
         Ok(ActionForm { fields, who })
+    }
+}
+
+/// A time from a form: RFC 3339, or a browser's `datetime-local` value
+/// (`2026-12-01T10:30`, read as UTC).
+pub(crate) fn parse_time(field: &str, text: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    if let Ok(t) = chrono::DateTime::parse_from_rfc3339(text) {
+        return Ok(t.with_timezone(&chrono::Utc));
+    }
+    ["%Y-%m-%dT%H:%M", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S"]
+        .iter()
+        .find_map(|f| chrono::NaiveDateTime::parse_from_str(text, f).ok())
+        .map(|t| t.and_utc())
+        .ok_or_else(|| format!("{field}: not a time ({text:?}); use 2026-12-01T10:30 (UTC)"))
+}
+
+/// A request the page cannot act on: 400 with the reason.
+pub(crate) fn bad_request(message: &str) -> super::PageResult {
+    Ok(super::layout::error_page(
+        axum::http::StatusCode::BAD_REQUEST,
+        "Cannot do that",
+        message,
+    ))
+}
+
+/// The end of a confirmation form: the reason (required, for the audit
+/// log), the button that confirms and the way back.
+pub(crate) fn confirm_controls(button: &str, danger: bool, cancel: &str) -> maud::Markup {
+    maud::html! {
+        div.actions {
+            input #reason type="text" name="reason" required size="48" maxlength="1000"
+                placeholder="why (recorded in the audit log)";
+            button type="submit" id="confirm" class=(if danger { "danger" } else { "primary" }) { (button) }
+            a href=(cancel) { "Cancel" }
+        }
     }
 }

@@ -24,11 +24,14 @@ pub(crate) async fn js() -> Response {
 }
 
 /// The pages in the navigation: (path, title).
-const PAGES: [(&str, &str); 4] = [
+const PAGES: [(&str, &str); 7] = [
     ("/", "Overview"),
     ("/dead-letters", "Dead letters"),
+    ("/failures", "Failures"),
     ("/blocked", "Blocked aggregates"),
     ("/outbox", "Outbox"),
+    ("/consumers", "Consumers"),
+    ("/reconcile", "Reconcile"),
 ];
 
 /// A whole page, or only its `<main>` content when the page's own script
@@ -75,17 +78,25 @@ pub(crate) fn page(
     .into_response()
 }
 
-/// A small page with a status: errors, refusals, 404.
+/// A small page with a status: errors, refusals, 404. It has the
+/// console's stylesheet (from the base path the console serves under).
 pub(crate) fn error_page(status: StatusCode, title: &str, message: &str) -> Response {
+    let home = super::home();
     let markup = html! {
         (DOCTYPE)
         html lang="en" {
-            head { meta charset="utf-8"; title { (title) " · outbox console" } }
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                title { (title) " · outbox console" }
+                link rel="stylesheet" href=(format!("{home}assets/console.css"));
+            }
             body {
+                header { span.brand { "outbox console" } }
                 main {
                     h1 id="error-title" { (title) }
-                    p id="error-message" { (message) }
-                    p { a href=(super::home()) { "Back to the console" } }
+                    p id="error-message" { (user(message)) }
+                    p { a href=(home) { "Back to the console" } }
                 }
             }
         }
@@ -99,6 +110,22 @@ pub(crate) async fn not_found() -> Response {
         "Not found",
         "No such page in the console.",
     )
+}
+
+/// User content (names, ids, errors, headers): in a bidi isolate of its
+/// own, so direction controls in it (U+202E and the like) cannot reorder
+/// the text around it.
+pub(crate) fn user(text: &str) -> Markup {
+    html! { bdi { (text) } }
+}
+
+/// Like [`user`], cut to `max` characters with an ellipsis: lists show the
+/// start, the whole value is in the tooltip and on the detail page.
+pub(crate) fn user_cut(text: &str, max: usize) -> Markup {
+    match text.char_indices().nth(max) {
+        None => user(text),
+        Some((end, _)) => html! { bdi title=(text) { (&text[..end]) "…" } },
+    }
 }
 
 /// `1234567` → `1,234,567`.

@@ -1,18 +1,27 @@
 //! `outbox-relay console`: the operator console, a web UI over the
-//! outbox (Overview, Dead letters, Blocked aggregates, Outbox). Pages are
+//! outbox (Overview, Dead letters, Failures, Blocked aggregates, Outbox)
+//! and the consumers' end (Consumers, Reconcile). Pages are
 //! rendered on the server; the stylesheet and one small script are
 //! embedded in the binary, so nothing is fetched from elsewhere.
 //!
 //! Cheap on large tables: the overview's counts come from a background
-//! refresher (estimates and index probes, every few seconds), the lists
+//! refresher (estimates and index probes, every few seconds; the Failures
+//! page's exact grouping, which does read every dead letter, less often
+//! on a big table: see `failures.rs`), the lists
 //! page through indexes, and no page scans the outbox or the dead letters.
 //! Secure by default: see `security.rs`.
 
+mod amqp;
 mod blocked;
+mod consumers;
 mod dead_letters;
+mod dlq;
+mod failures;
 mod form;
 mod layout;
 mod overview;
+mod reconcile;
+mod republish;
 mod security;
 
 use std::net::SocketAddr;
@@ -32,6 +41,7 @@ use outbox_relay::admin::{self, BacklogByType, Gauges, MinuteRate, RelayLeases};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+pub(crate) use consumers::ConsumerOptions;
 pub(crate) use security::Credentials;
 
 /// How the console is served (`outbox-relay console`'s flags).
@@ -53,6 +63,8 @@ pub(crate) struct Options {
     /// The database URL: shown without its password, and scrubbed from
     /// every error the console shows or logs.
     pub(crate) database_url: String,
+    /// The consumer pages: broker, queues, inbox.
+    pub(crate) consumers: ConsumerOptions,
 }
 
 /// What error pages and messages need without a handle on the console:
@@ -61,6 +73,7 @@ pub(crate) struct Options {
 struct Process {
     base_path: String,
     database_url: String,
+    amqp_url: String,
 }
 
 static PROCESS: OnceLock<Process> = OnceLock::new();
@@ -77,7 +90,9 @@ pub(crate) fn home() -> String {
 pub(crate) fn scrub(text: &str) -> String {
     let text = crate::cli::scrub_secrets(text);
     match PROCESS.get() {
-        Some(p) => outbox::redact::scrub(&text, &p.database_url),
+        Some(p) => {
+            outbox::redact::scrub(&outbox::redact::scrub(&text, &p.database_url), &p.amqp_url)
+        }
         None => text,
     }
 }
@@ -91,6 +106,8 @@ pub(crate) struct Console {
     pub(crate) snapshot: RwLock<Arc<Snapshot>>,
     /// Signs the CSRF cookies.
     pub(crate) csrf_key: security::CsrfKey,
+    /// The consumer pages' broker connection, rates and reconciliations.
+    pub(crate) consumers: consumers::State,
 }
 
 type Shared = Arc<Console>;
@@ -106,6 +123,8 @@ pub(crate) struct Snapshot {
     pub(crate) by_type: BacklogByType,
     /// The write-ahead-log capture's slot, when it is set up.
     pub(crate) wal: Option<admin::WalSlot>,
+    /// Dead letters grouped by failure (the Failures page).
+    pub(crate) failures: failures::Grouped,
 }
 
 impl Console {
@@ -122,14 +141,20 @@ impl Console {
     }
 }
 
-async fn read_snapshot(pool: &PgPool, schema: &Ident) -> outbox_relay::Result<Snapshot> {
+async fn read_snapshot(
+    pool: &PgPool,
+    schema: &Ident,
+    previous: Option<&Snapshot>,
+) -> outbox_relay::Result<Snapshot> {
     let gauges = admin::gauges(pool, schema).await?;
     let (relays, unleased) = admin::relays(pool, schema).await?;
     let rates = admin::publish_rates(pool, schema, 60).await?;
     let by_type = admin::backlog_by_type(pool, schema).await?;
     let wal = admin::wal_slot(pool, schema).await?;
+    let failures = failures::refreshed(pool, schema, previous.map(|p| &p.failures)).await?;
     Ok(Snapshot {
         wal,
+        failures,
         taken_at: Utc::now(),
         gauges,
         relays,
@@ -157,11 +182,16 @@ pub(crate) async fn serve(
     let _ = PROCESS.set(Process {
         base_path: options.base_path.clone(),
         database_url: options.database_url.clone(),
+        amqp_url: options
+            .consumers
+            .amqp_url
+            .as_ref()
+            .map_or(String::new(), |u| u.expose().to_owned()),
     });
     outbox::check_migrated(&pool, schema.as_str())
         .await
         .context("the console needs the outbox tables")?;
-    let first = read_snapshot(&pool, &schema)
+    let first = read_snapshot(&pool, &schema, None)
         .await
         .context("reading the outbox")?;
     let listener = tokio::net::TcpListener::bind(options.listen)
@@ -171,11 +201,13 @@ pub(crate) async fn serve(
     let console = Arc::new(Console {
         pool,
         schema,
+        consumers: consumers::State::new(&options.consumers),
         options,
         snapshot: RwLock::new(Arc::new(first)),
         csrf_key: security::CsrfKey::random(),
     });
     tokio::spawn(refresh(console.clone(), shutdown.clone()));
+    tokio::spawn(consumers::refresh_rates(console.clone(), shutdown.clone()));
     let app = router(console.clone());
     tracing::info!(
         addr = %local,
@@ -209,7 +241,8 @@ async fn refresh(console: Shared, shutdown: CancellationToken) {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(console.options.refresh) => {}
         }
-        match read_snapshot(&console.pool, &console.schema).await {
+        let previous = console.snapshot();
+        match read_snapshot(&console.pool, &console.schema, Some(&previous)).await {
             Ok(s) => {
                 *console.snapshot.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(s);
             }
@@ -231,8 +264,16 @@ fn router(console: Shared) -> Router {
         .route(&at("/dead-letters/{id}"), get(dead_letters::detail))
         .route(&at("/dead-letters/confirm"), post(dead_letters::confirm))
         .route(&at("/dead-letters/act"), post(dead_letters::act))
+        .route(&at("/failures"), get(failures::groups))
         .route(&at("/blocked"), get(blocked::list))
         .route(&at("/blocked/act"), post(blocked::act))
+        .route(&at("/consumers"), get(consumers::overview))
+        .route(&at("/consumers/dlq"), get(dlq::list))
+        .route(&at("/consumers/dlq/confirm"), post(dlq::confirm))
+        .route(&at("/consumers/dlq/act"), post(dlq::act))
+        .route(&at("/reconcile"), get(reconcile::show))
+        .route(&at("/reconcile/confirm"), post(republish::confirm))
+        .route(&at("/reconcile/act"), post(republish::act))
         .route(&at("/assets/console.css"), get(layout::css))
         .route(&at("/assets/console.js"), get(layout::js));
     if !base.is_empty() {

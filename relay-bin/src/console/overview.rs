@@ -6,7 +6,7 @@ use chrono::Utc;
 use maud::{Markup, html};
 use outbox_relay::admin::{self, MinuteRate};
 
-use super::layout::{age, count, page, time};
+use super::layout::{age, count, page, time, user_cut};
 use super::{ConsoleState, PageResult};
 
 pub(crate) async fn overview(state: ConsoleState, headers: HeaderMap) -> PageResult {
@@ -28,7 +28,7 @@ pub(crate) async fn overview(state: ConsoleState, headers: HeaderMap) -> PageRes
                 (card("wal-lag", "Write-ahead log lag", &w.lag_bytes.map_or("-".to_owned(), bytes), &wal_note(w), !w.active, matches!(w.wal_status.as_deref(), Some("lost" | "unreserved"))))
             }
         }
-        h2 { "Published per minute, last hour" }
+        h2 { "Settled per minute, last hour " span.muted { "(published in blue, dead-lettered in red)" } }
         div.chart { (chart(&s.rates)) }
         h2 { "Relays" }
         @if s.relays.is_empty() {
@@ -39,10 +39,10 @@ pub(crate) async fn overview(state: ConsoleState, headers: HeaderMap) -> PageRes
                 tbody {
                     @for r in &s.relays {
                         tr {
-                            td { (r.name) }
+                            td { (user_cut(&r.name, 80)) }
                             td.num { (r.partitions) }
                             td.num { (age(r.heartbeat_age_s)) }
-                            td { (r.broker.as_deref().unwrap_or("unknown")) }
+                            td { (user_cut(r.broker.as_deref().unwrap_or("unknown"), 80)) }
                         }
                     }
                 }
@@ -51,7 +51,7 @@ pub(crate) async fn overview(state: ConsoleState, headers: HeaderMap) -> PageRes
         p.muted {
             "Figures as of " (time(s.taken_at)) " UTC ("
             (age((Utc::now() - s.taken_at).as_seconds_f64())) " ago); counts above "
-            (count(admin::status::EXACT_COUNT_UP_TO)) " rows are the planner's estimates. This page refreshes by itself."
+            (count(admin::status::EXACT_COUNT_UP_TO)) " rows are estimates (from the statistics, or from a sample of the table's pages when it was never analysed). This page refreshes by itself."
         }
     };
     let every = console.options.refresh.as_secs_f64().ceil().max(1.0) as u64;
@@ -111,23 +111,29 @@ fn card(id: &str, label: &str, value: &str, note: &str, warn: bool, bad: bool) -
     }
 }
 
-/// Bars per minute as an inline SVG (no script, no external asset).
+/// Bars per minute as an inline SVG (no script, no external asset): each
+/// bar is the minute's settled events, its dead-lettered part in red on top,
+/// so a minute with only dead letters still shows.
 fn chart(rates: &[MinuteRate]) -> Markup {
     let (w, h) = (600.0_f64, 140.0_f64);
-    let peak = rates.iter().map(|r| r.published).max().unwrap_or(0);
-    let max = peak.max(1) as f64;
-    let n = rates.len().max(1) as f64;
-    let bar = w / n;
+    let settled = |r: &MinuteRate| r.published + r.dead_lettered;
+    let peak = rates.iter().map(settled).max().unwrap_or(0);
+    let scale = (h - 4.0) / peak.max(1) as f64;
+    let bar = w / rates.len().max(1) as f64;
     html! {
         svg viewBox=(format!("0 0 {w} {}", h + 14.0)) preserveAspectRatio="none" role="img"
-            aria-label="events published per minute over the last hour" id="rate-chart" {
+            aria-label="events settled per minute over the last hour" id="rate-chart" {
             line x1="0" y1=(h) x2=(w) y2=(h) stroke="#d8dde4" {}
             @for (i, r) in rates.iter().enumerate() {
-                @let bh = r.published as f64 / max * (h - 4.0);
-                rect x=(format!("{:.2}", i as f64 * bar + 1.0)) y=(format!("{:.2}", h - bh))
-                    width=(format!("{:.2}", (bar - 2.0).max(1.0))) height=(format!("{bh:.2}"))
-                    fill=(if r.dead_lettered > 0 { "#b3261e" } else { "#2457c5" }) {
+                @let x = format!("{:.2}", i as f64 * bar + 1.0);
+                @let width = format!("{:.2}", (bar - 2.0).max(1.0));
+                @let (ok, dead) = (r.published as f64 * scale, r.dead_lettered as f64 * scale);
+                g {
                     title { (r.minute.format("%H:%M")) ": " (count(r.published)) " published, " (count(r.dead_lettered)) " dead-lettered" }
+                    rect.published x=(x) y=(format!("{:.2}", h - ok)) width=(width) height=(format!("{ok:.2}")) fill="#2457c5" {}
+                    @if r.dead_lettered > 0 {
+                        rect.dead x=(x) y=(format!("{:.2}", h - ok - dead.max(2.0))) width=(width) height=(format!("{:.2}", dead.max(2.0))) fill="#b3261e" {}
+                    }
                 }
             }
             text x="0" y=(h + 12.0) font-size="10" fill="#5b6675" { "-60 min" }
@@ -153,7 +159,7 @@ pub(crate) async fn outbox(state: ConsoleState, headers: HeaderMap) -> PageResul
             thead { tr { th { "aggregate type" } th { "event type" } th.num { "events" } } }
             tbody {
                 @for t in &s.by_type.types {
-                    tr { td { (t.aggregate_type) } td { (t.event_type) } td.num { (count(t.events)) } }
+                    tr { td { (user_cut(&t.aggregate_type, 80)) } td { (user_cut(&t.event_type, 80)) } td.num { (count(t.events)) } }
                 }
                 @if s.by_type.types.is_empty() { tr { td colspan="3" .muted { "The outbox is empty." } } }
             }
@@ -165,15 +171,15 @@ pub(crate) async fn outbox(state: ConsoleState, headers: HeaderMap) -> PageResul
                 @for e in &due {
                     tr {
                         td { code { (e.id) } }
-                        td { (e.aggregate_type) "/" (e.aggregate_id) }
-                        td { (e.event_type) }
+                        td { (user_cut(&e.aggregate_type, 60)) "/" (user_cut(&e.aggregate_id, 60)) }
+                        td { (user_cut(&e.event_type, 60)) }
                         td.num { (e.attempts) }
                         td { (time(e.created_at)) }
                         td {
                             @if e.available_at <= now { "due " (age((now - e.available_at).as_seconds_f64())) " ago" }
                             @else { "in " (age((e.available_at - now).as_seconds_f64())) }
                         }
-                        td.err { (e.last_error.as_deref().unwrap_or("")) }
+                        td.err { (user_cut(e.last_error.as_deref().unwrap_or(""), 300)) }
                     }
                 }
                 @if due.is_empty() { tr { td colspan="7" .muted { "No unordered event waits." } } }

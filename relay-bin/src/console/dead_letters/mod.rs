@@ -2,36 +2,24 @@
 //! and replay or purge one, the selected, or all matching a filter, each
 //! after a confirmation that says how many events it will touch.
 
-use std::collections::HashMap;
-
-use axum::extract::{Extension, Path, Query};
+use axum::extract::{Extension, Path};
 use axum::http::{HeaderMap, StatusCode};
-use chrono::{DateTime, NaiveDateTime, Utc};
+use chrono::{DateTime, Utc};
 use maud::{Markup, html};
-use outbox_relay::admin::{self, Filter, PageAfter, Selection};
+use outbox_relay::admin::{self, Filter, Selection};
 use uuid::Uuid;
 
-use super::form::{ActionForm, Fields};
-use super::layout::{age, count, error_page, page, time};
+use super::form::{ActionForm, Fields, bad_request, parse_time};
+use super::layout::{count, error_page, page, time, user};
 use super::security::{CSRF_FIELD, CsrfToken};
 use super::{ConsoleState, PageResult};
 
-const PAGE: i64 = 50;
-/// The list counts matches exactly up to this many.
-const COUNT_CAP: i64 = 10_000;
+mod list;
 
-/// A time from a form: RFC 3339, or a browser's `datetime-local` value
-/// (`2026-12-01T10:30`, read as UTC).
-fn parse_time(field: &str, text: &str) -> Result<DateTime<Utc>, String> {
-    if let Ok(t) = DateTime::parse_from_rfc3339(text) {
-        return Ok(t.with_timezone(&Utc));
-    }
-    ["%Y-%m-%dT%H:%M", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S"]
-        .iter()
-        .find_map(|f| NaiveDateTime::parse_from_str(text, f).ok())
-        .map(|t| t.and_utc())
-        .ok_or_else(|| format!("{field}: not a time ({text:?}); use 2026-12-01T10:30 (UTC)"))
-}
+/// Dead letters a confirmation page shows of what it will touch.
+const SAMPLE: i64 = 10;
+
+pub(crate) use list::list;
 
 fn filter_of(f: &Fields) -> Result<Filter, String> {
     let text = |name| f.get(name).map(str::to_owned);
@@ -40,6 +28,8 @@ fn filter_of(f: &Fields) -> Result<Filter, String> {
     filter.aggregate_type = text("aggregate_type");
     filter.aggregate_id = text("aggregate_id");
     filter.error_words = text("error");
+    filter.error_class = f.untrimmed("error_class").map(str::to_owned);
+    filter.exchange = f.untrimmed("exchange").map(super::failures::exchange_of);
     filter.since = f.get("since").map(|t| parse_time("since", t)).transpose()?;
     filter.until = f.get("until").map(|t| parse_time("until", t)).transpose()?;
     Ok(filter)
@@ -57,6 +47,11 @@ fn filter_pairs(f: &Filter) -> Vec<(&'static str, String)> {
     add("aggregate_type", f.aggregate_type.clone());
     add("aggregate_id", f.aggregate_id.clone());
     add("error", f.error_words.clone());
+    add("error_class", f.error_class.clone());
+    add(
+        "exchange",
+        f.exchange.as_ref().map(super::failures::exchange_value),
+    );
     add("since", f.since.map(|t| t.to_rfc3339()));
     add("until", f.until.map(|t| t.to_rfc3339()));
     out
@@ -88,6 +83,10 @@ fn describe(f: &Filter) -> String {
         .into_iter()
         .map(|(k, v)| match k {
             "error" => format!("error has the words {v:?}"),
+            "error_class" => format!("error class = “{v}”"),
+            "exchange" if v == super::failures::RELAY_DEFAULT_EXCHANGE => {
+                "exchange = the relay's default".to_owned()
+            }
             "since" => format!("dead-lettered at or after {}", shown(&v)),
             "until" => format!("dead-lettered before {}", shown(&v)),
             _ => format!("{} = {v:?}", k.replace('_', " ")),
@@ -98,144 +97,6 @@ fn describe(f: &Filter) -> String {
     } else {
         parts.join(", ")
     }
-}
-
-fn bad_request(message: &str) -> PageResult {
-    Ok(error_page(
-        StatusCode::BAD_REQUEST,
-        "Cannot do that",
-        message,
-    ))
-}
-
-pub(crate) async fn list(
-    state: ConsoleState,
-    headers: HeaderMap,
-    Extension(csrf): Extension<CsrfToken>,
-    Query(q): Query<HashMap<String, String>>,
-) -> PageResult {
-    let console = &state.0;
-    let fields = Fields::from_query(q);
-    let filter = match filter_of(&fields) {
-        Ok(f) => f,
-        Err(e) => return bad_request(&e),
-    };
-    let after = match fields.get("after").map(parse_after).transpose() {
-        Ok(a) => a,
-        Err(e) => return bad_request(&e),
-    };
-    let rows =
-        admin::search_dead_letters(&console.pool, &console.schema, &filter, after, PAGE).await?;
-    // Unfiltered: the refresher's figure (an estimate on a big table);
-    // filtered: counted through the filter's index, up to a cap.
-    let (matching, approx) = if filter.is_empty() {
-        let n = console.snapshot().gauges.dead_letters;
-        (n, n > admin::status::EXACT_COUNT_UP_TO)
-    } else {
-        let selection = Selection::Matching(filter.clone());
-        let n = admin::count_dead_letters(
-            &console.pool,
-            &console.schema,
-            &selection,
-            Some(COUNT_CAP + 1),
-        )
-        .await?;
-        (n.min(COUNT_CAP), n > COUNT_CAP)
-    };
-    let pairs = filter_pairs(&filter);
-    let next = rows
-        .last()
-        .filter(|_| rows.len() as i64 == PAGE)
-        .map(|last| {
-            let mut p = pairs.clone();
-            p.push((
-                "after",
-                format!("{}_{}", last.dead_lettered_at.timestamp_micros(), last.id),
-            ));
-            console.url(&format!("/dead-letters?{}", query_string(&p)))
-        });
-    let read_only = console.options.read_only;
-    let now = Utc::now();
-    let body = html! {
-        h1 { "Dead letters" }
-        form.filters method="get" action=(console.url("/dead-letters")) id="filters" {
-            label { "event type" input name="event_type" value=[filter.event_type.as_deref()]; }
-            label { "aggregate type" input name="aggregate_type" value=[filter.aggregate_type.as_deref()]; }
-            label { "aggregate id" input name="aggregate_id" value=[filter.aggregate_id.as_deref()]; }
-            label { "error words" input name="error" placeholder="NO_ROUTE" value=[filter.error_words.as_deref()]; }
-            label { "since (UTC)" input name="since" placeholder="2026-12-01T10:00" value=[filter.since.map(|t| t.format("%Y-%m-%dT%H:%M:%S").to_string())]; }
-            label { "until (UTC)" input name="until" placeholder="2026-12-01T12:00" value=[filter.until.map(|t| t.format("%Y-%m-%dT%H:%M:%S").to_string())]; }
-            button.primary type="submit" id="apply-filter" { "Filter" }
-            a href=(console.url("/dead-letters")) { "Clear" }
-        }
-        p id="matching" {
-            span id="matching-count" { @if approx { "about " } (count(matching)) @if approx && !filter.is_empty() { "+" } }
-            @if filter.is_empty() { " dead letters in all." } @else { " dead letters match " (describe(&filter)) "." }
-        }
-        @if !read_only && matching > 0 {
-            form.actions method="post" action=(console.url("/dead-letters/confirm")) id="matching-actions" {
-                input type="hidden" name=(CSRF_FIELD) value=(csrf.0);
-                input type="hidden" name="scope" value="matching";
-                (hidden_filter(&filter))
-                button type="submit" name="action" value="replay" id="replay-matching" { "Replay all matching…" }
-                button.danger type="submit" name="action" value="purge" id="purge-matching" { "Purge all matching…" }
-            }
-        }
-        form method="post" action=(console.url("/dead-letters/confirm")) id="selected-form" {
-            input type="hidden" name=(CSRF_FIELD) value=(csrf.0);
-            input type="hidden" name="scope" value="ids";
-            table id="dead-letter-table" {
-                thead { tr {
-                    @if !read_only { th { "" } }
-                    th { "event" } th { "aggregate" } th { "event type" } th.num { "attempts" }
-                    th { "dead-lettered" } th { "last error" }
-                } }
-                tbody {
-                    @for d in &rows {
-                        tr {
-                            @if !read_only { td { input type="checkbox" name="ids" value=(d.id) aria-label="select"; } }
-                            td { a href=(console.url(&format!("/dead-letters/{}", d.id))) { code { (d.id) } } }
-                            td { (d.aggregate_type) "/" (d.aggregate_id) }
-                            td { (d.event_type) }
-                            td.num { (d.attempts) }
-                            td { (time(d.dead_lettered_at)) br; span.muted { (age((now - d.dead_lettered_at).as_seconds_f64())) " ago" } }
-                            td.err { (d.last_error) }
-                        }
-                    }
-                    @if rows.is_empty() { tr { td colspan="7" .muted { "No dead letters here." } } }
-                }
-            }
-            @if !read_only && !rows.is_empty() {
-                div.actions {
-                    button type="submit" name="action" value="replay" id="replay-selected" { "Replay selected…" }
-                    button.danger type="submit" name="action" value="purge" id="purge-selected" { "Purge selected…" }
-                }
-            }
-        }
-        div.pager {
-            @if after.is_some() { a href=(console.url(&format!("/dead-letters?{}", query_string(&pairs)))) { "« First page" } }
-            @if let Some(n) = next { a id="next-page" href=(n) { "Next page »" } }
-        }
-    };
-    Ok(page(
-        console,
-        &headers,
-        "/dead-letters",
-        "Dead letters",
-        None,
-        body,
-    ))
-}
-
-/// `<unix micros>_<uuid>`, as the "Next page" link writes it.
-fn parse_after(text: &str) -> Result<PageAfter, String> {
-    let bad = || format!("after: not a page position ({text:?})");
-    let (micros, id) = text.split_once('_').ok_or_else(bad)?;
-    let micros: i64 = micros.parse().map_err(|_| bad())?;
-    Ok(PageAfter {
-        dead_lettered_at: DateTime::from_timestamp_micros(micros).ok_or_else(bad)?,
-        id: Uuid::parse_str(id).map_err(|_| bad())?,
-    })
 }
 
 pub(crate) async fn detail(
@@ -272,14 +133,14 @@ pub(crate) async fn detail(
     let body = html! {
         h1 { "Dead letter " code { (s.id) } }
         dl.kv id="dead-letter" {
-            dt { "aggregate" } dd { (s.aggregate_type) " / " (s.aggregate_id) @if let Some(q) = d.aggregate_seq { " · seq " (q) } }
-            dt { "event type" } dd { (s.event_type) }
-            dt { "exchange" } dd { (d.exchange.as_deref().unwrap_or("(the relay's default)")) }
-            dt { "routing key" } dd { (d.routing_key.clone().unwrap_or_else(|| format!("{}.{} (default)", s.aggregate_type, s.event_type))) }
+            dt { "aggregate" } dd { (user(&s.aggregate_type)) " / " (user(&s.aggregate_id)) @if let Some(q) = d.aggregate_seq { " · seq " (q) } }
+            dt { "event type" } dd { (user(&s.event_type)) }
+            dt { "exchange" } dd { @match &s.exchange { Some(x) => (user(x)), None => "(the relay's default)" } }
+            dt { "routing key" } dd { @match &s.routing_key { Some(k) => (user(k)), None => { (user(&format!("{}.{}", s.aggregate_type, s.event_type))) " (default)" } } }
             dt { "created" } dd { (time(s.created_at)) " UTC" }
             dt { "dead-lettered" } dd { (time(s.dead_lettered_at)) " UTC" }
             dt { "attempts" } dd { (s.attempts) }
-            dt { "last error" } dd.err id="last-error" { (s.last_error) }
+            dt { "last error" } dd.err id="last-error" { (user(&s.last_error)) }
         }
         @if !console.options.read_only {
             form.actions method="post" action=(console.url("/dead-letters/confirm")) {
@@ -294,14 +155,14 @@ pub(crate) async fn detail(
         table id="error-history" {
             thead { tr { th { "at" } th { "error" } } }
             tbody {
-                @for (at, e) in &history { tr { td { (at) } td.err { (e) } } }
+                @for (at, e) in &history { tr { td { (user(at)) } td.err { (user(e)) } } }
                 @if history.is_empty() { tr { td colspan="2" .muted { "No earlier failures recorded." } } }
             }
         }
         h2 { "Payload" }
-        pre id="payload" { (serde_json::to_string_pretty(&d.payload).unwrap_or_default()) }
+        pre id="payload" { bdi { (serde_json::to_string_pretty(&d.payload).unwrap_or_default()) } }
         h2 { "Headers" }
-        pre id="headers" { (serde_json::to_string_pretty(&d.headers).unwrap_or_default()) }
+        pre id="headers" { bdi { (serde_json::to_string_pretty(&d.headers).unwrap_or_default()) } }
         p { a href=(console.url("/dead-letters")) { "« All dead letters" } }
     };
     Ok(page(
@@ -333,6 +194,13 @@ impl Action {
         match self {
             Action::Replay => "replay",
             Action::Purge => "purge",
+        }
+    }
+
+    fn verb(self) -> &'static str {
+        match self {
+            Action::Replay => "Replay",
+            Action::Purge => "Purge",
         }
     }
 }
@@ -375,6 +243,55 @@ fn request_of(fields: &Fields) -> Result<Request, String> {
     }
 }
 
+/// How many dead letters a confirmation will touch: counted, or, past
+/// [`list::COUNT_CAP`], more than that and about how many (from a sample
+/// of the table): an exact count of a large selection reads every one of
+/// its rows while the page waits.
+#[derive(Debug, Clone, Copy)]
+enum Counted {
+    Exactly(i64),
+    MoreThan { counted: i64, about: i64 },
+}
+
+impl Counted {
+    async fn of(console: &super::Console, selection: &Selection) -> outbox_relay::Result<Counted> {
+        let cap = list::COUNT_CAP;
+        let (pool, schema) = (&console.pool, &console.schema);
+        let count = admin::count_dead_letters(pool, schema, selection, Some(cap + 1));
+        if let Selection::Ids(_) = selection {
+            return Ok(Counted::Exactly(count.await?));
+        }
+        // Both at once, on two connections: the page waits for the slower.
+        let estimate = admin::estimate_dead_letters(pool, schema, selection);
+        let (n, about) = tokio::try_join!(count, estimate)?;
+        if n <= cap {
+            return Ok(Counted::Exactly(n));
+        }
+        Ok(Counted::MoreThan {
+            counted: cap,
+            about: about.max(cap + 1),
+        })
+    }
+
+    /// What the action form sends back as `expected`: the count, or
+    /// `more` (then the action takes every match up to the confirmed time).
+    fn expected(self) -> String {
+        match self {
+            Counted::Exactly(n) => n.to_string(),
+            Counted::MoreThan { .. } => "more".to_owned(),
+        }
+    }
+
+    fn shown(self) -> Markup {
+        match self {
+            Counted::Exactly(n) => html! { strong { (count(n)) } },
+            Counted::MoreThan { counted, about } => {
+                html! { "more than " strong { (count(counted)) } " (about " (count(about)) ", from a sample)" }
+            }
+        }
+    }
+}
+
 /// Step one of an action: says how many dead letters it will touch and
 /// asks to confirm. A filter is pinned to now (`until`), so dead letters
 /// arriving later are not touched by what the operator confirmed.
@@ -397,48 +314,23 @@ pub(crate) async fn confirm(
         f.until = Some(f.until.map_or(now, |u| u.min(now)));
         req.described = format!("dead letters matching {}", describe(f));
     }
-    let n = admin::count_dead_letters(&console.pool, &console.schema, &req.selection, None).await?;
-    let verb = if req.action == Action::Replay {
-        "Replay"
-    } else {
-        "Purge"
-    };
+    let (n, sample) = tokio::try_join!(
+        Counted::of(console, &req.selection),
+        admin::sample_dead_letters(&console.pool, &console.schema, &req.selection, SAMPLE),
+    )?;
     let body = html! {
-        h1 { (verb) " dead letters" }
-        @if n == 0 {
+        h1 { (req.action.verb()) " dead letters" }
+        @if matches!(n, Counted::Exactly(0)) {
             div.flash.warn id="confirm-count" data-count="0" { "Nothing to do: no dead letter matches (replayed or purged meanwhile?)." }
         } @else {
-            div class=(if req.action == Action::Purge { "flash bad" } else { "flash warn" }) id="confirm-count" data-count=(n) {
-                (verb) " " strong { (count(n)) } " dead letter(s): " (req.described) "."
-                @if req.action == Action::Replay {
-                    " They go back to the outbox with their ids, due now, attempts reset; consumers deduplicate by id."
-                } @else {
-                    " They are deleted for good."
-                }
-            }
-            form method="post" action=(console.url("/dead-letters/act")) id="confirm-form" {
-                input type="hidden" name=(CSRF_FIELD) value=(csrf.0);
-                input type="hidden" name="action" value=(req.action.name());
-                input type="hidden" name="expected" value=(n);
-                @match &req.selection {
-                    Selection::Ids(ids) => {
-                        input type="hidden" name="scope" value="ids";
-                        @for id in ids { input type="hidden" name="ids" value=(id); }
-                    }
-                    Selection::Matching(f) => {
-                        input type="hidden" name="scope" value="matching";
-                        (hidden_filter(f))
-                    }
-                    _ => {}
-                }
-                div.actions {
-                    input #reason type="text" name="reason" required size="48" maxlength="1000"
-                        placeholder="why (recorded in the audit log)";
-                    button type="submit" id="confirm" class=(if req.action == Action::Purge { "danger" } else { "primary" }) {
-                        (verb) " " (count(n)) " event(s)"
-                    }
-                    a href=(console.url("/dead-letters")) { "Cancel" }
-                }
+            (confirm_form(console, &req, n, &csrf))
+            h2 { "What it touches" @if sample.len() as i64 == SAMPLE { " (the newest " (SAMPLE) ")" } }
+            table.list id="confirm-sample" {
+                thead { tr {
+                    th { "event" } th { "aggregate" } th { "event type" } th { "exchange" } th { "routing key" }
+                    th.num { "attempts" } th { "dead-lettered" } th { "last error" }
+                } }
+                tbody { @for d in &sample { (list::row(console, d, false)) } }
             }
         }
     };
@@ -452,6 +344,52 @@ pub(crate) async fn confirm(
     ))
 }
 
+/// The count, what the action does, and the form that does it.
+fn confirm_form(console: &super::Console, req: &Request, n: Counted, csrf: &CsrfToken) -> Markup {
+    let purge = req.action == Action::Purge;
+    let data_count = match n {
+        Counted::Exactly(n) => n,
+        Counted::MoreThan { about, .. } => about,
+    };
+    html! {
+        div class=(if purge { "flash bad" } else { "flash warn" }) id="confirm-count" data-count=(data_count) {
+            (req.action.verb()) " " (n.shown()) " dead letter(s): " (req.described) "."
+            @if purge {
+                " They are deleted for good."
+            } @else {
+                " They go back to the outbox with their ids, due now, attempts reset; consumers deduplicate by id."
+            }
+        }
+        form method="post" action=(console.url("/dead-letters/act")) id="confirm-form" {
+            input type="hidden" name=(CSRF_FIELD) value=(csrf.0);
+            input type="hidden" name="action" value=(req.action.name());
+            input type="hidden" name="expected" value=(n.expected());
+            @match &req.selection {
+                Selection::Ids(ids) => {
+                    input type="hidden" name="scope" value="ids";
+                    @for id in ids { input type="hidden" name="ids" value=(id); }
+                }
+                Selection::Matching(f) => {
+                    input type="hidden" name="scope" value="matching";
+                    (hidden_filter(f))
+                }
+                _ => {}
+            }
+            div.actions {
+                input #reason type="text" name="reason" required size="48" maxlength="1000"
+                    placeholder="why (recorded in the audit log)";
+                button type="submit" id="confirm" class=(if purge { "danger" } else { "primary" }) {
+                    (req.action.verb()) " " @match n {
+                        Counted::Exactly(n) => { (count(n)) " event(s)" }
+                        Counted::MoreThan { about, .. } => { "all matching (about " (count(about)) ")" }
+                    }
+                }
+                a href=(console.url("/dead-letters")) { "Cancel" }
+            }
+        }
+    }
+}
+
 /// Step two: does it, logs it, and says what happened.
 pub(crate) async fn act(
     state: ConsoleState,
@@ -463,9 +401,25 @@ pub(crate) async fn act(
         Ok(r) => r,
         Err(e) => return bad_request(&e),
     };
-    let Some(expected) = fields.get("expected").and_then(|v| v.parse::<u64>().ok()) else {
-        return bad_request("no confirmed count: confirm the action on its confirmation page");
+    // The confirmed count, or `more`: every match up to the confirmed time.
+    let expected = match fields.get("expected") {
+        Some("more") if matches!(req.selection, Selection::Matching(_)) => None,
+        Some(v) => match v.parse::<u64>() {
+            Ok(n) => Some(n),
+            Err(_) => {
+                return bad_request(
+                    "no confirmed count: confirm the action on its confirmation page",
+                );
+            }
+        },
+        None => {
+            return bad_request("no confirmed count: confirm the action on its confirmation page");
+        }
     };
+    let confirmed = expected.map_or_else(
+        || format!("more than {}", count(list::COUNT_CAP)),
+        |n| count(n as i64),
+    );
     if matches!(&req.selection, Selection::Matching(f) if f.until.is_none()) {
         return bad_request(
             "an action on a filter needs the time it was confirmed at (until): confirm it on its confirmation page",
@@ -481,13 +435,13 @@ pub(crate) async fn act(
                 &console.schema,
                 &req.selection,
                 console.options.retention,
-                Some(expected),
+                expected,
             )
             .await?;
             tracing::info!(
                 target: "outbox_console_audit",
                 who = %who.who, peer = %who.peer, action = "replay", selection = %req.described,
-                reason = ?reason, confirmed = expected, replayed = r.replayed, ids = ?first_ids(&r.ids),
+                reason = ?reason, confirmed = %confirmed, replayed = r.replayed, ids = ?first_ids(&r.ids),
                 kept_conflicts = r.conflicts.len(), kept_unpublishable = r.unpublishable.len(),
                 older_than_retention = r.older_than_retention.len(),
                 "console: replayed dead letters"
@@ -495,7 +449,7 @@ pub(crate) async fn act(
             html! {
                 h1 { "Replayed" }
                 div.flash.ok id="result" data-count=(r.replayed) {
-                    "Replayed " strong { (r.replayed) } " event(s) into the outbox (" (req.described) "; confirmed " (expected) ")."
+                    "Replayed " strong { (r.replayed) } " event(s) into the outbox (" (req.described) "; confirmed " (confirmed) ")."
                 }
                 @if !r.conflicts.is_empty() {
                     div.flash.warn { "Kept " (r.conflicts.len()) " whose id is already in the outbox (enqueued again or replayed before): purge them if the outbox copy is the one to keep." }
@@ -510,23 +464,19 @@ pub(crate) async fn act(
             }
         }
         Action::Purge => {
-            let ids = admin::purge_dead_letters(
-                &console.pool,
-                &console.schema,
-                &req.selection,
-                Some(expected),
-            )
-            .await?;
+            let ids =
+                admin::purge_dead_letters(&console.pool, &console.schema, &req.selection, expected)
+                    .await?;
             tracing::info!(
                 target: "outbox_console_audit",
                 who = %who.who, peer = %who.peer, action = "purge", selection = %req.described,
-                reason = ?reason, confirmed = expected, purged = ids.len(), ids = ?first_ids(&ids),
+                reason = ?reason, confirmed = %confirmed, purged = ids.len(), ids = ?first_ids(&ids),
                 "console: purged dead letters"
             );
             html! {
                 h1 { "Purged" }
                 div.flash.ok id="result" data-count=(ids.len()) {
-                    "Purged " strong { (ids.len()) } " dead letter(s) (" (req.described) "; confirmed " (expected) ")."
+                    "Purged " strong { (ids.len()) } " dead letter(s) (" (req.described) "; confirmed " (confirmed) ")."
                 }
                 p { a href=(console.url("/dead-letters")) { "« Dead letters" } }
             }

@@ -1,0 +1,435 @@
+//! What the console's browser tests share: headless chromium behind its
+//! own chromedriver, a console process on its own port, and the rows the
+//! pages are tried on. Each console test file includes it with
+//! `mod console_support;` and uses what it needs.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use e2e::{KillOnDrop, TestBroker, TestDb, amqp_url, database_url, wait_until};
+use fantoccini::{Client, ClientBuilder, Locator};
+use sqlx::AssertSqlSafe;
+use uuid::Uuid;
+
+pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+
+pub(crate) fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+pub(crate) async fn wait_for_port(port: u16, what: &str) {
+    wait_until(Duration::from_secs(30), what, || async move {
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+    })
+    .await;
+}
+
+pub(crate) fn artifacts(dir: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../target")
+        .join(dir);
+    std::fs::create_dir_all(&d).expect("artifact dir");
+    d
+}
+
+/// Headless chromium behind its own chromedriver.
+pub(crate) struct Browser {
+    pub(crate) client: Client,
+    _driver: KillOnDrop,
+}
+
+impl Browser {
+    pub(crate) async fn start() -> Browser {
+        let port = free_port();
+        // Its own process group, so the chromium it starts goes with it
+        // when the test ends, a panicking one included (see `Drop`).
+        let driver = Command::new("chromedriver")
+            .process_group(0)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("chromedriver not found: run `make browser` (installs chromium and chromium-driver)");
+        let driver = KillOnDrop(driver);
+        wait_for_port(port, "chromedriver to listen").await;
+        let mut caps = serde_json::Map::new();
+        caps.insert(
+            "goog:chromeOptions".to_owned(),
+            serde_json::json!({ "args": [
+                "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1280,1000", "--no-first-run", "--disable-extensions"
+            ] }),
+        );
+        let client = ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+            .capabilities(caps)
+            .connect(&format!("http://127.0.0.1:{port}"))
+            .await
+            .expect("a chromium session (is chromium installed? `make browser`)");
+        Browser {
+            client,
+            _driver: driver,
+        }
+    }
+
+    pub(crate) async fn goto(&self, url: &str) {
+        self.client.goto(url).await.expect("navigate");
+    }
+
+    /// The text of the first element matching `css`, waiting up to 10 s
+    /// for it (the overview replaces its content as it refreshes).
+    pub(crate) async fn text(&self, css: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let got = match self.client.find(Locator::Css(css)).await {
+                Ok(e) => e.text().await,
+                Err(e) => Err(e),
+            };
+            match got {
+                Ok(t) => return t,
+                Err(e) if Instant::now() > deadline => panic!("no text at {css}: {e}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+
+    pub(crate) async fn attr(&self, css: &str, name: &str) -> Option<String> {
+        let e = self
+            .client
+            .wait()
+            .at_most(Duration::from_secs(10))
+            .for_element(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("no element {css}: {e}"));
+        e.attr(name).await.expect("attribute")
+    }
+
+    pub(crate) async fn click(&self, css: &str) {
+        self.client
+            .wait()
+            .at_most(Duration::from_secs(10))
+            .for_element(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("no element {css}: {e}"))
+            .click()
+            .await
+            .unwrap_or_else(|e| panic!("click {css}: {e}"));
+    }
+
+    pub(crate) async fn type_into(&self, css: &str, text: &str) {
+        let e = self
+            .client
+            .find(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("no element {css}: {e}"));
+        e.clear().await.expect("clear");
+        e.send_keys(text).await.expect("type");
+    }
+
+    pub(crate) async fn exists(&self, css: &str) -> bool {
+        !self
+            .client
+            .find_all(Locator::Css(css))
+            .await
+            .expect("find")
+            .is_empty()
+    }
+
+    /// On an action's confirmation page: checks it counts `n` events
+    /// (screenshot `shot` of it, if given), gives a reason, confirms, and
+    /// checks the result says it touched `n`.
+    pub(crate) async fn confirm_action(&self, n: usize, shot: Option<&str>) {
+        let n = n.to_string();
+        let counted = self.attr("#confirm-count", "data-count").await;
+        assert_eq!(
+            counted.as_deref(),
+            Some(n.as_str()),
+            "the confirmation's count"
+        );
+        if let Some(name) = shot {
+            self.screenshot(name).await;
+        }
+        self.type_into("#reason", "consumer fixed, see ticket 7")
+            .await;
+        self.click("#confirm").await;
+        let touched = self.attr("#result", "data-count").await;
+        assert_eq!(
+            touched.as_deref(),
+            Some(n.as_str()),
+            "what the action touched"
+        );
+    }
+
+    pub(crate) async fn screenshot(&self, name: &str) {
+        let png = self.client.screenshot().await.expect("screenshot");
+        let path = artifacts("console-screenshots").join(format!("{name}.png"));
+        std::fs::write(&path, png).expect("write screenshot");
+    }
+
+    pub(crate) async fn close(self) {
+        let _ = self.client.clone().close().await;
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        // chromedriver's group: chromedriver and the chromium it started.
+        let group = nix::unistd::Pid::from_raw(self._driver.id() as i32);
+        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
+/// A console process on its own port; its log goes to a file under
+/// `target/console-logs/` (for the audit-log checks).
+pub(crate) struct Console {
+    _child: KillOnDrop,
+    pub(crate) url: String,
+    pub(crate) log: PathBuf,
+}
+
+pub(crate) fn console_cmd(db: &TestDb, listen: &str, log: &PathBuf) -> Command {
+    let mut c = Command::new(BIN);
+    c.env("DATABASE_URL", database_url())
+        .env("OUTBOX_SCHEMA", &db.schema)
+        .env("RUST_LOG", "info")
+        .env_remove("OUTBOX_CONSOLE_PASSWORD")
+        .env_remove("OUTBOX_CONSOLE_TOKEN")
+        .args(["console", "--listen", listen, "--refresh", "200ms"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).expect("log file"));
+    c
+}
+
+impl Console {
+    pub(crate) async fn start(db: &TestDb, configure: impl FnOnce(&mut Command)) -> Console {
+        let port = free_port();
+        let log = artifacts("console-logs").join(format!("{}.log", db.schema));
+        let mut cmd = console_cmd(db, &format!("127.0.0.1:{port}"), &log);
+        configure(&mut cmd);
+        let child = KillOnDrop(cmd.spawn().expect("console"));
+        wait_for_port(port, "the console to listen").await;
+        Console {
+            _child: child,
+            url: format!("http://127.0.0.1:{port}"),
+            log,
+        }
+    }
+
+    pub(crate) fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// A relay process publishing `db`'s outbox to `broker`'s exchange.
+pub(crate) fn start_relay(db: &TestDb, broker: &TestBroker) -> KillOnDrop {
+    let child = Command::new(BIN)
+        .env("DATABASE_URL", database_url())
+        .env("AMQP_URL", amqp_url())
+        .env("OUTBOX_SCHEMA", &db.schema)
+        .env("OUTBOX_EXCHANGE", &broker.exchange)
+        .env("OUTBOX_DECLARE_EXCHANGE", "none")
+        .env("OUTBOX_POLL_INTERVAL", "100ms")
+        .env("OUTBOX_LEASE_TTL", "3s")
+        .env("RUST_LOG", "warn")
+        .arg("run")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("relay");
+    KillOnDrop(child)
+}
+
+/// Dead letters of `event_type`, as the relay would have left them:
+/// `n` rows for aggregates `<prefix>-1..n`, one second apart. Returns
+/// their ids.
+pub(crate) async fn dead_letters(
+    db: &TestDb,
+    event_type: &str,
+    prefix: &str,
+    n: i32,
+    error: &str,
+) -> Vec<Uuid> {
+    sqlx::query_scalar(AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".outbox_dead_letters
+             (id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts,
+              last_error, error_history, dead_lettered_at)
+         SELECT gen_random_uuid(), 'payment', $2 || '-' || g, $1, jsonb_build_object('n', g, 'note', 'x'),
+                '{{\"x-tenant\": \"acme\"}}', now() - interval '1 hour', 10, $3,
+                jsonb_build_array(jsonb_build_object('at', now() - interval '5 minutes', 'error', 'first try: ' || $3)),
+                now() - g * interval '1 second'
+         FROM generate_series(1, $4) g RETURNING id",
+        db.schema
+    )))
+    .bind(event_type)
+    .bind(prefix)
+    .bind(error)
+    .bind(n)
+    .fetch_all(&db.pool)
+    .await
+    .expect("dead letters")
+}
+
+/// The text between `start` and the next `end` after it.
+pub(crate) fn between<'a>(text: &'a str, start: &str, end: &str) -> &'a str {
+    let from = text.find(start).unwrap_or_else(|| panic!("no {start:?}")) + start.len();
+    &text[from..from + text[from..].find(end).expect("end")]
+}
+
+pub(crate) async fn count_where(db: &TestDb, table: &str, condition: &str) -> i64 {
+    sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM \"{}\".{table} WHERE {condition}",
+        db.schema
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .expect("count")
+}
+
+/// An ordered aggregate `account/<id>` with `n` events whose head has
+/// failed and waits an hour for its next attempt. Returns the ids in
+/// sequence order.
+pub(crate) async fn blocked_aggregate(db: &TestDb, id: &str, n: usize) -> Vec<Uuid> {
+    outbox::set_ordered(&db.pool, &db.schema, "account", true)
+        .await
+        .expect("order account");
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id: Uuid = sqlx::query_scalar(AssertSqlSafe(format!(
+            "INSERT INTO \"{}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('account', $1, $2, '{{}}') RETURNING id",
+            db.schema
+        )))
+        .bind(id)
+        .bind(format!("AccountEvent{}", i + 1))
+        .fetch_one(&db.pool)
+        .await
+        .expect("ordered event");
+        ids.push(id);
+    }
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE \"{}\".outbox SET attempts = 3, last_error = 'NO_ROUTE: nobody listens for AccountEvent1',
+             available_at = now() + interval '1 hour' WHERE id = $1",
+        db.schema
+    )))
+    .bind(ids[0])
+    .execute(&db.pool)
+    .await
+    .expect("fail the head");
+    ids
+}
+
+/// `n` dead letters of `event_type` (as [`dead_letters`] leaves them,
+/// aggregates `<event type, lower case>-1..n`) that were published to
+/// `exchange` (`None`: the relay's default) and failed alike: in `error`,
+/// `{n}` becomes a number and `{id}` a fresh UUID, different on each row,
+/// so the texts differ and their error class is one. Returns their ids.
+pub(crate) async fn failed_alike(
+    db: &TestDb,
+    event_type: &str,
+    exchange: Option<&str>,
+    n: i32,
+    error: &str,
+) -> Vec<Uuid> {
+    let ids = dead_letters(db, event_type, &event_type.to_lowercase(), n, error).await;
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE \"{}\".outbox_dead_letters
+         SET exchange = $2,
+             last_error = replace(replace(last_error, '{{n}}', (1000 + 37 * split_part(aggregate_id, '-', 2)::int)::text),
+                                  '{{id}}', gen_random_uuid()::text)
+         WHERE id = ANY($1)",
+        db.schema
+    )))
+    .bind(&ids)
+    .bind(exchange)
+    .execute(&db.pool)
+    .await
+    .expect("fail them alike");
+    ids
+}
+
+/// The error classes [`failure_mix`] leaves, most dead letters first.
+pub(crate) const NO_ROUTE_CLASS: &str = "returned by the broker: <n> NO_ROUTE (exchange \"…\")";
+pub(crate) const TOO_LARGE_CLASS: &str =
+    "payload is <n> bytes, over the relay's limit of <n> bytes";
+pub(crate) const REJECTED_CLASS: &str = "consumer rejected event <id>";
+pub(crate) const PRECONDITION_CLASS: &str = "the broker closed the channel: <n> PRECONDITION_FAILED - message size <n> is larger than configured max size <n>";
+
+/// Ten dead letters that failed four ways, each row's error text its own:
+/// by class NO_ROUTE 4, too large 3, rejected 2, precondition 1; by event
+/// type OrderPlaced 6, OrderPaid 3, Refunded 1; by exchange the relay's
+/// default 5, `orders` 4, `billing` 1.
+pub(crate) async fn failure_mix(db: &TestDb) {
+    let rows = [
+        (
+            "OrderPlaced",
+            Some("orders"),
+            4,
+            "returned by the broker: 312 NO_ROUTE (exchange \"orders-{n}\")",
+        ),
+        (
+            "OrderPaid",
+            None,
+            3,
+            "payload is {n} bytes, over the relay's limit of 1048576 bytes",
+        ),
+        ("OrderPlaced", None, 2, "consumer rejected event {id}"),
+        (
+            "Refunded",
+            Some("billing"),
+            1,
+            "the broker closed the channel: 406 PRECONDITION_FAILED - message size {n} is larger than configured max size 134217728",
+        ),
+    ];
+    for (event_type, exchange, n, error) in rows {
+        failed_alike(db, event_type, exchange, n, error).await;
+    }
+}
+
+/// One HTTP/1.1 request with these headers (`Host` is the URL's unless
+/// given) and a form body: (status, the whole response as text).
+pub(crate) async fn http_request(
+    method: &str,
+    url: &str,
+    headers: &[(&str, String)],
+    body: &str,
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let u = url::Url::parse(url).expect("url");
+    let (host, port) = (u.host_str().expect("host"), u.port().expect("port"));
+    let mut s = tokio::net::TcpStream::connect((host, port))
+        .await
+        .expect("connect");
+    let mut head = String::new();
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        head.push_str(&format!("Host: {host}:{port}\r\n"));
+    }
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    let target = match u.query() {
+        Some(q) => format!("{}?{q}", u.path()),
+        None => u.path().to_owned(),
+    };
+    let req = format!(
+        "{method} {target} HTTP/1.1\r\n{head}Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("send");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.expect("read");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, text)
+}
