@@ -23,7 +23,7 @@ pub(crate) struct Seed {
 
 /// One page's server times, in ms.
 pub(crate) struct PageTimes {
-    pub(crate) name: &'static str,
+    pub(crate) name: String,
     pub(crate) p50: f64,
     pub(crate) p95: f64,
 }
@@ -35,6 +35,9 @@ pub(crate) struct ConsoleTimes {
     /// relays, rates, backlog by type), p95 over `requests` reads, in ms.
     pub(crate) refresh_p95: f64,
     pub(crate) seed_secs: f64,
+    /// The overview's backlog and dead-letter figures over the exact
+    /// counts, before and after ANALYZE: `(phase, backlog, dead letters)`.
+    pub(crate) estimates: Vec<(&'static str, f64, f64)>,
 }
 
 /// Fills `schema`: `outbox` rows (98% unordered over 8 event types, 1% of
@@ -69,7 +72,7 @@ async fn seed(pool: &PgPool, schema: &str, outbox: i64, dead: i64) -> Result<()>
             "INSERT INTO {s}.outbox_dead_letters
                  (id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts, last_error, error_history, dead_lettered_at)
              SELECT gen_random_uuid(), 'agg' || (g % 40), 'id-' || (g % 20000), 'Event' || (g % 12),
-                    jsonb_build_object('n', g, 'note', repeat('y', 150)), '{{}}'::jsonb, now() - interval '8 days', 10,
+                    jsonb_build_object('n', g, 'note', repeat('y', 150)), '{{}}'::jsonb, now() - interval '8 days', 1 + g % 10,
                     (ARRAY['NO_ROUTE: no queue bound to the exchange', 'payload too large: 2000000 bytes',
                            'timeout waiting for the broker''s confirm', 'broker returned 406 PRECONDITION_FAILED',
                            'channel closed: 320 CONNECTION_FORCED', 'nacked by the broker'])[1 + g % 6]
@@ -78,9 +81,16 @@ async fn seed(pool: &PgPool, schema: &str, outbox: i64, dead: i64) -> Result<()>
                     now() - (g * (604800.0 / {dead})) * interval '1 second'
              FROM generate_series(1, {dead}) g"
         ),
-        format!("VACUUM ANALYZE {s}.outbox"),
-        format!("VACUUM ANALYZE {s}.outbox_dead_letters"),
     ];
+    // Never analysed, as a freshly loaded or restored table: autovacuum
+    // stays off on both until the analysed phase.
+    for table in ["outbox", "outbox_dead_letters"] {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "ALTER TABLE {s}.{table} SET (autovacuum_enabled = false)"
+        )))
+        .execute(pool)
+        .await?;
+    }
     for sql in statements {
         sqlx::raw_sql(AssertSqlSafe(sql)).execute(pool).await?;
     }
@@ -96,6 +106,11 @@ fn spawn_console(database_url: &str, schema: &str, port: u16) -> Result<Child> {
         .env_remove("OUTBOX_CONSOLE_PASSWORD")
         .env_remove("OUTBOX_CONSOLE_TOKEN")
         .args(["console", "--listen", &format!("127.0.0.1:{port}")])
+        .env("OUTBOX_CONSOLE_AMQP_URL", bench_amqp_url())
+        .env(
+            "OUTBOX_CONSOLE_CONSUMER_QUEUE",
+            format!("stock={}", consumer_queue(schema)),
+        )
         .stdout(Stdio::null())
         .spawn()
         .context("starting outbox-relay console")
@@ -156,13 +171,61 @@ pub(crate) async fn measure(
     let schema = fresh_schema(pool, "console").await?;
     let started = Instant::now();
     seed(pool, &schema, seed_sizes.outbox, seed_sizes.dead_letters).await?;
+    seed_consumer(pool, &schema, seed_sizes.outbox / 20).await?;
     let seed_secs = started.elapsed().as_secs_f64();
-    let result = measure_pages(pool, database_url, &schema, seed_sizes.requests).await;
+    let result = two_phases(pool, database_url, &schema, seed_sizes).await;
     drop_schema(pool, &schema).await?;
+    delete_consumer_queues(&schema).await?;
     Ok(ConsoleTimes {
         seed_secs,
         ..result?
     })
+}
+
+/// Every page on the tables as loaded (never analysed), then again after
+/// `VACUUM ANALYZE`; one console process per phase.
+async fn two_phases(
+    pool: &PgPool,
+    database_url: &str,
+    schema: &str,
+    seed_sizes: &Seed,
+) -> Result<ConsoleTimes> {
+    let exact = (seed_sizes.outbox as f64, seed_sizes.dead_letters as f64);
+    let mut all = ConsoleTimes {
+        pages: Vec::new(),
+        refresh_p95: 0.0,
+        seed_secs: 0.0,
+        estimates: Vec::new(),
+    };
+    for phase in ["unanalysed", "analysed"] {
+        if phase == "analysed" {
+            for table in ["outbox", "outbox_dead_letters"] {
+                sqlx::raw_sql(AssertSqlSafe(format!(
+                    "VACUUM ANALYZE \"{schema}\".{table}"
+                )))
+                .execute(pool)
+                .await?;
+            }
+        }
+        let t = measure_pages(pool, database_url, schema, seed_sizes.requests).await?;
+        let (backlog, dead) = t.figures;
+        all.estimates
+            .push((phase, backlog / exact.0, dead / exact.1));
+        for mut p in t.pages {
+            p.name = format!("{}_{phase}", p.name);
+            all.pages.push(p);
+        }
+        all.refresh_p95 = all.refresh_p95.max(t.refresh_p95);
+    }
+    Ok(all)
+}
+
+/// What one console process measured: page times, the refresher's p95,
+/// and the overview's (backlog, dead letters) figures.
+struct Phase {
+    pages: Vec<PageTimes>,
+    refresh_p95: f64,
+    figures: (f64, f64),
 }
 
 async fn measure_pages(
@@ -170,7 +233,7 @@ async fn measure_pages(
     database_url: &str,
     schema: &str,
     requests: usize,
-) -> Result<ConsoleTimes> {
+) -> Result<Phase> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -192,28 +255,75 @@ async fn measure_pages(
     out
 }
 
-async fn pages(pool: &PgPool, port: u16, schema: &str, requests: usize) -> Result<ConsoleTimes> {
+/// A card's figure on the overview (`id="<id>">1,234,567<`).
+fn card_figure(overview: &str, id: &str) -> Option<f64> {
+    between(overview, &format!("id=\"{id}\">"), "<")?
+        .replace(',', "")
+        .trim()
+        .parse()
+        .ok()
+}
+
+async fn pages(pool: &PgPool, port: u16, schema: &str, requests: usize) -> Result<Phase> {
+    let (_, overview) = http(port, "GET", "/", "", "").await?;
+    let figures = (
+        card_figure(&overview, "backlog").context("no backlog figure")?,
+        card_figure(&overview, "dead-letters").context("no dead-letter figure")?,
+    );
     // The CSRF cookie and token, as a browser gets them.
     let (_, first) = http(port, "GET", "/dead-letters", "", "").await?;
     let token = between(&first, "outbox_console_csrf=", ";")
         .context("no CSRF cookie")?
         .to_owned();
     let cookie = format!("outbox_console_csrf={token}");
-    let next = between(&first, "id=\"next-page\" href=\"", "\"")
-        .context("no second page")?
-        .replace("&amp;", "&");
+    let link = |page: &str, id: &str| {
+        between(page, &format!("id=\"{id}\" href=\""), "\"").map(|l| l.replace("&amp;", "&"))
+    };
+    let next = link(&first, "next-page").context("no second page")?;
+    let (_, second) = http(port, "GET", &next, &cookie, "").await?;
+    let previous = link(&second, "previous-page").context("no previous page")?;
     let one: uuid::Uuid = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT id FROM \"{schema}\".outbox_dead_letters ORDER BY dead_lettered_at LIMIT 1 OFFSET 5"
     )))
     .fetch_one(pool)
     .await?;
     let confirm = |filter: &str| format!("csrf={token}&action=replay&scope=matching{filter}");
-    let pages: Vec<(&'static str, &str, String, String)> = vec![
+    let get = |name: &'static str, path: &str| (name, "GET", path.to_owned(), String::new());
+    let mut pages: Vec<(&'static str, &str, String, String)> = vec![
         ("overview", "GET", "/".into(), String::new()),
         ("outbox", "GET", "/outbox".into(), String::new()),
         ("blocked", "GET", "/blocked".into(), String::new()),
         ("dead_letters", "GET", "/dead-letters".into(), String::new()),
         ("dead_letters_page_2", "GET", next, String::new()),
+        get("dead_letters_back_to_1", &previous),
+        get("dead_letters_oldest_first", "/dead-letters?sort=oldest"),
+        get("dead_letters_most_attempts", "/dead-letters?sort=attempts"),
+        get(
+            "dead_letters_phrase_confirm_timeout",
+            "/dead-letters?error=confirm+timeout",
+        ),
+        get(
+            "dead_letters_phrase_no_route",
+            "/dead-letters?error=NO_ROUTE",
+        ),
+        get(
+            "dead_letters_phrase_does_not_exist",
+            "/dead-letters?error=does+not+exist",
+        ),
+        get(
+            "dead_letters_phrase_common",
+            "/dead-letters?error=waiting+for+the+broker",
+        ),
+        get("not_found", "/no-such-page"),
+        get("failures", "/failures"),
+        get(
+            "dead_letters_by_class",
+            "/dead-letters?error_class=payload+too+large%3A+%3Cn%3E+bytes",
+        ),
+        get(
+            "dead_letters_by_exchange",
+            "/dead-letters?exchange=%28default%29",
+        ),
         (
             "dead_letters_by_type",
             "GET",
@@ -269,17 +379,25 @@ async fn pages(pool: &PgPool, port: u16, schema: &str, requests: usize) -> Resul
             confirm("&error=zq-17"),
         ),
     ];
+    pages.push((
+        "confirm_replay_by_phrase",
+        "POST",
+        "/dead-letters/confirm".into(),
+        confirm("&error=waiting+for+the+broker"),
+    ));
+    let pages = [pages, consumer_pages(port, schema).await?].concat();
     let mut out = Vec::new();
     for (name, method, path, body) in &pages {
         let mut times = Vec::with_capacity(requests);
         for _ in 0..requests {
             let (status, text) = http(port, method, path, &cookie, body).await?;
-            anyhow::ensure!(status == 200, "{name}: HTTP {status}");
+            let want = if *name == "not_found" { 404 } else { 200 };
+            anyhow::ensure!(status == want, "{name}: HTTP {status}");
             times.push(server_ms(&text).context("no Server-Timing")?);
         }
         times.sort_by(f64::total_cmp);
         out.push(PageTimes {
-            name,
+            name: name.to_string(),
             p50: percentile(&times, 0.5),
             p95: percentile(&times, 0.95),
         });
@@ -296,9 +414,145 @@ async fn pages(pool: &PgPool, port: u16, schema: &str, requests: usize) -> Resul
         refresh.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     refresh.sort_by(f64::total_cmp);
-    Ok(ConsoleTimes {
+    out.push(reconcile_compare(port, schema, requests.min(20)).await?);
+    Ok(Phase {
         pages: out,
         refresh_p95: percentile(&refresh, 0.95),
-        seed_secs: 0.0,
+        figures,
+    })
+}
+
+// The consumer pages: a consumer `stock` whose inbox (in the same schema)
+// holds 99% of a window of archived events (the issue's 100,000 with the
+// full sizes), beside a second consumer's rows; its queue has 200 dead
+// letters.
+
+fn bench_amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
+fn consumer_queue(schema: &str) -> String {
+    format!("bench.console.{schema}")
+}
+
+/// The window reconciled: the archived events' publish times.
+const WINDOW: &str = "since=2000-01-01T00:00&until=2099-01-01T00:00";
+
+async fn seed_consumer(pool: &PgPool, schema: &str, archived: i64) -> Result<()> {
+    outbox_consumer::migrate(pool, schema).await?;
+    let s = format!("\"{schema}\"");
+    for sql in [
+        format!(
+            "INSERT INTO {s}.outbox_published (id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts, published_at)
+             SELECT gen_random_uuid(), 'order', 'o-' || g, 'OrderPlaced', jsonb_build_object('n', g), '{{}}',
+                    now() - interval '3 hours', 1, now() - interval '3 hours' + g * interval '50 ms'
+             FROM generate_series(1, {archived}) g"
+        ),
+        format!("INSERT INTO {s}.inbox (consumer, event_id, processed_at)
+                 SELECT c, id::text, published_at + interval '1 second' FROM {s}.outbox_published,
+                        (VALUES ('stock'), ('billing')) v(c) WHERE c = 'billing' OR hashtext(id::text) % 100 <> 0"),
+        format!("VACUUM ANALYZE {s}.outbox_published"),
+        format!("VACUUM ANALYZE {s}.inbox"),
+    ] {
+        sqlx::raw_sql(AssertSqlSafe(sql)).execute(pool).await?;
+    }
+    let queue = consumer_queue(schema);
+    let topology = outbox_consumer::TopologyConfig::new(&queue, "bench.console", "order.*");
+    outbox_consumer::declare_topology_at(bench_amqp_url(), &topology).await?;
+    let conn = lapin::Connection::connect(&bench_amqp_url(), Default::default()).await?;
+    let ch = conn.create_channel().await?;
+    for i in 0..200 {
+        let props = lapin::BasicProperties::default()
+            .with_message_id(uuid::Uuid::new_v4().to_string().into())
+            .with_type("OrderPlaced".into());
+        let reason =
+            lapin::types::AMQPValue::LongString(format!("handler failed: case {}", i % 7).into());
+        let mut h = lapin::types::FieldTable::default();
+        h.insert("x-dead-letter-reason".into(), reason);
+        let dlq = format!("{queue}.dlq");
+        ch.basic_publish(
+            "".into(),
+            dlq.as_str().into(),
+            Default::default(),
+            b"{}",
+            props.with_headers(h),
+        )
+        .await?;
+    }
+    conn.close(200, "seeded".into()).await?;
+    Ok(())
+}
+
+async fn delete_consumer_queues(schema: &str) -> Result<()> {
+    let conn = lapin::Connection::connect(&bench_amqp_url(), Default::default()).await?;
+    let ch = conn.create_channel().await?;
+    let q = consumer_queue(schema);
+    for name in [q.clone(), format!("{q}.retry"), format!("{q}.dlq")] {
+        ch.queue_delete(name.as_str().into(), Default::default())
+            .await?;
+    }
+    conn.close(200, "done".into()).await?;
+    Ok(())
+}
+
+type Page = (&'static str, &'static str, String, String);
+
+/// The consumer pages, after the reconciliation's first request started
+/// its comparison and it finished (the page then answers from its result).
+async fn consumer_pages(port: u16, schema: &str) -> Result<Vec<Page>> {
+    let reconcile = format!("/reconcile?consumer=stock&{WINDOW}");
+    wait_for_comparison(port, &reconcile).await?;
+    let queue = consumer_queue(schema);
+    Ok(vec![
+        ("consumers", "GET", "/consumers".into(), String::new()),
+        (
+            "consumer_dead_letters",
+            "GET",
+            format!("/consumers/dlq?queue={queue}"),
+            String::new(),
+        ),
+        (
+            "consumer_dead_letters_by_reason",
+            "GET",
+            format!("/consumers/dlq?queue={queue}&reason_words=case+3"),
+            String::new(),
+        ),
+        ("reconcile_100k", "GET", reconcile, String::new()),
+    ])
+}
+
+async fn wait_for_comparison(port: u16, path: &str) -> Result<f64> {
+    let started = Instant::now();
+    loop {
+        let (status, text) = http(port, "GET", path, "", "").await?;
+        anyhow::ensure!(status == 200, "{path}: HTTP {status}");
+        if text.contains("id=\"missing-count\"") {
+            return Ok(started.elapsed().as_secs_f64() * 1000.0);
+        }
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(60),
+            "no comparison within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The reconciliation's comparison itself (in the background): time from
+/// the first request of a new window to its result, `n` windows.
+async fn reconcile_compare(port: u16, _schema: &str, n: usize) -> Result<PageTimes> {
+    let mut times = Vec::new();
+    for i in 0..n {
+        // A window the console has not compared yet (its end a second later).
+        let path = format!(
+            "/reconcile?consumer=stock&since=2000-01-01T00:00&until=2099-01-01T00:00:{:02}",
+            i % 60 + 1
+        );
+        times.push(wait_for_comparison(port, &path).await?);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(PageTimes {
+        name: "reconcile_100k_comparison_background".to_owned(),
+        p50: percentile(&times, 0.5),
+        p95: percentile(&times, 0.95),
     })
 }

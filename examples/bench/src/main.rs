@@ -249,7 +249,34 @@ async fn console_section(
             &format!("console_{}_p95_ms", p.name),
             p.p95,
             &format!("console {}: p95 server ms (median {:.1})", p.name, p.p50),
-            "< 100",
+            "<= 50",
+        );
+    }
+    // Pages and their requests; not the reconciliation's background comparison.
+    let worst = t
+        .pages
+        .iter()
+        .filter(|p| !p.name.contains("background"))
+        .map(|p| p.p95)
+        .fold(0.0, f64::max);
+    r.add(
+        "console_worst_page_p95_ms",
+        worst,
+        "console: the slowest page's p95 server ms, analysed or not",
+        "<= 50",
+    );
+    for (phase, backlog, dead) in &t.estimates {
+        r.add(
+            &format!("console_backlog_estimate_ratio_{phase}"),
+            *backlog,
+            &format!("console overview backlog / exact count ({phase})"),
+            "0.85-1.15",
+        );
+        r.add(
+            &format!("console_dead_letters_estimate_ratio_{phase}"),
+            *dead,
+            &format!("console overview dead letters / exact count ({phase})"),
+            "0.85-1.15",
         );
     }
     r.add(
