@@ -1,7 +1,7 @@
 //! The consumer's public handle: construction (validating the
 //! configuration), [`Consumer::run`] and its stats. Supervision (connect,
 //! consume, reconnect) is in `session.rs`; one batch of deliveries in
-//! `process.rs`.
+//! `process/`.
 
 use std::sync::Arc;
 

@@ -63,9 +63,10 @@
 //! Words (dedup, sequencing, turn, outcome, verdict, deferral, ack) mean
 //! what the [glossary](outbox#glossary-the-pipeline-and-the-words-for-it)
 //! says; a batch goes `session.rs` (deliveries in, reconnects) →
-//! `process.rs` (decode, then each delivery's disposition) → `batch.rs`
-//! (one transaction: `dedup.rs`, `sequence.rs`, the handler) → `ack.rs`
-//! (republish, then ack); `consumer.rs` is the handle that runs it.
+//! `process/` (decode, then each delivery's disposition) → `batch.rs`
+//! (one transaction: `dedup.rs`, `sequence/`, the handler) → `ack.rs`
+//! (republish, then ack); `consumer.rs` is the handle that runs it, and
+//! `shutdown.rs` the backoff pause both the session and the stages use.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
@@ -82,6 +83,7 @@ mod process;
 mod retention;
 mod sequence;
 mod session;
+mod shutdown;
 mod telemetry;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]

@@ -1,10 +1,9 @@
 //! Supervision: wait for the migrated inbox, then broker sessions, one
 //! after the other: connect (failing over between the broker URLs),
-//! declare, consume batches of deliveries (each processed by `process.rs`)
+//! declare, consume batches of deliveries (each processed by `process/`)
 //! and, after a failure, reconnect with backoff.
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use futures_util::StreamExt as _;
 use lapin::message::Delivery;
@@ -18,15 +17,9 @@ use tokio_util::sync::CancellationToken;
 use crate::config::ConsumerConfig;
 use crate::consumer::Consumer;
 use crate::error::{Error, Result, bounded};
+use crate::shutdown::{End, FIRST_BACKOFF, pause};
 use crate::topology::declare_retry_queues;
 use outbox_core::backoff::Backoff;
-
-pub(crate) const FIRST_BACKOFF: Duration = Duration::from_millis(100);
-
-/// Why a broker session ended without error.
-pub(crate) enum End {
-    Shutdown,
-}
 
 impl Consumer {
     /// Waits until the inbox is migrated, riding out database outages;
@@ -237,15 +230,5 @@ fn next_delivery(d: Option<lapin::Result<Delivery>>, queue: &str) -> Result<Deli
         None => Err(Error::ConsumerCancelled {
             queue: queue.to_owned(),
         }),
-    }
-}
-
-/// Sleeps for the backoff's next delay (jittered, so instances that lost
-/// the broker together do not all come back at the same instant); false
-/// when `shutdown` fired first.
-pub(crate) async fn pause(shutdown: &CancellationToken, backoff: &mut Backoff) -> bool {
-    tokio::select! {
-        _ = shutdown.cancelled() => false,
-        _ = tokio::time::sleep(backoff.next_delay()) => true,
     }
 }

@@ -269,7 +269,7 @@ mod tests {
     }
 
     #[test]
-    fn validation_rejects_empty_fields_and_big_payloads() {
+    fn validation_rejects_empty_fields() {
         let e = NewEvent::from_json(" ", "1", "E", "{}").unwrap();
         assert!(matches!(
             e.validate(10),
@@ -291,6 +291,10 @@ mod tests {
                 field: "event_type"
             })
         ));
+    }
+
+    #[test]
+    fn validation_rejects_names_too_long() {
         let long = "x".repeat(256);
         let e = NewEvent::from_json("a", "1", &long, "{}").unwrap();
         assert!(matches!(
@@ -331,6 +335,10 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn validation_rejects_big_payloads() {
         let e = NewEvent::from_json("a", "1", "E", "\"0123456789\"").unwrap();
         assert!(matches!(
             e.validate(10),

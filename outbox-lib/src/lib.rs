@@ -54,20 +54,20 @@
 //!
 //! | word | meaning |
 //! |---|---|
-//! | **enqueue** | writing an event row in the caller's transaction, [`Outbox::enqueue`] (`outbox-lib/src/outbox.rs`) |
+//! | **enqueue** | writing an event row in the caller's transaction, [`Outbox::enqueue`] (`outbox-lib/src/outbox/`) |
 //! | **ordered aggregates** | the aggregate types the database numbers per aggregate (`aggregate_seq`), set with [`set_ordered`]; [`OrderedAggregates`] is what a handle checks at start-up |
 //! | **claim** | a relay locking a batch of due rows with `FOR UPDATE SKIP LOCKED` (`relay-bin/src/claim/`) |
 //! | **chain** | an aggregate's share of an ordered claim: its head and the consecutive events behind it, published in sequence |
 //! | **lease**, **partition** | ordered aggregates hash to 64 partitions; a relay publishes the partitions it holds a lease on (`relay-bin/src/lease.rs`) |
-//! | **publish** | sending a claimed batch with publisher confirms (`relay-bin/src/publish.rs`) |
+//! | **publish** | sending a claimed batch with publisher confirms (`relay-bin/src/publish/`) |
 //! | **receipt** | what became of one publish: delivered, nacked, returned, timed out, … (`outbox_relay::Receipt`) |
 //! | **settle** | the relay recording the receipts in the database: delivered rows deleted (or archived), failures rescheduled with backoff, hopeless ones dead-lettered (`relay-bin/src/settle.rs`, `outbox_relay::Settled`) |
 //! | **held back** | an ordered event not sent (relay) or not applied (consumer) because an earlier event of its aggregate failed first |
 //! | **dead letter** | an event set aside for an operator: a row in `outbox_dead_letters` (relay), a message in `<queue>.dlq` (consumer) |
-//! | **consume** | a consumer taking a batch of deliveries (`consumer-lib/src/session.rs`) and running it in one transaction (`consumer-lib/src/process.rs`, `consumer-lib/src/batch.rs`) |
+//! | **consume** | a consumer taking a batch of deliveries (`consumer-lib/src/session.rs`) and running it in one transaction (`consumer-lib/src/process/`, `consumer-lib/src/batch/`) |
 //! | **dedup** | the inbox insert that tells a fresh event from a duplicate (`consumer-lib/src/dedup.rs`) |
 //! | **sequencing** | a consumer applying sequenced events per aggregate in order (`outbox_consumer::Sequencing`) |
-//! | **turn** | where a sequenced event stands: its turn (next in its aggregate), stale (applied before), a gap (an earlier one missing) or held back (`consumer-lib/src/sequence.rs`) |
+//! | **turn** | where a sequenced event stands: its turn (next in its aggregate), stale (applied before), a gap (an earlier one missing) or held back (`consumer-lib/src/sequence/`) |
 //! | **effect**, **outcome** | the handler's work in the transaction, and its answer about one event: `Ack`, `Retry` or `Reject` (`outbox_consumer::Outcome`) |
 //! | **verdict** | what the batch transaction concluded for one delivery: duplicate, stale, deferred, or handled with an outcome |
 //! | **deferral** | a sequenced event sent back through the retry queue to wait for its turn; counted apart from retries |
@@ -92,10 +92,8 @@ use sqlx::PgPool;
 
 pub use crate::error::{Error, MigrateError, Result};
 pub use crate::event::{EVENT_ID_NAMESPACE, NewEvent};
-pub use crate::ordered_types::{ALL_TYPES, ordered_types, set_ordered};
-pub use crate::outbox::{
-    Capture, DEFAULT_MAX_PAYLOAD_BYTES, OrderedAggregates, Outbox, OutboxConfig,
-};
+pub use crate::ordered_types::{ALL_TYPES, OrderedAggregates, ordered_types, set_ordered};
+pub use crate::outbox::{Capture, DEFAULT_MAX_PAYLOAD_BYTES, Outbox, OutboxConfig};
 #[cfg(feature = "signal")]
 #[cfg_attr(docsrs, doc(cfg(feature = "signal")))]
 pub use crate::signal::shutdown_signal;

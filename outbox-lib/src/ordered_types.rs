@@ -1,15 +1,54 @@
 //! Which aggregate types are ordered: a property of the data, kept in
 //! `<schema>.outbox_ordered_types` and enforced by the database for every
 //! writer ([`docs/ORDERING.md`](https://github.com/outbox-rs/outbox/blob/main/docs/ORDERING.md)).
+//!
+//! Below the producer's handle: `outbox/` reads [`OrderedAggregates`] and
+//! calls `ensure` at start-up; nothing here knows the handle.
+
+use std::collections::BTreeSet;
 
 use sqlx::{AssertSqlSafe, PgPool};
 
 use crate::error::{Error, Result};
-use crate::outbox::OrderedAggregates;
 use outbox_core::Ident;
 
 /// The name that orders every aggregate type.
 pub const ALL_TYPES: &str = "*";
+
+/// Which events are published in per-aggregate commit order
+/// ([`docs/ORDERING.md`](https://github.com/outbox-rs/outbox/blob/main/docs/ORDERING.md)).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OrderedAggregates {
+    /// No ordering (default): events are published as soon as possible, in
+    /// any order, by any relay worker.
+    #[default]
+    None,
+    /// Every event is ordered within its aggregate.
+    All,
+    /// Events of these aggregate types are ordered; the rest are not.
+    Types(BTreeSet<String>),
+}
+
+impl OrderedAggregates {
+    /// Ordering for the named aggregate types only.
+    pub fn types<I, S>(types: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self::Types(types.into_iter().map(Into::into).collect())
+    }
+
+    /// Whether events of `aggregate_type` are ordered.
+    pub fn applies_to(&self, aggregate_type: &str) -> bool {
+        match self {
+            Self::None => false,
+            Self::All => true,
+            Self::Types(t) => t.contains(aggregate_type),
+        }
+    }
+}
 
 /// Makes events of `aggregate_type` (or of every type, with
 /// [`ALL_TYPES`]) ordered, or no longer ordered, for every writer of the

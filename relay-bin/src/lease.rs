@@ -1,105 +1,129 @@
 //! Partition leases of ordered events: each relay publishes the ordered
 //! aggregates of the partitions it leases (64 partitions of the aggregate
 //! key space, shared fairly, handed over when a relay dies or stops). The
-//! round itself is the `outbox_lease_tick` function (migration 3).
+//! round itself is the `outbox_lease_tick` function (migration 3); it runs
+//! in the maintenance round beside the workers, only while the relay has
+//! a broker session (a relay that cannot publish lets its leases lapse).
 
-use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
-use crate::relay::{Relay, lock};
+use outbox::Ident;
+use sqlx::{PgPool, SqlStr};
+use uuid::Uuid;
 
-impl Relay {
-    /// One lease round, at most every third of the lease TTL (whichever
-    /// worker comes first): heartbeat, renew, rebalance. A failed round is
-    /// logged and tried again a round later; leases that lapse meanwhile go
-    /// to other relays, which is the point of expiring them.
-    pub(crate) async fn lease_round(&self) {
-        let inner = &self.inner;
-        let cfg = &inner.config;
-        let Ok(mut last) = inner.last_lease_tick.try_lock() else {
-            return;
-        };
-        if last.is_some_and(|t| t.elapsed() < cfg.lease_ttl / 3) {
-            return;
+use crate::relay::lock;
+use crate::sql::render;
+
+/// This relay's leases: the round's statements and what it last held.
+#[derive(Debug)]
+pub(crate) struct Leases {
+    /// This relay's identity in `outbox_relays` and `outbox_leases`.
+    relay: Uuid,
+    name: String,
+    ttl: Duration,
+    tick: SqlStr,
+    release: SqlStr,
+    record_broker: SqlStr,
+    /// When the last round ran; one round at a time.
+    last_round: tokio::sync::Mutex<Option<Instant>>,
+    /// Partitions held after the last round (`usize::MAX`: none yet).
+    held: AtomicUsize,
+    /// The broker node last written to `outbox_relays`.
+    recorded_node: Mutex<Option<String>>,
+}
+
+impl Leases {
+    pub(crate) fn new(schema: &Ident, relay: Uuid, name: &str, ttl: Duration) -> Self {
+        Self {
+            relay,
+            name: name.to_owned(),
+            ttl,
+            tick: render(include_str!("lease/tick.sql"), schema),
+            release: render(include_str!("lease/release.sql"), schema),
+            record_broker: render(include_str!("lease/record_broker.sql"), schema),
+            last_round: tokio::sync::Mutex::new(None),
+            held: AtomicUsize::new(usize::MAX),
+            recorded_node: Mutex::new(None),
         }
-        let held: sqlx::Result<Vec<i32>> = sqlx::query_scalar(inner.queries.lease_tick.clone())
-            .bind(inner.id)
-            .bind(&cfg.name)
-            .bind(cfg.lease_ttl.as_millis() as i64)
-            .fetch_all(&inner.pool)
+    }
+
+    /// Partitions held after the last round; `None` before the first.
+    pub(crate) fn held(&self) -> Option<usize> {
+        match self.held.load(Ordering::Relaxed) {
+            usize::MAX => None,
+            n => Some(n),
+        }
+    }
+
+    /// How often a round is due: a third of the lease TTL.
+    pub(crate) fn every(&self) -> Duration {
+        self.ttl / 3
+    }
+
+    /// One lease round if one is due (at most every third of the TTL, one
+    /// at a time): heartbeat, renew, rebalance, and record the broker node
+    /// `node` in use. True when the round ran and succeeded. A failed
+    /// round is logged and tried again a round later; leases that lapse
+    /// meanwhile go to other relays, which is the point of expiring them.
+    pub(crate) async fn round(&self, pool: &PgPool, node: Option<String>) -> bool {
+        let Ok(mut last) = self.last_round.try_lock() else {
+            return false;
+        };
+        if last.is_some_and(|t| t.elapsed() < self.every()) {
+            return false;
+        }
+        let held: sqlx::Result<Vec<i32>> = sqlx::query_scalar(self.tick.clone())
+            .bind(self.relay)
+            .bind(&self.name)
+            .bind(self.ttl.as_millis() as i64)
+            .fetch_all(pool)
             .await;
+        // Not at every batch: at the next round's time.
+        *last = Some(Instant::now());
         match held {
             Ok(held) => {
-                *last = Some(Instant::now());
-                self.record_broker_node().await;
-                self.record_publish_stats().await;
+                self.record_broker_node(pool, node).await;
                 metrics::gauge!("outbox_relay_partitions_leased").set(held.len() as f64);
-                if inner.partitions.swap(held.len(), Ordering::Relaxed) != held.len() {
+                if self.held.swap(held.len(), Ordering::Relaxed) != held.len() {
                     tracing::info!(
                         partitions = held.len(),
                         "ordered-event partitions leased by this relay"
                     );
                 }
+                true
             }
             Err(e) => {
-                // Not at every batch: at the next round's time.
-                *last = Some(Instant::now());
                 tracing::warn!(error = %e, "lease round failed; retrying at the next round");
+                false
             }
         }
     }
 
     /// Writes the broker node in use to this relay's `outbox_relays` row
     /// (for `outbox-relay status`) when it changed since last written.
-    async fn record_broker_node(&self) {
-        let inner = &self.inner;
-        let node = lock(&inner.health.node).clone();
-        if node.is_none() || *lock(&inner.recorded_node) == node {
+    async fn record_broker_node(&self, pool: &PgPool, node: Option<String>) {
+        if node.is_none() || *lock(&self.recorded_node) == node {
             return;
         }
-        let written = sqlx::query(inner.queries.record_broker.clone())
-            .bind(inner.id)
+        let written = sqlx::query(self.record_broker.clone())
+            .bind(self.relay)
             .bind(node.as_deref())
-            .execute(&inner.pool)
+            .execute(pool)
             .await;
         match written {
-            Ok(_) => *lock(&inner.recorded_node) = node,
+            Ok(_) => *lock(&self.recorded_node) = node,
             Err(e) => tracing::debug!(error = %e, "could not record the broker node; next round"),
-        }
-    }
-
-    /// Adds what this relay settled since the last round to the minute's
-    /// row of `outbox_publish_stats` (the console's publish-rate chart). A
-    /// failed write is carried over to the next round.
-    async fn record_publish_stats(&self) {
-        let inner = &self.inner;
-        let now = (
-            inner.published.load(Ordering::Relaxed),
-            inner.dead_lettered.load(Ordering::Relaxed),
-        );
-        let last = *lock(&inner.stats_written);
-        let (published, dead) = (now.0 - last.0, now.1 - last.1);
-        if published == 0 && dead == 0 {
-            return;
-        }
-        let written = sqlx::query(inner.queries.publish_stats.clone())
-            .bind(published as i64)
-            .bind(dead as i64)
-            .execute(&inner.pool)
-            .await;
-        match written {
-            Ok(_) => *lock(&inner.stats_written) = now,
-            Err(e) => tracing::debug!(error = %e, "could not record publish stats; next round"),
         }
     }
 
     /// Gives up this relay's leases at once (on shutdown), so survivors do
     /// not wait for them to expire.
-    pub(crate) async fn release_leases(&self) {
-        let inner = &self.inner;
-        if let Err(e) = sqlx::query(inner.queries.lease_release.clone())
-            .bind(inner.id)
-            .execute(&inner.pool)
+    pub(crate) async fn release(&self, pool: &PgPool) {
+        if let Err(e) = sqlx::query(self.release.clone())
+            .bind(self.relay)
+            .execute(pool)
             .await
         {
             tracing::warn!(error = %e, "could not release partition leases; they expire by themselves");

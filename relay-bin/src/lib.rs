@@ -47,23 +47,29 @@
 //!
 //! Words (claim, chain, lease, receipt, settle, held back, dead letter)
 //! mean what the [glossary](outbox#glossary-the-pipeline-and-the-words-for-it)
-//! says; the files follow the stages: `supervisor.rs` (connections and
-//! workers), `worker.rs` (one batch), `claim/` (unordered and ordered
-//! claims), `lease.rs`, `publish.rs`, `settle.rs`, and [`admin`] (what
+//! says; the files follow the stages (`docs/ARCHITECTURE.md` draws them):
+//! `supervisor.rs` (workers and the maintenance round), `broker.rs`
+//! (connections with failover), `worker.rs` (one batch), `claim/`
+//! (unordered and ordered claims), `lease.rs`, `publish/`, `settle.rs`,
+//! `quarantine.rs`, `stats.rs`, `wal/` (the log's reader); each stage's
+//! SQL is in `.sql` files beside it (`sql.rs`); and [`admin`] (what
 //! `outbox-relay status`, `dead-letters` and `blocked` do).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod admin;
+mod broker;
 mod claim;
 mod config;
 mod error;
 mod lease;
+mod maintenance;
 mod message;
 mod publish;
 mod quarantine;
-mod queries;
 mod relay;
 mod settle;
+mod sql;
+mod stats;
 mod supervisor;
 mod wake;
 mod wal;

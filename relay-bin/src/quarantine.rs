@@ -5,34 +5,73 @@
 //! operator).
 
 use std::collections::HashSet;
-use std::sync::atomic::Ordering;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
+use outbox::Ident;
+use sqlx::{PgPool, SqlStr};
 use uuid::Uuid;
 
 use crate::error::Result;
 use crate::message::ClaimedEvent;
-use crate::publish::Publisher;
-use crate::relay::{BrokerSession, Inner, Relay, lock};
+use crate::relay::lock;
 use outbox_core::backoff::jittered;
 
-impl Relay {
-    /// A batch panicked (a relay bug): report it with its event ids, and
-    /// make sure that batch is never claimed whole again. Several events:
-    /// each becomes a suspect, published alone from now on. One event
-    /// alone: it is the culprit; it is dead-lettered (an ordered one is
-    /// rescheduled with the error, blocking its aggregate for an operator,
-    /// and stays isolated). The channel may hold half a batch: it is
-    /// replaced.
-    pub(crate) async fn worker_panicked(
-        &self,
-        session: &mut BrokerSession,
-        why: String,
-    ) -> Result<()> {
-        let inner = &self.inner;
-        let ids = std::mem::take(&mut session.in_flight);
+/// The quarantine: which events are suspects or culprits, and how to set a
+/// culprit aside.
+#[derive(Debug)]
+pub(crate) struct Quarantine {
+    pool: PgPool,
+    /// `quarantine/event_seq.sql`.
+    event_seq: SqlStr,
+    settle: crate::settle::Statements,
+    retry_base: Duration,
+    retry_max: Duration,
+    /// Events of batches during which a worker panicked: each is published
+    /// alone until it goes through or is set aside as the culprit.
+    suspects: Mutex<HashSet<Uuid>>,
+    /// Events that panicked alone, until set aside: never published.
+    culprits: Mutex<HashSet<Uuid>>,
+    /// Worker panics so far (each one a relay bug).
+    panics: AtomicU64,
+}
+
+impl Quarantine {
+    pub(crate) fn new(
+        pool: PgPool,
+        schema: &Ident,
+        settle: crate::settle::Statements,
+        retry_base: Duration,
+        retry_max: Duration,
+    ) -> Self {
+        Self {
+            pool,
+            event_seq: crate::sql::render(include_str!("quarantine/event_seq.sql"), schema),
+            settle,
+            retry_base,
+            retry_max,
+            suspects: Mutex::new(HashSet::new()),
+            culprits: Mutex::new(HashSet::new()),
+            panics: AtomicU64::new(0),
+        }
+    }
+
+    /// Worker panics so far.
+    pub(crate) fn panics(&self) -> u64 {
+        self.panics.load(Ordering::Relaxed)
+    }
+
+    /// A batch of `ids` panicked (a relay bug): report it with its event
+    /// ids, and make sure that batch is never claimed whole again. Several
+    /// events: each becomes a suspect, published alone from now on. One
+    /// event alone: it is the culprit; it is dead-lettered (an ordered one
+    /// is rescheduled with the error, blocking its aggregate for an
+    /// operator, and stays isolated).
+    pub(crate) async fn panicked(&self, ids: &[Uuid], why: &str) {
         metrics::counter!("outbox_relay_worker_panics_total").increment(1);
-        inner.panics.fetch_add(1, Ordering::Relaxed);
-        match ids.as_slice() {
+        self.panics.fetch_add(1, Ordering::Relaxed);
+        match ids {
             [] => {
                 tracing::error!(panic = %why, "relay bug: a worker panicked outside a batch (please report this)")
             }
@@ -43,49 +82,44 @@ impl Relay {
                 );
                 if let Err(e) = self.set_aside(*id, &error).await {
                     tracing::warn!(event_id = %id, error = %e, "could not set the event aside; it stays isolated");
-                    lock(&inner.suspects).insert(*id);
+                    lock(&self.suspects).insert(*id);
                 }
-                lock(&inner.culprits).remove(id);
+                lock(&self.culprits).remove(id);
             }
             // Marked suspects already (`MarkOnPanic`).
             ids => {
                 tracing::error!(event_ids = ?ids, panic = %why, "relay bug: a worker panicked on a batch; its events will be published one at a time (please report this)");
             }
         }
-        session.publisher.close().await;
-        session.publisher = Publisher::open(&session.conn, inner.config.broker_timeout).await?;
-        Ok(())
     }
 
     /// Dead-letters an unordered event with `error`; reschedules an ordered
     /// one with it (the relay never dead-letters ordered events) and keeps
     /// it isolated.
-    pub(crate) async fn set_aside(&self, id: Uuid, error: &str) -> Result<()> {
-        let inner = &self.inner;
-        let ordered: Option<Option<i64>> = sqlx::query_scalar(inner.queries.event_seq.clone())
+    async fn set_aside(&self, id: Uuid, error: &str) -> Result<()> {
+        let ordered: Option<Option<i64>> = sqlx::query_scalar(self.event_seq.clone())
             .bind(id)
-            .fetch_optional(&inner.pool)
+            .fetch_optional(&self.pool)
             .await?;
         match ordered {
             None => {}
             Some(None) => {
-                sqlx::query(inner.queries.dead_letter.clone())
+                sqlx::query(self.settle.dead_letter.clone())
                     .bind([id])
                     .bind([error])
-                    .execute(&inner.pool)
+                    .execute(&self.pool)
                     .await?;
-                lock(&inner.suspects).remove(&id);
+                lock(&self.suspects).remove(&id);
             }
             Some(Some(_)) => {
-                let cfg = &inner.config;
-                let delay = jittered(cfg.retry_base, cfg.retry_max, 1).as_millis() as i64;
-                sqlx::query(inner.queries.reschedule.clone())
+                let delay = jittered(self.retry_base, self.retry_max, 1).as_millis() as i64;
+                sqlx::query(self.settle.reschedule.clone())
                     .bind([id])
                     .bind([delay])
                     .bind([error])
-                    .execute(&inner.pool)
+                    .execute(&self.pool)
                     .await?;
-                lock(&inner.suspects).insert(id);
+                lock(&self.suspects).insert(id);
             }
         }
         Ok(())
@@ -95,11 +129,11 @@ impl Relay {
     /// suspect, that suspect alone (for an ordered one, the first event of
     /// its aggregate in the batch, so nothing overtakes it). The rest stay
     /// in the outbox, unlocked at commit.
-    pub(crate) fn isolate_suspect(&self, mut events: Vec<ClaimedEvent>) -> Vec<ClaimedEvent> {
+    pub(crate) fn isolate(&self, mut events: Vec<ClaimedEvent>) -> Vec<ClaimedEvent> {
         {
             // Events being set aside: not touched (an ordered one holds
             // back the rest of its aggregate in this batch).
-            let culprits = lock(&self.inner.culprits);
+            let culprits = lock(&self.culprits);
             if !culprits.is_empty() {
                 let mut stopped: HashSet<(String, String)> = HashSet::new();
                 events.retain(|e| {
@@ -114,7 +148,7 @@ impl Relay {
                 });
             }
         }
-        let suspects = lock(&self.inner.suspects);
+        let suspects = lock(&self.suspects);
         if suspects.is_empty() {
             return events;
         }
@@ -134,12 +168,21 @@ impl Relay {
     }
 
     /// Events of a batch that went through: no longer suspects.
-    pub(crate) fn clear_suspects(&self, ids: &[Uuid]) {
-        let mut suspects = lock(&self.inner.suspects);
+    pub(crate) fn clear(&self, ids: &[Uuid]) {
+        let mut suspects = lock(&self.suspects);
         if !suspects.is_empty() {
             for id in ids {
                 suspects.remove(id);
             }
+        }
+    }
+
+    /// A guard for the batch of `ids`: should a panic unwind through it,
+    /// it marks them.
+    pub(crate) fn mark_on_panic(&self, ids: Vec<Uuid>) -> MarkOnPanic<'_> {
+        MarkOnPanic {
+            quarantine: self,
+            ids,
         }
     }
 }
@@ -148,8 +191,8 @@ impl Relay {
 /// event alone is the culprit (never published until set aside), several
 /// are suspects (each published alone from then on).
 pub(crate) struct MarkOnPanic<'a> {
-    pub(crate) relay: &'a Inner,
-    pub(crate) ids: Vec<Uuid>,
+    quarantine: &'a Quarantine,
+    ids: Vec<Uuid>,
 }
 
 impl Drop for MarkOnPanic<'_> {
@@ -159,9 +202,9 @@ impl Drop for MarkOnPanic<'_> {
         }
         match self.ids.as_slice() {
             [id] => {
-                lock(&self.relay.culprits).insert(*id);
+                lock(&self.quarantine.culprits).insert(*id);
             }
-            ids => lock(&self.relay.suspects).extend(ids.iter().copied()),
+            ids => lock(&self.quarantine.suspects).extend(ids.iter().copied()),
         }
     }
 }

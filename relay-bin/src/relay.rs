@@ -3,10 +3,9 @@
 //! (connections and workers), `worker.rs` (one batch), `claim/`, `lease.rs`,
 //! `publish.rs`, `settle.rs`, `quarantine.rs` (batches that panic).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use lapin::Connection;
 use outbox::Ident;
@@ -16,9 +15,11 @@ use uuid::Uuid;
 
 use crate::config::RelayConfig;
 use crate::error::{Error, Result};
+use crate::lease::Leases;
 use crate::publish::Publisher;
-use crate::queries::Queries;
+use crate::quarantine::Quarantine;
 use crate::settle::Settled;
+use crate::stats::Stats;
 use outbox_core::outage::Outage;
 
 /// One round trip: a transaction whose commit does not wait for the flush,
@@ -101,39 +102,24 @@ pub(crate) struct Inner {
     /// schema records it (empty without the capture).
     pub(crate) wal_slot: String,
     pub(crate) pool: PgPool,
-    pub(crate) queries: Queries,
+    pub(crate) claim_sql: crate::claim::Statements,
+    pub(crate) settle_sql: crate::settle::Statements,
     pub(crate) wake: watch::Sender<u64>,
     pub(crate) health: Arc<Health>,
     pub(crate) broker_outage: Outage,
     pub(crate) db_outage: Outage,
-    /// The write-ahead log's replication stream.
-    pub(crate) wal_outage: Outage,
-    /// Index of the broker URL the next connection tries first: the node
-    /// in use, until a session on it fails.
-    pub(crate) broker_next: std::sync::atomic::AtomicUsize,
-    /// Events confirmed by the broker and settled, since start.
-    pub(crate) published: std::sync::atomic::AtomicU64,
-    /// Events dead-lettered by this relay, since start.
-    pub(crate) dead_lettered: std::sync::atomic::AtomicU64,
-    /// `(published, dead_lettered)` as last added to `outbox_publish_stats`.
-    pub(crate) stats_written: std::sync::Mutex<(u64, u64)>,
-    /// The broker node last written to `outbox_relays`.
-    pub(crate) recorded_node: std::sync::Mutex<Option<String>>,
+    /// The broker's nodes (connections with failover).
+    pub(crate) broker: Arc<crate::broker::Broker>,
     /// This relay's identity in `outbox_relays` and `outbox_leases`.
     pub(crate) id: Uuid,
     /// The batch transaction's BEGIN with its settings.
     pub(crate) begin: sqlx::SqlStr,
-    /// When the last lease round ran; one worker runs it at a time.
-    pub(crate) last_lease_tick: tokio::sync::Mutex<Option<Instant>>,
-    /// Partitions held after the last lease round (`usize::MAX`: none yet).
-    pub(crate) partitions: AtomicUsize,
-    /// Events of batches during which a worker panicked: each is published
-    /// alone until it goes through or is set aside as the culprit.
-    pub(crate) suspects: std::sync::Mutex<HashSet<Uuid>>,
-    /// Events that panicked alone, until set aside: never published.
-    pub(crate) culprits: std::sync::Mutex<HashSet<Uuid>>,
-    /// Worker panics so far (each one a relay bug).
-    pub(crate) panics: std::sync::atomic::AtomicU64,
+    /// Leases of ordered-event partitions (the maintenance round).
+    pub(crate) leases: crate::lease::Leases,
+    /// What was settled since start.
+    pub(crate) stats: Arc<crate::stats::Stats>,
+    /// Batches that panicked.
+    pub(crate) quarantine: crate::quarantine::Quarantine,
 }
 
 /// A broker session for [`Relay::run_once`]: one connection, one
@@ -209,30 +195,33 @@ impl Relay {
             String::new()
         };
         let (wake, _) = watch::channel(0);
+        let id = Uuid::new_v4();
+        let health = Arc::new(Health::default());
+        let settle_sql = crate::settle::Statements::new(&schema);
         Ok(Self {
             inner: Arc::new(Inner {
                 begin: begin_async_commit(&config),
-                queries: Queries::new(&schema),
+                claim_sql: crate::claim::Statements::new(&schema),
+                leases: Leases::new(&schema, id, &config.name, config.lease_ttl),
+                stats: Arc::new(Stats::new(&schema)),
+                quarantine: Quarantine::new(
+                    pool.clone(),
+                    &schema,
+                    settle_sql.clone(),
+                    config.retry_base,
+                    config.retry_max,
+                ),
+                settle_sql,
+                broker: Arc::new(crate::broker::Broker::new(&config, health.clone())),
+                health,
                 schema,
                 config,
                 wal_slot,
                 pool,
                 wake,
-                health: Arc::new(Health::default()),
                 broker_outage: Outage::new("broker", "outbox-relay"),
-                broker_next: Default::default(),
-                published: Default::default(),
-                dead_lettered: Default::default(),
-                stats_written: Default::default(),
-                recorded_node: Default::default(),
                 db_outage: Outage::new("database", "outbox-relay"),
-                wal_outage: Outage::new("replication stream", "outbox-relay"),
-                id: Uuid::new_v4(),
-                last_lease_tick: tokio::sync::Mutex::new(None),
-                partitions: AtomicUsize::new(usize::MAX),
-                suspects: std::sync::Mutex::new(HashSet::new()),
-                culprits: std::sync::Mutex::new(HashSet::new()),
-                panics: std::sync::atomic::AtomicU64::new(0),
+                id,
             }),
         })
     }
@@ -250,7 +239,7 @@ impl Relay {
 
     /// Connects to the broker, declaring the default exchange if configured.
     pub async fn connect(&self) -> Result<BrokerSession> {
-        let conn = self.open_session().await?;
+        let (conn, _) = self.inner.broker.connect().await?;
         let publisher = Publisher::open(&conn, self.inner.config.broker_timeout).await?;
         Ok(BrokerSession::new(conn, publisher, 0, 1))
     }
@@ -263,13 +252,13 @@ impl Relay {
     /// Events the broker confirmed and the relay settled as delivered
     /// since start (also counted in `outbox_relay_published_total`).
     pub fn published(&self) -> u64 {
-        self.inner.published.load(Ordering::Relaxed)
+        self.inner.stats.published()
     }
 
     /// How many times a worker panicked inside a batch (each one a relay
     /// bug, also counted in `outbox_relay_worker_panics_total`).
     pub fn worker_panics(&self) -> u64 {
-        self.inner.panics.load(Ordering::Relaxed)
+        self.inner.quarantine.panics()
     }
 
     /// Whether the broker is currently considered down.
@@ -282,11 +271,4 @@ impl Relay {
 /// stay consistent at every await point).
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// The broker URL a new connection tries first: the node in use (or last
-/// used) while it works, the one after it once a session on it failed, so
-/// a node that failed is not the first one tried again.
-pub(crate) fn inner_next(inner: &Inner) -> usize {
-    inner.broker_next.load(Ordering::Relaxed)
 }

@@ -6,9 +6,30 @@ use crate::config::RelayConfig;
 use crate::error::Result;
 use crate::message::ClaimedEvent;
 use crate::publish::Receipt;
-use crate::queries::Queries;
+use outbox::Ident;
 use outbox_core::backoff::jittered;
-use sqlx::PgConnection;
+use sqlx::{PgConnection, SqlStr};
+
+/// The settle stage's statements for one schema (`settle/*.sql`).
+#[derive(Debug, Clone)]
+pub(crate) struct Statements {
+    delete: SqlStr,
+    archive: SqlStr,
+    pub(crate) reschedule: SqlStr,
+    pub(crate) dead_letter: SqlStr,
+}
+
+impl Statements {
+    pub(crate) fn new(schema: &Ident) -> Self {
+        use crate::sql::render;
+        Self {
+            delete: render(include_str!("settle/delete.sql"), schema),
+            archive: render(include_str!("settle/archive.sql"), schema),
+            reschedule: render(include_str!("settle/reschedule.sql"), schema),
+            dead_letter: render(include_str!("settle/dead_letter.sql"), schema),
+        }
+    }
+}
 
 /// Counts of one settled batch.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -40,7 +61,7 @@ pub struct Settled {
 /// nothing overtakes the failed event.
 pub(crate) async fn settle(
     conn: &mut PgConnection,
-    queries: &Queries,
+    queries: &Statements,
     config: &RelayConfig,
     events: &[ClaimedEvent],
     outcomes: &[Receipt],

@@ -11,8 +11,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
 use crate::publish;
-use crate::relay::{Relay, inner_next, lock};
+use crate::relay::Relay;
 use crate::wake::{listen, sleep_or_cancel};
+use crate::wal::WalReader;
 use outbox_core::backoff::jittered;
 
 /// How one broker session ended.
@@ -38,15 +39,24 @@ impl Relay {
     /// events it could not deliver. A reader that cannot go on
     /// ([`Error::WalRefused`]) stops the relay with that error.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
-        if self.inner.config.wal.is_none() {
+        let inner = &self.inner;
+        let Some(reader) = WalReader::new(
+            &inner.config,
+            &inner.schema,
+            &inner.wal_slot,
+            &inner.pool,
+            inner.broker.clone(),
+            inner.stats.clone(),
+            inner.wake.clone(),
+        ) else {
             return self.run_table(shutdown).await;
-        }
+        };
         // Both in this future: dropping it drops the reader too (its
         // replication session ends and frees the slot).
         let stop = shutdown.child_token();
         let (read, table) = tokio::join!(
             async {
-                let read = self.read_wal(stop.clone()).await;
+                let read = reader.run(stop.clone()).await;
                 if read.is_err() {
                     stop.cancel();
                 }
@@ -77,7 +87,7 @@ impl Relay {
         let mut failures = 0u32;
         let mut drained_late = false;
         while !shutdown.is_cancelled() {
-            let (conn, node) = match self.open_session_on_node().await {
+            let (conn, node) = match self.inner.broker.connect().await {
                 Ok(opened) => opened,
                 Err(e) if e.is_refusal() => return self.give_up(e, listener).await,
                 Err(e) => {
@@ -90,7 +100,7 @@ impl Relay {
             match end.broker_error {
                 Some(e) if e.is_refusal() => return self.give_up(e, listener).await,
                 Some(e) => {
-                    self.leave_node(node);
+                    self.inner.broker.leave(node);
                     self.broker_down(&e, &mut failures, &shutdown).await;
                 }
                 None if end.worker_bug && !shutdown.is_cancelled() => {
@@ -107,39 +117,11 @@ impl Relay {
         if let Some(l) = listener {
             l.abort();
         }
-        self.release_leases().await;
+        self.inner.leases.release(&self.inner.pool).await;
         if drained_late {
             return Err(Error::DrainTimedOut(cfg.drain_timeout));
         }
         Ok(())
-    }
-
-    /// Connects to the first broker node that answers (starting with the
-    /// one in use, or after the one whose session failed) and declares the
-    /// default exchange if configured.
-    pub(crate) async fn open_session(&self) -> Result<Arc<Connection>> {
-        Ok(self.open_session_on_node().await?.0)
-    }
-
-    /// [`open_session`](Self::open_session), and the index of the node's
-    /// URL.
-    pub(crate) async fn open_session_on_node(&self) -> Result<(Arc<Connection>, usize)> {
-        let cfg = &self.inner.config;
-        let urls = cfg.amqp_urls();
-        let start = inner_next(&self.inner);
-        let (conn, i) = publish::connect_any(&urls, start, cfg.broker_timeout).await?;
-        self.using_node(&urls, i);
-        let conn = Arc::new(conn);
-        if let Some(kind) = &cfg.declare_exchange {
-            let declared =
-                publish::declare_exchange(&conn, &cfg.default_exchange, kind, cfg.broker_timeout)
-                    .await;
-            if let Err(e) = declared {
-                self.leave_node(i);
-                return Err(e);
-            }
-        }
-        Ok((conn, i))
     }
 
     /// Runs the workers on `conn` until one fails, or until shutdown, when
@@ -149,6 +131,17 @@ impl Relay {
         let cfg = &self.inner.config;
         let mut workers = JoinSet::new();
         let session_stop = shutdown.child_token();
+        // Leases and stats beside the workers, while the session lasts: a
+        // relay without a broker lets its partitions go to others.
+        self.maintenance_round().await;
+        workers.spawn({
+            let relay = self.clone();
+            let stop = session_stop.clone();
+            async move {
+                relay.maintain(stop).await;
+                Ok(())
+            }
+        });
         for worker in 0..cfg.workers {
             let relay = self.clone();
             let conn = conn.clone();
@@ -192,7 +185,7 @@ impl Relay {
             .await;
         }
         self.inner.health.broker.store(false, Ordering::Relaxed);
-        self.node_gone();
+        self.inner.broker.gone();
         end
     }
 
@@ -204,45 +197,8 @@ impl Relay {
             l.abort();
         }
         self.inner.health.broker.store(false, Ordering::Relaxed);
-        self.release_leases().await;
+        self.inner.leases.release(&self.inner.pool).await;
         Err(e)
-    }
-
-    /// Records (health, metrics, log) that the relay is connected to node
-    /// `i` of `urls`; the next connection starts with it again (a session
-    /// that ended cleanly, such as the start-up check, is no reason to
-    /// leave a node: services whose lists start at different nodes stay
-    /// spread).
-    fn using_node(&self, urls: &[String], i: usize) {
-        let node = outbox::redact::host_port(&urls[i]);
-        let previous = lock(&self.inner.health.node).replace(node.clone());
-        if let Some(p) = previous.filter(|p| *p != node) {
-            metrics::gauge!("outbox_relay_broker_connected", "node" => p).set(0.0);
-        }
-        metrics::gauge!("outbox_relay_broker_connected", "node" => node.clone()).set(1.0);
-        self.inner.broker_next.store(i, Ordering::Relaxed);
-        tracing::info!(broker = %node, "connected to the broker");
-    }
-
-    /// A session on node `i` failed: the next connection starts with the
-    /// node after it, so a failing node is not the first one tried again.
-    /// Unless another session already moved on (the WAL reader's, or a
-    /// connection made since): then that choice stands.
-    pub(crate) fn leave_node(&self, i: usize) {
-        let n = self.inner.config.amqp_urls().len().max(1);
-        let _ = self.inner.broker_next.compare_exchange(
-            i,
-            (i + 1) % n,
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        );
-    }
-
-    /// The connection to the node in use is gone: its gauge drops to 0.
-    fn node_gone(&self) {
-        if let Some(node) = lock(&self.inner.health.node).clone() {
-            metrics::gauge!("outbox_relay_broker_connected", "node" => node).set(0.0);
-        }
     }
 
     async fn broker_down(&self, e: &Error, failures: &mut u32, shutdown: &CancellationToken) {

@@ -13,7 +13,6 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{Error, Result};
 use crate::message::ClaimedEvent;
 use crate::publish::{self, Publisher, Receipt};
-use crate::quarantine::MarkOnPanic;
 use crate::relay::{BatchReport, BrokerSession, Relay, publish_phase};
 use crate::settle::{Settled, settle};
 use crate::wake::sleep_or_cancel;
@@ -24,7 +23,16 @@ impl Relay {
     /// it, in one database transaction. Events are removed only after their
     /// confirm; on a broker failure the transaction rolls back and the
     /// events stay for the next attempt (not counted against them).
+    ///
+    /// The maintenance round (leases, stats) runs first if it is due, as
+    /// it does beside a running relay's workers.
     pub async fn run_once(&self, session: &mut BrokerSession) -> Result<BatchReport> {
+        self.maintenance_round().await;
+        self.batch(session).await
+    }
+
+    /// One batch: claim, publish, settle.
+    async fn batch(&self, session: &mut BrokerSession) -> Result<BatchReport> {
         let inner = &self.inner;
         let cfg = &inner.config;
         // `begin` is never raced against a timeout (a cancelled begin can
@@ -38,14 +46,13 @@ impl Relay {
         // relay's fsyncs off the producers' commit path.
         // Only this batch's ids may be blamed for a panic in it.
         session.in_flight.clear();
-        self.lease_round().await;
         let mut tx = inner.pool.begin_with(inner.begin.clone()).await?;
         let events = self.claim(&mut tx, session).await?;
         if events.is_empty() {
             tx.commit().await?;
             return Ok(BatchReport::default());
         }
-        let events = self.isolate_suspect(events);
+        let events = inner.quarantine.isolate(events);
         if events.is_empty() {
             tx.commit().await?;
             return Ok(BatchReport::default());
@@ -54,10 +61,7 @@ impl Relay {
         // Declared after `tx`, so dropped before it: should the batch
         // panic, its events are marked before the rollback unlocks them
         // for other workers.
-        let on_panic = MarkOnPanic {
-            relay: inner,
-            ids: session.in_flight.clone(),
-        };
+        let on_panic = inner.quarantine.mark_on_panic(session.in_flight.clone());
         let deadline = tokio::time::Instant::now() + publish_phase(cfg);
         let receipts = session
             .publisher
@@ -69,14 +73,16 @@ impl Relay {
                 deadline,
             )
             .await?;
-        let settled = settle(&mut tx, &inner.queries, cfg, &events, &receipts).await?;
+        let settled = settle(&mut tx, &inner.settle_sql, cfg, &events, &receipts).await?;
         tx.commit().await?;
         // Settled: a panic from here on is not this batch's.
         drop(on_panic);
-        self.clear_suspects(&session.in_flight);
+        inner.quarantine.clear(&session.in_flight);
         session.in_flight.clear();
         self.count(&events, &receipts, &settled);
-        self.after_receipts(&mut session.publisher, &session.conn, &receipts)
+        session
+            .publisher
+            .after_receipts(&session.conn, &receipts, cfg.confirm_timeout)
             .await?;
         Ok(BatchReport {
             claimed: events.len(),
@@ -89,7 +95,7 @@ impl Relay {
         let inner = &self.inner;
         let cfg = &inner.config;
         metrics::histogram!("outbox_relay_batch_size").record(events.len() as f64);
-        self.add_counts(settled.delivered, settled);
+        inner.stats.add(settled.delivered, settled);
         for (e, o) in events.iter().zip(receipts) {
             if let Some(error) = o.error() {
                 tracing::warn!(event_id = %e.id, event_type = %e.event_type, attempt = e.attempts + 1, error = %error, "event not delivered");
@@ -102,58 +108,6 @@ impl Relay {
                 "the broker was too slow to finish the batch within its publish deadline; the rest goes in the next batch"
             );
         }
-    }
-
-    /// Adds `delivered` and what `settled` retried and dead-lettered to the
-    /// relay's counters and metrics.
-    pub(crate) fn add_counts(&self, delivered: usize, settled: &Settled) {
-        let inner = &self.inner;
-        metrics::counter!("outbox_relay_published_total").increment(delivered as u64);
-        inner
-            .published
-            .fetch_add(delivered as u64, Ordering::Relaxed);
-        metrics::counter!("outbox_relay_failed_total").increment(settled.retried as u64);
-        metrics::counter!("outbox_relay_dead_lettered_total")
-            .increment(settled.dead_lettered as u64);
-        inner
-            .dead_lettered
-            .fetch_add(settled.dead_lettered as u64, Ordering::Relaxed);
-    }
-
-    /// What the receipts say about the session (a table batch's, or the
-    /// log reader's): confirms that timed out or a failed channel end it
-    /// (`Err`); nacks replace the channel.
-    pub(crate) async fn after_receipts(
-        &self,
-        publisher: &mut Publisher,
-        conn: &Arc<Connection>,
-        receipts: &[Receipt],
-    ) -> Result<()> {
-        let cfg = &self.inner.config;
-        if receipts.contains(&Receipt::TimedOut) {
-            // Confirms may still arrive on this channel; start afresh.
-            return Err(Error::BrokerTimeout {
-                what: "publisher confirms",
-                timeout: cfg.confirm_timeout,
-            });
-        }
-        if let Some(Receipt::ChannelFailed(e)) = receipts
-            .iter()
-            .find(|o| matches!(o, Receipt::ChannelFailed(_)))
-        {
-            // Settled; now replace the closed channel.
-            return Err(Error::ChannelClosed(e.clone()));
-        }
-        if receipts.contains(&Receipt::Nacked) {
-            // Settled (retried later). A channel that published to a
-            // quorum queue while its leader changed can go on nacking
-            // every publish (seen on RabbitMQ 3.10 after a node was
-            // killed) while a fresh channel is acked: replace it. Nacks
-            // are otherwise rare (a full queue refusing publishes).
-            publisher.close().await;
-            *publisher = Publisher::open(conn, cfg.broker_timeout).await?;
-        }
-        Ok(())
     }
 
     /// One worker: its own channel, claiming batches until `stop`. Returns
@@ -176,7 +130,7 @@ impl Relay {
             // Mark wake-ups seen *before* claiming: one that arrives during
             // the claim then makes the wait below return at once.
             wake.borrow_and_update();
-            let batch = AssertUnwindSafe(self.run_once(&mut session))
+            let batch = AssertUnwindSafe(self.batch(&mut session))
                 .catch_unwind()
                 .await;
             let batch = match batch {
@@ -184,7 +138,11 @@ impl Relay {
                 Err(panic) => {
                     let why = publish::panic_message(&*panic);
                     drop(panic);
-                    self.worker_panicked(&mut session, why).await?;
+                    let ids = std::mem::take(&mut session.in_flight);
+                    inner.quarantine.panicked(&ids, &why).await;
+                    // The channel may hold half a batch: it is replaced.
+                    session.publisher.close().await;
+                    session.publisher = Publisher::open(&session.conn, cfg.broker_timeout).await?;
                     continue;
                 }
             };

@@ -1,7 +1,7 @@
 //! Atomic mode: claim, business write, events and recorded response in one
 //! transaction.
 
-use sqlx::PgConnection;
+use sqlx::{PgConnection, SqlStr};
 
 use crate::error::{Error, Result};
 use crate::idempotency::fingerprint::Fingerprint;
@@ -115,18 +115,11 @@ impl Idempotency {
         };
         for _ in 0..CLAIM_ROUNDS {
             // Blocks while a concurrent transaction holds an uncommitted
-            // row for this key; returns nothing if that one committed.
-            let inserted: Option<bool> = sqlx::query_scalar(sql.insert.clone())
-                .bind(scope)
-                .bind(key.as_str())
-                .bind(&fingerprint.as_bytes()[..])
-                .bind(self.ttl_secs())
-                .bind(None::<String>)
-                .bind(None::<f64>)
-                .bind(None::<uuid::Uuid>)
-                .fetch_optional(&mut *conn)
-                .await?;
-            if inserted.is_some() {
+            // row for this key; writes nothing if that one committed.
+            if self
+                .write_claim(conn, &sql.insert, scope, key, fingerprint)
+                .await?
+            {
                 return Ok(execute());
             }
             let Some(row) = sqlx::query(sql.select.clone())
@@ -139,17 +132,10 @@ impl Idempotency {
             };
             let existing = Existing::from_row(&row)?;
             if existing.expired {
-                let replaced: Option<bool> = sqlx::query_scalar(sql.replace_expired.clone())
-                    .bind(scope)
-                    .bind(key.as_str())
-                    .bind(&fingerprint.as_bytes()[..])
-                    .bind(self.ttl_secs())
-                    .bind(None::<String>)
-                    .bind(None::<f64>)
-                    .bind(None::<uuid::Uuid>)
-                    .fetch_optional(&mut *conn)
-                    .await?;
-                if replaced.is_some() {
+                if self
+                    .write_claim(conn, &sql.replace_expired, scope, key, fingerprint)
+                    .await?
+                {
                     return Ok(execute());
                 }
                 continue;
@@ -171,6 +157,30 @@ impl Idempotency {
         Err(Error::IdempotencyKeyInUse {
             retry_after: self.retry_after(),
         })
+    }
+
+    /// Writes an atomic claim with `statement` (`insert`, or
+    /// `replace_expired`: the same binds): no recovery point, no lease, no
+    /// owner. True when it wrote the row.
+    async fn write_claim(
+        &self,
+        conn: &mut PgConnection,
+        statement: &SqlStr,
+        scope: &str,
+        key: &IdempotencyKey,
+        fingerprint: Fingerprint,
+    ) -> Result<bool> {
+        let written: Option<bool> = sqlx::query_scalar(statement.clone())
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(&fingerprint.as_bytes()[..])
+            .bind(self.ttl_secs())
+            .bind(None::<String>)
+            .bind(None::<f64>)
+            .bind(None::<uuid::Uuid>)
+            .fetch_optional(&mut *conn)
+            .await?;
+        Ok(written.is_some())
     }
 
     /// Records `response` for a key claimed by [`Idempotency::claim`] in

@@ -134,20 +134,11 @@ impl Idempotency {
             })
         };
         for _ in 0..5 {
-            for statement in [&sql.insert, &sql.replace_expired] {
-                let claimed: Option<bool> = sqlx::query_scalar(statement.clone())
-                    .bind(scope)
-                    .bind(key.as_str())
-                    .bind(&fingerprint.as_bytes()[..])
-                    .bind(self.ttl_secs())
-                    .bind(RECOVERY_POINT_STARTED)
-                    .bind(self.lease_secs())
-                    .bind(owner)
-                    .fetch_optional(&mut *conn)
-                    .await?;
-                if claimed.is_some() {
-                    return Ok(run(RECOVERY_POINT_STARTED.to_owned(), false));
-                }
+            if self
+                .claim_fresh(conn, scope, key, fingerprint, owner)
+                .await?
+            {
+                return Ok(run(RECOVERY_POINT_STARTED.to_owned(), false));
             }
             let Some(row) = sqlx::query(sql.select_for_update.clone())
                 .bind(scope)
@@ -173,14 +164,7 @@ impl Idempotency {
                 });
             }
             // The row is locked (FOR UPDATE), so the takeover cannot race.
-            let point: Option<Option<String>> = sqlx::query_scalar(sql.take_over.clone())
-                .bind(scope)
-                .bind(key.as_str())
-                .bind(self.lease_secs())
-                .bind(owner)
-                .fetch_optional(&mut *conn)
-                .await?;
-            if let Some(point) = point {
+            if let Some(point) = self.take_over(conn, scope, key, owner).await? {
                 let point = point
                     .or(existing.recovery_point)
                     .unwrap_or_else(|| RECOVERY_POINT_STARTED.to_owned());
@@ -190,6 +174,55 @@ impl Idempotency {
         Err(Error::IdempotencyKeyInUse {
             retry_after: self.retry_after(),
         })
+    }
+
+    /// Claims a new key, or replaces an expired record, for `owner` at
+    /// [`RECOVERY_POINT_STARTED`] with a fresh lease. True when either
+    /// statement wrote the row.
+    async fn claim_fresh(
+        &self,
+        conn: &mut PgConnection,
+        scope: &str,
+        key: &IdempotencyKey,
+        fingerprint: Fingerprint,
+        owner: Uuid,
+    ) -> Result<bool> {
+        let sql = &self.inner.sql;
+        for statement in [&sql.insert, &sql.replace_expired] {
+            let claimed: Option<bool> = sqlx::query_scalar(statement.clone())
+                .bind(scope)
+                .bind(key.as_str())
+                .bind(&fingerprint.as_bytes()[..])
+                .bind(self.ttl_secs())
+                .bind(RECOVERY_POINT_STARTED)
+                .bind(self.lease_secs())
+                .bind(owner)
+                .fetch_optional(&mut *conn)
+                .await?;
+            if claimed.is_some() {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Gives the lease of an in-progress record whose lease ran out to
+    /// `owner`: `None` when nothing was taken over, else the recovery point
+    /// the record holds (`None` inside when it holds none).
+    async fn take_over(
+        &self,
+        conn: &mut PgConnection,
+        scope: &str,
+        key: &IdempotencyKey,
+        owner: Uuid,
+    ) -> Result<Option<Option<String>>> {
+        Ok(sqlx::query_scalar(self.inner.sql.take_over.clone())
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(self.lease_secs())
+            .bind(owner)
+            .fetch_optional(&mut *conn)
+            .await?)
     }
 
     /// Records that the operation passed `recovery_point` and renews the

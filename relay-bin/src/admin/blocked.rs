@@ -8,7 +8,6 @@ use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
 use crate::error::Result;
-use crate::queries::Queries;
 
 /// An ordered aggregate held up by its failing head event.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -147,7 +146,7 @@ pub async fn skip_events(pool: &PgPool, schema: &Ident, ids: &[Uuid], reason: &s
     .execute(&mut *tx)
     .await?;
     let errors = vec![format!("skipped by an operator: {reason}"); ids.len()];
-    let moved = sqlx::query(Queries::new(schema).dead_letter)
+    let moved = sqlx::query(crate::settle::Statements::new(schema).dead_letter)
         .bind(ids)
         .bind(&errors)
         .execute(&mut *tx)

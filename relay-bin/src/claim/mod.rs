@@ -6,15 +6,30 @@
 pub(crate) mod ordered;
 pub(crate) mod unordered;
 
-use sqlx::PgConnection;
+use outbox::Ident;
+use sqlx::{PgConnection, SqlStr};
 
 use crate::error::Result;
 use crate::message::ClaimedEvent;
 use crate::relay::{BrokerSession, Relay};
 
-/// Columns every claim returns, in this order.
-pub(crate) const CLAIM_COLUMNS: &str = "id, aggregate_type, aggregate_id, event_type, payload::text AS payload, \
-     headers::text AS headers, exchange, routing_key, created_at, attempts, aggregate_seq";
+/// The claim stage's statements for one schema.
+#[derive(Debug, Clone)]
+pub(crate) struct Statements {
+    /// `unordered.sql`.
+    pub(crate) unordered: SqlStr,
+    /// `ordered.sql`.
+    pub(crate) ordered: SqlStr,
+}
+
+impl Statements {
+    pub(crate) fn new(schema: &Ident) -> Self {
+        Self {
+            unordered: crate::sql::render(include_str!("unordered.sql"), schema),
+            ordered: crate::sql::render(include_str!("ordered.sql"), schema),
+        }
+    }
+}
 
 impl Relay {
     /// Claims one batch in the worker's transaction `conn`. Unordered

@@ -6,51 +6,15 @@
 //! partition's cursor moves on (round robin over aggregates).
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 
-use outbox::Ident;
-use sqlx::{PgConnection, SqlStr};
+use sqlx::PgConnection;
 
-use crate::claim::CLAIM_COLUMNS;
 use crate::error::Result;
 use crate::message::{ClaimedEvent, ClaimedRow};
 use crate::relay::{BrokerSession, Inner};
 
-/// Claim ordered events of the partitions this relay leases (`$1` relay
-/// id) and this worker serves (`partition % $2 = $3`): the due heads of up
-/// to `$4` aggregates per partition, in key order after the worker's
-/// cursor (`$5` partitions, `$6` types, `$7` ids), looking at `$9`
-/// aggregates per partition at most, and the events after each due head,
-/// at most about `$8` in all. Heads not due come back alone with `due`
-/// false (they only move the cursor). The lease rows are held FOR KEY
-/// SHARE until the transaction ends, so no lease changes owner under a
-/// batch in flight (renewals go through).
-pub(crate) fn statement(schema: &Ident) -> SqlStr {
-    let s = schema.quoted();
-    crate::queries::sql(format!(
-        "WITH parts AS (
-             SELECT partition FROM {s}.outbox_leases
-             WHERE owner = $1 AND expires_at > now() AND partition % $2 = $3
-             FOR KEY SHARE),
-         cursor AS (SELECT * FROM unnest($5::int[], $6::text[], $7::text[]) AS c(partition, t, a)),
-         heads AS MATERIALIZED (
-             SELECT parts.partition, h.*, row_number() OVER () AS ord
-             FROM parts LEFT JOIN cursor USING (partition)
-             CROSS JOIN LATERAL {s}.outbox_heads(
-                 parts.partition, coalesce(cursor.t, ''), coalesce(cursor.a, ''), $4, $9) h),
-         chain AS (SELECT greatest(1, $8 / greatest(count(*) FILTER (WHERE due), 1)) AS n FROM heads)
-         SELECT r.*, heads.due AND r.available_at <= now() AS due, heads.partition
-         FROM heads CROSS JOIN chain CROSS JOIN LATERAL (
-             SELECT {CLAIM_COLUMNS}, available_at FROM {s}.outbox x
-             WHERE x.aggregate_type = heads.aggregate_type AND x.aggregate_id = heads.aggregate_id
-               AND x.aggregate_seq >= heads.aggregate_seq
-             ORDER BY x.aggregate_seq
-             LIMIT CASE WHEN heads.due THEN chain.n ELSE 1 END) r
-         ORDER BY heads.ord, r.aggregate_seq"
-    ))
-}
-
-/// Claims the due chains of this worker's partitions and moves its cursors.
+/// Claims the due chains of this worker's partitions (`ordered.sql`) and
+/// moves its cursors.
 pub(crate) async fn claim(
     inner: &Inner,
     conn: &mut PgConnection,
@@ -59,10 +23,7 @@ pub(crate) async fn claim(
     let cfg = &inner.config;
     // Heads per partition: the batch spread over this worker's share of
     // the relay's partitions.
-    let held = match inner.partitions.load(Ordering::Relaxed) {
-        usize::MAX => 64,
-        n => n.max(1),
-    };
+    let held = inner.leases.held().map_or(64, |n| n.max(1));
     let share = held.div_ceil(session.workers).max(1);
     let per_partition = cfg.batch_size.div_ceil(share * session.chain_hint).max(1);
     // Aggregates looked at per partition, due or not: bounds the walk
@@ -73,7 +34,7 @@ pub(crate) async fn claim(
         .iter()
         .map(|(p, (t, a))| (*p, (t.as_str(), a.as_str())))
         .unzip();
-    let ordered: Vec<OrderedRow> = sqlx::query_as(inner.queries.claim_ordered.clone())
+    let ordered: Vec<OrderedRow> = sqlx::query_as(inner.claim_sql.ordered.clone())
         .bind(inner.id)
         .bind(session.workers as i32)
         .bind(session.worker as i32)

@@ -6,21 +6,45 @@
 
 use std::collections::HashSet;
 
-use sqlx::{PgConnection, PgPool};
+use outbox::Ident;
+use sqlx::{PgConnection, PgPool, SqlStr};
 
 use crate::config::RelayConfig;
 use crate::error::{Error, Result};
 use crate::message::ClaimedEvent;
 use crate::publish::Receipt;
-use crate::queries::Queries;
 use crate::settle::{Settled, settle};
 use crate::wal::decode::Unreadable;
+
+/// The diverting statements for one schema (`divert/*.sql`), and the
+/// settle stage's, which records the attempts.
+#[derive(Debug, Clone)]
+pub(crate) struct Statements {
+    queued: SqlStr,
+    divert: SqlStr,
+    unreadable: SqlStr,
+    dead_letter: SqlStr,
+    settle: crate::settle::Statements,
+}
+
+impl Statements {
+    pub(crate) fn new(schema: &Ident) -> Self {
+        use crate::sql::render;
+        Self {
+            queued: render(include_str!("divert/queued.sql"), schema),
+            divert: render(include_str!("divert/divert.sql"), schema),
+            unreadable: render(include_str!("divert/unreadable.sql"), schema),
+            dead_letter: render(include_str!("divert/dead_letter.sql"), schema),
+            settle: crate::settle::Statements::new(schema),
+        }
+    }
+}
 
 /// The ordered aggregates among `events` that have events in the outbox
 /// table: theirs must go behind those, never past them.
 pub(crate) async fn queued_aggregates(
     pool: &PgPool,
-    queries: &Queries,
+    queries: &Statements,
     events: &[ClaimedEvent],
 ) -> Result<HashSet<(String, String)>> {
     let ordered: HashSet<(&str, &str)> = events
@@ -32,7 +56,7 @@ pub(crate) async fn queued_aggregates(
         return Ok(HashSet::new());
     }
     let (types, ids): (Vec<&str>, Vec<&str>) = ordered.into_iter().unzip();
-    let rows: Vec<(String, String)> = sqlx::query_as(queries.wal_queued.clone())
+    let rows: Vec<(String, String)> = sqlx::query_as(queries.queued.clone())
         .bind(&types)
         .bind(&ids)
         .fetch_all(pool)
@@ -52,7 +76,7 @@ pub(crate) async fn queued_aggregates(
 /// and read the same events again, for ever.
 pub(crate) async fn record(
     pool: &PgPool,
-    queries: &Queries,
+    queries: &Statements,
     config: &RelayConfig,
     failed: &[ClaimedEvent],
     receipts: &[Receipt],
@@ -75,9 +99,9 @@ pub(crate) async fn record(
             Err(e) => return Err(e),
         };
         settled = match taken {
-            None => settle(&mut tx, queries, config, failed, receipts).await?,
+            None => settle(&mut tx, &queries.settle, config, failed, receipts).await?,
             Some((events, receipts, dead)) => {
-                let mut s = settle(&mut tx, queries, config, &events, &receipts).await?;
+                let mut s = settle(&mut tx, &queries.settle, config, &events, &receipts).await?;
                 s.dead_lettered += dead;
                 s
             }
@@ -125,7 +149,7 @@ async fn end_savepoint<T>(conn: &mut PgConnection, r: Result<T>) -> Result<T> {
 /// follows records the attempt).
 async fn divert(
     conn: &mut PgConnection,
-    queries: &Queries,
+    queries: &Statements,
     events: &[&ClaimedEvent],
 ) -> Result<()> {
     let n = events.len();
@@ -155,7 +179,7 @@ async fn divert(
         created.push(e.created_at);
         seqs.push(e.aggregate_seq);
     }
-    sqlx::query(queries.wal_divert.clone())
+    sqlx::query(queries.divert.clone())
         .bind(&ids)
         .bind(&types)
         .bind(&aggregates)
@@ -176,7 +200,7 @@ async fn divert(
 /// is dead-lettered with the reason. Returns also how many were.
 async fn one_by_one(
     conn: &mut PgConnection,
-    queries: &Queries,
+    queries: &Statements,
     failed: &[ClaimedEvent],
     receipts: &[Receipt],
 ) -> Result<(Vec<ClaimedEvent>, Vec<Receipt>, usize)> {
@@ -232,12 +256,12 @@ async fn one_by_one(
 
 async fn dead_letter(
     conn: &mut PgConnection,
-    queries: &Queries,
+    queries: &Statements,
     e: &ClaimedEvent,
     attempts: i32,
     error: &str,
 ) -> Result<()> {
-    sqlx::query(queries.wal_dead_letter.clone())
+    sqlx::query(queries.dead_letter.clone())
         .bind(e.id)
         .bind(&e.aggregate_type)
         .bind(&e.aggregate_id)
@@ -257,14 +281,14 @@ async fn dead_letter(
 
 async fn insert_unreadable(
     conn: &mut PgConnection,
-    queries: &Queries,
+    queries: &Statements,
     unreadable: &[Unreadable],
 ) -> Result<()> {
     let ids: Vec<_> = unreadable.iter().map(|u| u.id).collect();
     let lsns: Vec<_> = unreadable.iter().map(|u| u.lsn.as_str()).collect();
     let contents: Vec<_> = unreadable.iter().map(|u| u.content.as_str()).collect();
     let errors: Vec<_> = unreadable.iter().map(|u| u.error.as_str()).collect();
-    sqlx::query(queries.wal_unreadable.clone())
+    sqlx::query(queries.unreadable.clone())
         .bind(&ids)
         .bind(&lsns)
         .bind(&contents)

@@ -3,13 +3,20 @@
 //! wrote, in commit order, publishes them with the relay's publisher
 //! (confirms, mandatory returns), puts those not delivered in the outbox
 //! table (`divert.rs`), and only then confirms their position to the slot.
+//! The files: `reader.rs` (sessions, standby, reconnects), `slot.rs`,
+//! `stream.rs` (reading and sending), `window.rs` (the batches on the
+//! wire), `decode.rs`.
 //! Other relays wait as standbys and take the slot when it is free.
 
 mod decode;
-mod divert;
+pub(crate) mod divert;
 mod reader;
+mod slot;
+mod stream;
+mod window;
 
-pub(crate) use reader::{lost_message, refusal, slot_row};
+pub(crate) use reader::WalReader;
+pub(crate) use slot::{lost_message, refusal, slot_row};
 
 use pgwire_replication::ReplicationConfig;
 

@@ -1,0 +1,20 @@
+//! The producer's handle: [`Outbox`] writes events in the caller's
+//! transaction.
+//!
+//! By concept: `config.rs` (the [`OutboxConfig`] settings and the
+//! [`Capture`] path), `handle.rs` (the [`Outbox`] handle: start-up checks,
+//! commit, wake-up), `enqueue.rs` ([`Outbox::enqueue`] and
+//! [`Outbox::enqueue_many`]: validate, then write by capture path),
+//! `table.rs` (writing rows to the outbox table) and `wal.rs` (writing
+//! logical decoding messages to the write-ahead log). Which aggregate types
+//! are ordered lives below, in `ordered_types.rs`: the handle reads it,
+//! never the reverse.
+
+mod config;
+mod enqueue;
+mod handle;
+mod table;
+mod wal;
+
+pub use self::config::{Capture, DEFAULT_MAX_PAYLOAD_BYTES, OutboxConfig};
+pub use self::handle::Outbox;

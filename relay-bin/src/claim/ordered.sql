@@ -1,0 +1,27 @@
+-- Ordered events of the partitions this relay leases ($1 relay id) and
+-- this worker serves (partition % $2 = $3): the due heads of up to $4
+-- aggregates per partition, in key order after the worker's cursor ($5
+-- partitions, $6 types, $7 ids), looking at $9 aggregates per partition at
+-- most, and the events after each due head, at most about $8 in all. Heads
+-- not due come back alone with `due` false (they only move the cursor).
+-- The lease rows are held FOR KEY SHARE until the transaction ends, so no
+-- lease changes owner under a batch in flight (renewals go through).
+WITH parts AS (
+    SELECT partition FROM {schema}.outbox_leases
+    WHERE owner = $1 AND expires_at > now() AND partition % $2 = $3
+    FOR KEY SHARE),
+cursor AS (SELECT * FROM unnest($5::int[], $6::text[], $7::text[]) AS c(partition, t, a)),
+heads AS MATERIALIZED (
+    SELECT parts.partition, h.*, row_number() OVER () AS ord
+    FROM parts LEFT JOIN cursor USING (partition)
+    CROSS JOIN LATERAL {schema}.outbox_heads(
+        parts.partition, coalesce(cursor.t, ''), coalesce(cursor.a, ''), $4, $9) h),
+chain AS (SELECT greatest(1, $8 / greatest(count(*) FILTER (WHERE due), 1)) AS n FROM heads)
+SELECT r.*, heads.due AND r.available_at <= now() AS due, heads.partition
+FROM heads CROSS JOIN chain CROSS JOIN LATERAL (
+    SELECT {claimed_columns}, available_at FROM {schema}.outbox x
+    WHERE x.aggregate_type = heads.aggregate_type AND x.aggregate_id = heads.aggregate_id
+      AND x.aggregate_seq >= heads.aggregate_seq
+    ORDER BY x.aggregate_seq
+    LIMIT CASE WHEN heads.due THEN chain.n ELSE 1 END) r
+ORDER BY heads.ord, r.aggregate_seq

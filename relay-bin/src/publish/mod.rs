@@ -1,0 +1,207 @@
+//! Publishing a batch with pipelined publisher confirms: the channel
+//! ([`Publisher`]), sending (`send.rs`) and the receipts (`receipt.rs`).
+
+mod receipt;
+mod send;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{Channel, Connection, ExchangeKind};
+
+use crate::error::{Error, Result};
+use crate::message::ClaimedEvent;
+use outbox_core::amqp::bounded;
+
+pub use receipt::Receipt;
+
+/// One confirm-mode channel, used by one worker.
+pub(crate) struct Publisher {
+    conn: Arc<Connection>,
+    channel: Channel,
+    /// Exchanges seen to exist; cleared whenever the channel is replaced.
+    known_exchanges: HashSet<String>,
+    broker_timeout: Duration,
+}
+
+impl Publisher {
+    pub(crate) async fn open(conn: &Arc<Connection>, broker_timeout: Duration) -> Result<Self> {
+        let channel = bounded("channel open", broker_timeout, conn.create_channel()).await?;
+        bounded(
+            "confirm.select",
+            broker_timeout,
+            channel.confirm_select(ConfirmSelectOptions::default()),
+        )
+        .await?;
+        let mut known_exchanges = HashSet::new();
+        known_exchanges.insert(String::new()); // the default exchange always exists
+        Ok(Self {
+            conn: conn.clone(),
+            channel,
+            known_exchanges,
+            broker_timeout,
+        })
+    }
+
+    /// Closes the channel (bounded), before its connection closes: closing
+    /// a connection under open channels makes lapin log errors.
+    pub(crate) async fn close(&self) {
+        if self.channel.status().connected() {
+            let _ =
+                tokio::time::timeout(self.broker_timeout, self.channel.close(200, "bye".into()))
+                    .await;
+        }
+    }
+
+    /// Whether the connection and channel are still usable.
+    pub(crate) fn is_open(&self) -> bool {
+        self.conn.status().connected() && self.channel.status().connected()
+    }
+
+    /// Passive-declares exchanges not seen before, each on a throwaway
+    /// channel (a missing exchange closes the channel that asked). Returns
+    /// the refused ones with the reason: missing, or refused otherwise
+    /// while the connection stayed up (a channel-level answer about that
+    /// exchange). `Err` only when the connection failed or the deadline
+    /// passed.
+    async fn refused_exchanges<'a>(
+        &mut self,
+        names: impl Iterator<Item = &'a ShortString>,
+        deadline: Instant,
+    ) -> Result<HashMap<String, Receipt>> {
+        let mut refused = HashMap::new();
+        let unknown: HashSet<&ShortString> = names
+            .filter(|n| !self.known_exchanges.contains(n.as_str()))
+            .collect();
+        for name in unknown {
+            let ch = within(
+                "channel open",
+                self.broker_timeout,
+                deadline,
+                self.conn.create_channel(),
+            )
+            .await?;
+            let passive = ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            let r = within(
+                "exchange.declare (passive)",
+                self.broker_timeout,
+                deadline,
+                ch.exchange_declare(
+                    name.clone(),
+                    ExchangeKind::Topic,
+                    passive,
+                    FieldTable::default(),
+                ),
+            )
+            .await;
+            match r {
+                Ok(()) => {
+                    self.known_exchanges.insert(name.to_string());
+                    // Within the phase too: a slow close must not stretch it.
+                    let by = deadline.min(Instant::now() + self.broker_timeout);
+                    let _ = tokio::time::timeout_at(by, ch.close(200, "OK".into())).await;
+                }
+                Err(Error::Broker { source: e, .. }) if is_not_found(&e) => {
+                    refused.insert(
+                        name.to_string(),
+                        Receipt::ExchangeNotFound(name.to_string()),
+                    );
+                }
+                Err(Error::Broker { source: e, .. }) if self.conn.status().connected() => {
+                    refused.insert(
+                        name.to_string(),
+                        Receipt::ExchangeRefused {
+                            exchange: name.to_string(),
+                            reason: e.to_string(),
+                        },
+                    );
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(refused)
+    }
+
+    /// Publishes every event of the batch, then awaits all confirms at once,
+    /// all before `deadline` (the publish phase's share of the batch
+    /// transaction's idle bound). Returns one outcome per event, in order.
+    /// `Err` means the connection failed: outcomes are unknown, the batch
+    /// must be rolled back (retried without counting an attempt) and the
+    /// publisher replaced. [`Receipt::TimedOut`] also means the publisher
+    /// should be replaced, after the batch is settled; events
+    /// [`Receipt::NotSent`] were never handed to the channel (exchanges
+    /// already checked stay known, so the next batch gets further).
+    pub(crate) async fn publish_batch(
+        &mut self,
+        events: &[ClaimedEvent],
+        default_exchange: &str,
+        max_payload_bytes: usize,
+        confirm_timeout: Duration,
+        deadline: Instant,
+    ) -> Result<Vec<Receipt>> {
+        self.send_batch(
+            events,
+            default_exchange,
+            max_payload_bytes,
+            confirm_timeout,
+            deadline,
+        )
+        .await?
+        .receipts()
+        .await
+    }
+}
+
+/// The text of a panic payload.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".to_owned())
+}
+
+/// `f` bounded by `timeout` and by `deadline`, whichever comes first.
+pub(super) async fn within<T>(
+    what: &'static str,
+    timeout: Duration,
+    deadline: Instant,
+    f: impl Future<Output = lapin::Result<T>>,
+) -> Result<T> {
+    let by = deadline.min(Instant::now() + timeout);
+    match tokio::time::timeout_at(by, f).await {
+        Ok(r) => r.map_err(|source| Error::Broker { what, source }),
+        Err(_) => Err(Error::BrokerTimeout { what, timeout }),
+    }
+}
+
+impl Publisher {
+    fn channel_failure(&self, err: &Error) -> Option<Receipt> {
+        channel_failure(&self.conn, &self.channel, err)
+    }
+}
+
+/// `Some` when the channel failed but the connection is up: the failure
+/// belongs to this batch's events, not to the broker as a whole.
+pub(super) fn channel_failure(
+    conn: &Connection,
+    channel: &Channel,
+    err: &Error,
+) -> Option<Receipt> {
+    let channel_only = conn.status().connected() && !channel.status().connected();
+    channel_only.then(|| Receipt::ChannelFailed(err.to_string()))
+}
+
+fn is_not_found(e: &lapin::Error) -> bool {
+    matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp)
+        if *amqp.kind() == AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND))
+}

@@ -1,0 +1,102 @@
+//! The replication slot: whether it can be read, what its errors mean,
+//! and moving it past what a session confirmed.
+
+use pgwire_replication::{Lsn, PgWireError};
+use sqlx::PgPool;
+
+use crate::error::{Error, Result};
+use crate::wal::decode::lsn_text;
+
+/// A slot as `pg_replication_slots` shows it.
+#[derive(sqlx::FromRow)]
+pub(crate) struct SlotRow {
+    pub(crate) plugin: Option<String>,
+    pub(crate) active: bool,
+    /// `application_name` of the session holding it.
+    pub(crate) holder: Option<String>,
+    pub(crate) wal_status: Option<String>,
+    pub(crate) confirmed_flush_lsn: Option<String>,
+}
+
+/// `schema`'s slot in this database, if it exists.
+pub(crate) async fn slot_row(pool: &PgPool, slot: &str) -> Result<Option<SlotRow>> {
+    Ok(sqlx::query_as(
+        "SELECT s.plugin::text AS plugin, s.active, a.application_name AS holder, s.wal_status,
+                s.confirmed_flush_lsn::text AS confirmed_flush_lsn
+         FROM pg_replication_slots s LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid
+         WHERE s.slot_name = $1 AND s.database = current_database()",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await?)
+}
+
+/// What the relay says when its slot was invalidated.
+pub(crate) fn lost_message(slot: &str) -> String {
+    format!(
+        "replication slot {slot:?} was invalidated (wal_status = lost): the relay was away longer than max_slot_wal_keep_size allows and PostgreSQL removed WAL it still needed, so events written meanwhile may be gone from it. Recreate the slot (docs/WAL_CAPTURE.md, \"a lost slot\"), then check the consumers against the producers' records for that period"
+    )
+}
+
+/// Why the slot cannot be read, if it cannot.
+pub(crate) fn refusal(slot: &str, row: Option<&SlotRow>) -> Option<Error> {
+    let Some(row) = row else {
+        return Some(Error::WalRefused(format!(
+            "replication slot {slot:?} does not exist in this database; create it with `outbox-relay migrate --capture wal`"
+        )));
+    };
+    if row.wal_status.as_deref() == Some("lost") {
+        return Some(Error::WalRefused(lost_message(slot)));
+    }
+    if row.plugin.as_deref() != Some("pgoutput") {
+        return Some(Error::WalRefused(format!(
+            "replication slot {slot:?} uses the plugin {:?}, not pgoutput; drop it and run `outbox-relay migrate --capture wal`",
+            row.plugin.as_deref().unwrap_or("?")
+        )));
+    }
+    None
+}
+
+pub(super) fn wal_error(slot: &str, e: PgWireError) -> Error {
+    let text = e.to_string();
+    match &e {
+        PgWireError::Auth(_) => {
+            Error::WalRefused(format!("the replication login was refused: {text}"))
+        }
+        PgWireError::Server(m)
+            if m.contains("can no longer get changes") || m.contains("been invalidated") =>
+        {
+            Error::WalRefused(lost_message(slot))
+        }
+        PgWireError::Server(m)
+            if m.contains("does not exist")
+                || m.contains("permission denied")
+                || m.contains("must be superuser")
+                || m.contains("must have the") =>
+        {
+            Error::WalRefused(text)
+        }
+        _ => Error::Replication(text),
+    }
+}
+
+pub(super) fn slot_busy(e: &PgWireError) -> bool {
+    matches!(e, PgWireError::Server(m) if m.contains("is active for PID"))
+}
+
+/// Moves the slot to `acked` after a session ended: the stream's last
+/// report may be up to a second old, so the next session does not publish
+/// that second again. A standby that took the slot meanwhile refuses this
+/// (it then publishes that second again: duplicates only).
+pub(super) async fn advance(pool: &PgPool, slot: &str, acked: Lsn, timeout: std::time::Duration) {
+    let advance = sqlx::query(
+        "SELECT pg_replication_slot_advance($1, $2::text::pg_lsn)
+         FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
+    )
+    .bind(slot)
+    .bind(lsn_text(acked.as_u64()))
+    .execute(pool);
+    if let Ok(Err(e)) = tokio::time::timeout(timeout, advance).await {
+        tracing::debug!(error = %e, "could not advance the slot after the session");
+    }
+}
