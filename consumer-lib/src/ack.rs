@@ -48,8 +48,8 @@ pub(crate) async fn acknowledge(
     timeout: Duration,
 ) -> Result<()> {
     let queues = Queues {
-        retry: format!("{queue}.retry"),
-        dead_letter: format!("{queue}.dlq"),
+        retry: outbox_core::queues::retry_queue(queue),
+        dead_letter: outbox_core::queues::dead_letter_queue(queue),
     };
     let mandatory = BasicPublishOptions {
         mandatory: true,

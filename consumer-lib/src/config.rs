@@ -271,12 +271,12 @@ impl ConsumerConfig {
 
     /// Name of the retry queue.
     pub fn retry_queue(&self) -> String {
-        format!("{}.retry", self.queue)
+        outbox_core::queues::retry_queue(&self.queue)
     }
 
     /// Name of the dead-letter queue.
     pub fn dead_letter_queue(&self) -> String {
-        format!("{}.dlq", self.queue)
+        outbox_core::queues::dead_letter_queue(&self.queue)
     }
 
     /// Delay before the retry number `attempt` (1 for the first retry), or

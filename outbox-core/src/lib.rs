@@ -9,7 +9,7 @@
 //! One home per helper: SQL identifiers ([`Ident`]), the migration runner
 //! ([`migrate`]), which database errors are worth retrying ([`db`]),
 //! exponential backoff with jitter ([`backoff`]), one log line per outage
-//! ([`outage`]), passwords kept out of logs ([`redact`]) and, with the
+//! ([`outage`]), a consumer's queue names ([`queues`]), passwords kept out of logs ([`redact`]) and, with the
 //! `amqp` feature, bounded broker calls and connecting with failover
 //! ([`amqp`]).
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -22,6 +22,7 @@ pub mod db;
 mod ident;
 pub mod migrate;
 pub mod outage;
+pub mod queues;
 pub mod redact;
 
 pub use crate::ident::{

@@ -13,7 +13,7 @@ use lapin::{Connection, ConnectionProperties, ExchangeKind};
 
 use crate::config::RelayConfig;
 use crate::error::Result;
-use crate::relay::{Health, lock};
+use crate::health::{Health, lock};
 use outbox_core::amqp::bounded;
 
 /// The broker's nodes and which one the next connection tries first.

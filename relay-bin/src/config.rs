@@ -3,7 +3,7 @@ use std::time::Duration;
 use outbox::Ident;
 use outbox::redact::SecretUrl;
 
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 
 /// Everything the relay engine needs, validated. The CLI builds one from
 /// flags and environment; an embedding service builds one in code. Its
@@ -150,47 +150,82 @@ impl RelayConfig {
             .collect()
     }
 
+    /// The longest a batch's publish phase may take (exchange checks,
+    /// publishes and confirms together): within the transaction's idle bound,
+    /// so the session, its row locks and its lease fence outlive it.
+    pub(crate) fn publish_phase(&self) -> Duration {
+        self.confirm_timeout + self.broker_timeout
+    }
+
     /// Checks every setting; returns the validated schema identifier.
     pub fn validate(&self) -> Result<Ident> {
         let schema = Ident::new("schema", &self.schema)?;
-        let bad = |m: String| Err(Error::Config(m));
+        self.check().map_err(Error::Config)?;
+        Ok(schema)
+    }
+
+    /// Every setting but the schema.
+    fn check(&self) -> std::result::Result<(), ConfigError> {
         outbox::redact::check_urls(self.amqp_url.expose(), "AMQP URL", &["amqp", "amqps"])
-            .map_err(Error::Config)?;
+            .map_err(ConfigError::Url)?;
         if self
             .amqp_urls()
             .iter()
             .any(|u| u.parse::<lapin::uri::AMQPUri>().is_err())
         {
             // lapin's own reading (its error would quote the URL).
-            return Err(Error::Config(
+            return Err(ConfigError::Url(
                 "AMQP URL is malformed (its user, host, vhost or query parameters); the value is not shown: it may hold a password".to_owned(),
             ));
         }
-        if self.batch_size == 0 || self.batch_size > 10_000 {
-            return bad(format!(
-                "batch size must be 1..=10000, got {}",
-                self.batch_size
-            ));
-        }
-        if self.workers == 0 || self.workers > 64 {
-            return bad(format!("workers must be 1..=64, got {}", self.workers));
-        }
-        if self.max_attempts < 1 {
-            return bad(format!(
-                "max attempts must be at least 1, got {}",
-                self.max_attempts
-            ));
-        }
+        let range = |setting, allowed, got: i64, ok: bool| {
+            if ok {
+                Ok(())
+            } else {
+                Err(ConfigError::OutOfRange {
+                    setting,
+                    allowed,
+                    got,
+                })
+            }
+        };
+        let b = self.batch_size;
+        range(
+            "batch size",
+            "1..=10000",
+            b as i64,
+            (1..=10_000).contains(&b),
+        )?;
+        let w = self.workers;
+        range("workers", "1..=64", w as i64, (1..=64).contains(&w))?;
+        let a = self.max_attempts;
+        range("max attempts", "at least 1", a.into(), a >= 1)?;
         if let Some(kind) = &self.declare_exchange
             && !matches!(kind.as_str(), "topic" | "direct" | "fanout" | "headers")
         {
-            return bad(format!(
-                "exchange type must be topic, direct, fanout or headers, got {kind:?}"
-            ));
+            return Err(ConfigError::ExchangeKind(kind.clone()));
         }
         if self.declare_exchange.is_some() && self.default_exchange.is_empty() {
-            return bad("cannot declare the default exchange \"\" (it always exists)".to_owned());
+            return Err(ConfigError::DeclareDefaultExchange);
         }
+        self.check_durations()?;
+        if let Some(wal) = &self.wal {
+            crate::wal::source(wal.database_url.expose()).map_err(ConfigError::Url)?;
+            if wal.standby_poll.is_zero() {
+                return Err(ConfigError::Zero("standby poll"));
+            }
+            let floor = Duration::from_secs(2);
+            if wal.sender_timeout < floor {
+                return Err(ConfigError::TooShort {
+                    setting: "WAL sender timeout",
+                    floor,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn check_durations(&self) -> std::result::Result<(), ConfigError> {
         for (name, d) in [
             ("poll interval", self.poll_interval),
             ("confirm timeout", self.confirm_timeout),
@@ -200,25 +235,22 @@ impl RelayConfig {
             ("lease TTL", self.lease_ttl),
         ] {
             if d.is_zero() {
-                return bad(format!("{name} must be greater than zero"));
+                return Err(ConfigError::Zero(name));
             }
         }
         if self.retry_max < self.retry_base {
-            return bad("retry max must be at least retry base".to_owned());
+            return Err(ConfigError::Inverted {
+                max: "retry max",
+                min: "retry base",
+            });
         }
         if self.reconnect_max < self.reconnect_min {
-            return bad("reconnect max must be at least reconnect min".to_owned());
+            return Err(ConfigError::Inverted {
+                max: "reconnect max",
+                min: "reconnect min",
+            });
         }
-        if let Some(wal) = &self.wal {
-            crate::wal::source(wal.database_url.expose()).map_err(Error::Config)?;
-            if wal.standby_poll.is_zero() {
-                return bad("standby poll must be greater than zero".to_owned());
-            }
-            if wal.sender_timeout < Duration::from_secs(2) {
-                return bad("WAL sender timeout must be at least 2s".to_owned());
-            }
-        }
-        Ok(schema)
+        Ok(())
     }
 }
 

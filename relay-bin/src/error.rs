@@ -11,7 +11,7 @@ use thiserror::Error;
 pub enum Error {
     /// The configuration is invalid.
     #[error("invalid configuration: {0}")]
-    Config(String),
+    Config(#[from] ConfigError),
     /// The outbox library refused (not migrated, bad schema name, ...).
     #[error(transparent)]
     Outbox(#[from] outbox::Error),
@@ -135,7 +135,7 @@ impl From<BrokerError> for Error {
             BrokerError::Failed { what, source } => Error::Broker { what, source },
             BrokerError::Connect { node, source } => Error::BrokerConnect { node, source },
             BrokerError::TimedOut { what, timeout } => Error::BrokerTimeout { what, timeout },
-            BrokerError::NoUrl => Error::Config(e.to_string()),
+            BrokerError::NoUrl => Error::Config(ConfigError::Url(e.to_string())),
         }
     }
 }
@@ -144,6 +144,58 @@ impl From<outbox_core::InvalidIdentifier> for Error {
     fn from(e: outbox_core::InvalidIdentifier) -> Self {
         Error::Outbox(e.into())
     }
+}
+
+/// Why a [`RelayConfig`](crate::RelayConfig) (or a setting given to an
+/// operator command) was refused. The text names the setting and never
+/// quotes a URL.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A number outside its range.
+    #[error("{setting} must be {allowed}, got {got}")]
+    OutOfRange {
+        /// The setting, in words ("batch size").
+        setting: &'static str,
+        /// What it may be ("1..=10000").
+        allowed: &'static str,
+        /// What it was.
+        got: i64,
+    },
+    /// A duration that must be greater than zero.
+    #[error("{0} must be greater than zero")]
+    Zero(&'static str),
+    /// A maximum below its minimum.
+    #[error("{max} must be at least {min}")]
+    Inverted {
+        /// The maximum's setting ("retry max").
+        max: &'static str,
+        /// The minimum's setting ("retry base").
+        min: &'static str,
+    },
+    /// A duration below its floor.
+    #[error("{setting} must be at least {floor:?}")]
+    TooShort {
+        /// The setting ("WAL sender timeout").
+        setting: &'static str,
+        /// The least it may be.
+        floor: std::time::Duration,
+    },
+    /// An exchange type RabbitMQ does not declare.
+    #[error("exchange type must be topic, direct, fanout or headers, got {0:?}")]
+    ExchangeKind(String),
+    /// `declare_exchange` with the default exchange `""`.
+    #[error("cannot declare the default exchange \"\" (it always exists)")]
+    DeclareDefaultExchange,
+    /// A broker or database URL that cannot be used: what is wrong, never
+    /// the value (it may hold a password).
+    #[error("{0}")]
+    Url(String),
+    /// A replication slot name PostgreSQL would refuse.
+    #[error(
+        "slot name {0:?} is not valid: lower-case letters, digits and underscores, starting with a letter or underscore, at most 63 bytes"
+    )]
+    SlotName(String),
 }
 
 /// The result type of the relay engine.

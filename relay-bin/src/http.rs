@@ -8,82 +8,95 @@ use anyhow::{Context, Result};
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::get;
-use metrics_exporter_prometheus::PrometheusBuilder;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use outbox::Ident;
 use outbox_relay::Health;
 use sqlx::PgPool;
 
+/// Serves the three endpoints on `addr` in the background, and keeps the
+/// backlog gauges fresh; returns once listening.
 pub(crate) async fn serve(
     addr: SocketAddr,
     health: Arc<Health>,
     pool: PgPool,
     schema: Ident,
 ) -> Result<()> {
-    let handle = PrometheusBuilder::new()
+    let handle = install_recorder()?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let app = router(handle, health.clone());
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "metrics server stopped");
+        }
+    });
+    tokio::spawn(refresh_gauges(health, pool, schema));
+    tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+    Ok(())
+}
+
+/// The process's Prometheus recorder, with the buckets of every histogram.
+fn install_recorder() -> Result<PrometheusHandle> {
+    PrometheusBuilder::new()
         .set_buckets(&[
             0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 50.0,
             100.0, 250.0, 500.0, 1000.0,
         ])
         .context("metrics buckets")?
         .install_recorder()
-        .context("installing the metrics recorder")?;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("cannot listen on {addr}"))?;
-    let gauge_health = health.clone();
-    let app = Router::new()
+        .context("installing the metrics recorder")
+}
+
+fn router(handle: PrometheusHandle, health: Arc<Health>) -> Router {
+    Router::new()
         .route("/metrics", get(move || std::future::ready(handle.render())))
         .route("/healthz", get(|| async { "ok" }))
         .route(
             "/readyz",
-            get(move || {
-                let ready = health.is_ready();
-                // Which broker node is in use (or was last), never a URL.
-                let node = health.broker_node().unwrap_or_else(|| "none".to_owned());
-                async move {
-                    if ready {
-                        (StatusCode::OK, format!("ready\nbroker node: {node}\n"))
-                    } else {
-                        (
-                            StatusCode::SERVICE_UNAVAILABLE,
-                            format!("not ready\nbroker node: {node}\n"),
-                        )
-                    }
-                }
-            }),
-        );
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(error = %e, "metrics server stopped");
+            get(move || std::future::ready(readiness(&health))),
+        )
+}
+
+/// `/readyz`: ready or not, and which broker node is in use (or was
+/// last), never a URL.
+fn readiness(health: &Health) -> (StatusCode, String) {
+    let ready = health.is_ready();
+    let node = health.broker_node().unwrap_or_else(|| "none".to_owned());
+    if ready {
+        (StatusCode::OK, format!("ready\nbroker node: {node}\n"))
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready\nbroker node: {node}\n"),
+        )
+    }
+}
+
+/// Backlog gauges, refreshed off the hot path, every 10 s for ever.
+async fn refresh_gauges(health: Arc<Health>, pool: PgPool, schema: Ident) {
+    let mut reported_slot = false;
+    loop {
+        metrics::gauge!("outbox_relay_ready").set(f64::from(u8::from(health.is_ready())));
+        // Cheap on any outbox size: estimates and index probes only.
+        if let Ok(g) = outbox_relay::admin::gauges(&pool, &schema).await {
+            metrics::gauge!("outbox_relay_backlog").set(g.backlog as f64);
+            metrics::gauge!("outbox_relay_oldest_pending_seconds").set(g.oldest_due_age_s);
+            metrics::gauge!("outbox_relay_dead_letters").set(g.dead_letters as f64);
+            metrics::gauge!("outbox_relay_blocked_aggregates").set(g.blocked_aggregates as f64);
         }
-    });
-    // Backlog gauges, refreshed off the hot path.
-    tokio::spawn(async move {
-        let mut reported_slot = false;
-        loop {
-            metrics::gauge!("outbox_relay_ready").set(f64::from(u8::from(gauge_health.is_ready())));
-            // Cheap on any outbox size: estimates and index probes only.
-            if let Ok(g) = outbox_relay::admin::gauges(&pool, &schema).await {
-                metrics::gauge!("outbox_relay_backlog").set(g.backlog as f64);
-                metrics::gauge!("outbox_relay_oldest_pending_seconds").set(g.oldest_due_age_s);
-                metrics::gauge!("outbox_relay_dead_letters").set(g.dead_letters as f64);
-                metrics::gauge!("outbox_relay_blocked_aggregates").set(g.blocked_aggregates as f64);
+        match outbox_relay::admin::wal_slot(&pool, &schema).await {
+            Ok(Some(slot)) => {
+                wal_slot_gauges(&slot);
+                reported_slot = true;
             }
-            match outbox_relay::admin::wal_slot(&pool, &schema).await {
-                Ok(Some(slot)) => {
-                    wal_slot_gauges(&slot);
-                    reported_slot = true;
-                }
-                // Reported before, gone now (dropped, or its record
-                // deleted): no stale figures for the alerts to fire on.
-                Ok(None) if reported_slot => wal_slot_gone(),
-                _ => {}
-            }
-            tokio::time::sleep(Duration::from_secs(10)).await;
+            // Reported before, gone now (dropped, or its record
+            // deleted): no stale figures for the alerts to fire on.
+            Ok(None) if reported_slot => wal_slot_gone(),
+            _ => {}
         }
-    });
-    tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
-    Ok(())
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    }
 }
 
 /// The schema's replication slot as gauges (WAL capture set up): what it

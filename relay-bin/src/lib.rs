@@ -15,7 +15,7 @@
 //! or stops), claim each aggregate from its head only, and never
 //! dead-letter an ordered event by themselves: a failing one blocks its own
 //! aggregate until delivered or skipped by an operator. When embedding,
-//! prefer [`Relay::run`]; a [`BrokerSession`] from [`Relay::connect`]
+//! prefer [`Relay::run`]; a [`WorkerSession`] from [`Relay::connect`]
 //! publishes all of the relay's partitions, so use one at a time.
 //!
 //! ```no_run
@@ -61,6 +61,7 @@ mod broker;
 mod claim;
 mod config;
 mod error;
+mod health;
 mod lease;
 mod maintenance;
 mod message;
@@ -91,8 +92,9 @@ pub const FAULT_PANIC_EVENT_TYPE: &str = "outbox-relay.fault-injection.panic";
 pub const FAULT_CHANNEL_EVENT_TYPE: &str = "outbox-relay.fault-injection.close-channel";
 
 pub use crate::config::{RelayConfig, WalCapture};
-pub use crate::error::{Error, Result};
-pub use crate::message::ClaimedEvent;
+pub use crate::error::{ConfigError, Error, Result};
+pub use crate::health::Health;
+pub use crate::message::OutboxEvent;
 pub use crate::publish::Receipt;
-pub use crate::relay::{BatchReport, BrokerSession, Health, Relay};
+pub use crate::relay::{BatchReport, Relay, WorkerSession};
 pub use crate::settle::Settled;

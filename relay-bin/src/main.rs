@@ -3,6 +3,7 @@
 mod cli;
 mod console;
 mod http;
+mod secrets;
 
 use std::process::ExitCode;
 
@@ -16,7 +17,7 @@ async fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             // One line naming the cause; never a password.
-            let line = cli::scrub_secrets(&format!("{e:#}"));
+            let line = secrets::scrub_secrets(&format!("{e:#}"));
             eprintln!("outbox-relay: error: {line}");
             ExitCode::FAILURE
         }

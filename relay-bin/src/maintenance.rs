@@ -5,7 +5,8 @@
 
 use tokio_util::sync::CancellationToken;
 
-use crate::relay::{Relay, lock};
+use crate::health::lock;
+use crate::relay::Relay;
 use crate::wake::sleep_or_cancel;
 
 impl Relay {

@@ -14,8 +14,8 @@ use sqlx::{PgPool, SqlStr};
 use uuid::Uuid;
 
 use crate::error::Result;
-use crate::message::ClaimedEvent;
-use crate::relay::lock;
+use crate::health::lock;
+use crate::message::OutboxEvent;
 use outbox_core::backoff::jittered;
 
 /// The quarantine: which events are suspects or culprits, and how to set a
@@ -129,7 +129,7 @@ impl Quarantine {
     /// suspect, that suspect alone (for an ordered one, the first event of
     /// its aggregate in the batch, so nothing overtakes it). The rest stay
     /// in the outbox, unlocked at commit.
-    pub(crate) fn isolate(&self, mut events: Vec<ClaimedEvent>) -> Vec<ClaimedEvent> {
+    pub(crate) fn isolate(&self, mut events: Vec<OutboxEvent>) -> Vec<OutboxEvent> {
         {
             // Events being set aside: not touched (an ordered one holds
             // back the rest of its aggregate in this batch).

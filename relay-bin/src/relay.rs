@@ -3,9 +3,7 @@
 //! (connections and workers), `worker.rs` (one batch), `claim/`, `lease.rs`,
 //! `publish.rs`, `settle.rs`, `quarantine.rs` (batches that panic).
 
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use lapin::Connection;
 use outbox::Ident;
@@ -13,8 +11,10 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 use uuid::Uuid;
 
+use crate::claim::ClaimState;
 use crate::config::RelayConfig;
 use crate::error::{Error, Result};
+use crate::health::Health;
 use crate::lease::Leases;
 use crate::publish::Publisher;
 use crate::quarantine::Quarantine;
@@ -31,19 +31,12 @@ use outbox_core::outage::Outage;
 /// frozen longer loses its session, its row locks and its partitions'
 /// lease locks, so other relays can go on.
 fn begin_async_commit(config: &RelayConfig) -> sqlx::SqlStr {
-    let idle = publish_phase(config) + std::time::Duration::from_secs(5);
+    let idle = config.publish_phase() + std::time::Duration::from_secs(5);
     sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(format!(
         "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL statement_timeout = '30s'; \
          SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
         idle.as_millis()
     )))
-}
-
-/// The longest a batch's publish phase may take (exchange checks,
-/// publishes and confirms together): within the transaction's idle bound,
-/// so the session, its row locks and its lease fence outlive it.
-pub(crate) fn publish_phase(config: &RelayConfig) -> std::time::Duration {
-    config.confirm_timeout + config.broker_timeout
 }
 
 /// What one batch did.
@@ -54,28 +47,6 @@ pub struct BatchReport {
     pub claimed: usize,
     /// How they were settled.
     pub settled: Settled,
-}
-
-/// Liveness and readiness, for `/healthz` and `/readyz`.
-#[derive(Debug, Default)]
-pub struct Health {
-    pub(crate) broker: AtomicBool,
-    pub(crate) database: AtomicBool,
-    /// `host:port` of the broker node in use (or last used).
-    pub(crate) node: std::sync::Mutex<Option<String>>,
-}
-
-impl Health {
-    /// `host:port` of the broker node the relay is connected to, or was
-    /// last connected to.
-    pub fn broker_node(&self) -> Option<String> {
-        lock(&self.node).clone()
-    }
-
-    /// Connected to the broker and the last database operation succeeded.
-    pub fn is_ready(&self) -> bool {
-        self.broker.load(Ordering::Relaxed) && self.database.load(Ordering::Relaxed)
-    }
 }
 
 /// The relay engine. Embed it in a service or run it with `outbox-relay run`.
@@ -102,7 +73,7 @@ pub(crate) struct Inner {
     /// schema records it (empty without the capture).
     pub(crate) wal_slot: String,
     pub(crate) pool: PgPool,
-    pub(crate) claim_sql: crate::claim::Statements,
+    pub(crate) claims: crate::claim::Claims,
     pub(crate) settle_sql: crate::settle::Statements,
     pub(crate) wake: watch::Sender<u64>,
     pub(crate) health: Arc<Health>,
@@ -122,33 +93,25 @@ pub(crate) struct Inner {
     pub(crate) quarantine: crate::quarantine::Quarantine,
 }
 
-/// A broker session for [`Relay::run_once`]: one connection, one
-/// confirm-mode channel, and the worker's claim state.
-pub struct BrokerSession {
+/// What one worker holds while it runs (and what [`Relay::run_once`]
+/// takes): its broker connection and confirm-mode channel, its share of
+/// the partitions, and its claim state (cursors over ordered aggregates).
+pub struct WorkerSession {
     pub(crate) conn: Arc<Connection>,
     pub(crate) publisher: Publisher,
-    /// Which share of the relay's partitions this session publishes
-    /// (`partition % workers == worker`).
-    pub(crate) worker: usize,
-    pub(crate) workers: usize,
-    /// Per partition, the last aggregate served: the next claim resumes
-    /// after it (round robin over aggregates, wrapping at the end).
-    pub(crate) cursors: HashMap<i32, (String, String)>,
-    /// Expected events per aggregate in a claim (1 to 64): deep aggregates
-    /// fill a batch with fewer heads, which costs fewer index descents per
-    /// event; one-event aggregates need many heads. Learnt from each claim.
-    pub(crate) chain_hint: usize,
+    /// Its share of the partitions and where its ordered claims resume.
+    pub(crate) claim: ClaimState,
     /// The ids of the batch being published (for a panic report).
     pub(crate) in_flight: Vec<Uuid>,
 }
 
-impl std::fmt::Debug for BrokerSession {
+impl std::fmt::Debug for WorkerSession {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BrokerSession").finish_non_exhaustive()
+        f.debug_struct("WorkerSession").finish_non_exhaustive()
     }
 }
 
-impl BrokerSession {
+impl WorkerSession {
     /// Worker `worker` of `workers`, publishing on `publisher`.
     pub(crate) fn new(
         conn: Arc<Connection>,
@@ -159,10 +122,7 @@ impl BrokerSession {
         Self {
             conn,
             publisher,
-            worker,
-            workers,
-            cursors: HashMap::new(),
-            chain_hint: 1,
+            claim: ClaimState::new(worker, workers),
             in_flight: Vec::new(),
         }
     }
@@ -201,7 +161,7 @@ impl Relay {
         Ok(Self {
             inner: Arc::new(Inner {
                 begin: begin_async_commit(&config),
-                claim_sql: crate::claim::Statements::new(&schema),
+                claims: crate::claim::Claims::new(&schema, id, config.batch_size),
                 leases: Leases::new(&schema, id, &config.name, config.lease_ttl),
                 stats: Arc::new(Stats::new(&schema)),
                 quarantine: Quarantine::new(
@@ -238,10 +198,10 @@ impl Relay {
     }
 
     /// Connects to the broker, declaring the default exchange if configured.
-    pub async fn connect(&self) -> Result<BrokerSession> {
+    pub async fn connect(&self) -> Result<WorkerSession> {
         let (conn, _) = self.inner.broker.connect().await?;
         let publisher = Publisher::open(&conn, self.inner.config.broker_timeout).await?;
-        Ok(BrokerSession::new(conn, publisher, 0, 1))
+        Ok(WorkerSession::new(conn, publisher, 0, 1))
     }
 
     /// This relay's id in `outbox_relays` and `outbox_leases`.
@@ -265,10 +225,4 @@ impl Relay {
     pub fn broker_down_now(&self) -> bool {
         self.inner.broker_outage.is_down()
     }
-}
-
-/// A mutex's guard, whether or not a panic poisoned it (the sets it guards
-/// stay consistent at every await point).
-pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

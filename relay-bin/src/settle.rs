@@ -4,11 +4,12 @@ use std::collections::HashSet;
 
 use crate::config::RelayConfig;
 use crate::error::Result;
-use crate::message::ClaimedEvent;
+use crate::message::OutboxEvent;
 use crate::publish::Receipt;
 use outbox::Ident;
 use outbox_core::backoff::jittered;
 use sqlx::{PgConnection, SqlStr};
+use uuid::Uuid;
 
 /// The settle stage's statements for one schema (`settle/*.sql`).
 #[derive(Debug, Clone)]
@@ -45,7 +46,8 @@ pub struct Settled {
     /// aggregate failed in the same batch: they go again after it.
     pub held_back: usize,
     /// Left untouched because the batch's publish deadline passed before
-    /// they were sent (no attempt counted).
+    /// they were sent, or (the log's reader) queued behind their
+    /// aggregate's events in the table (no attempt counted).
     pub not_sent: usize,
 }
 
@@ -61,16 +63,64 @@ pub struct Settled {
 /// nothing overtakes the failed event.
 pub(crate) async fn settle(
     conn: &mut PgConnection,
-    queries: &Statements,
+    sql: &Statements,
     config: &RelayConfig,
-    events: &[ClaimedEvent],
+    events: &[OutboxEvent],
     outcomes: &[Receipt],
 ) -> Result<Settled> {
-    let mut delivered = Vec::new();
-    let (mut retry_ids, mut retry_delays, mut retry_errors) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut dead_ids, mut dead_errors) = (Vec::new(), Vec::new());
+    let plan = plan(config, events, outcomes);
+    if !plan.delivered.is_empty() {
+        let q = if config.archive {
+            &sql.archive
+        } else {
+            &sql.delete
+        };
+        sqlx::query(q.clone())
+            .bind(&plan.delivered)
+            .execute(&mut *conn)
+            .await?;
+    }
+    if !plan.retry_ids.is_empty() {
+        sqlx::query(sql.reschedule.clone())
+            .bind(&plan.retry_ids)
+            .bind(&plan.retry_delays)
+            .bind(&plan.retry_errors)
+            .execute(&mut *conn)
+            .await?;
+    }
+    if !plan.dead_ids.is_empty() {
+        sqlx::query(sql.dead_letter.clone())
+            .bind(&plan.dead_ids)
+            .bind(&plan.dead_errors)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(Settled {
+        delivered: plan.delivered.len(),
+        retried: plan.retry_ids.len(),
+        dead_lettered: plan.dead_ids.len(),
+        held_back: plan.held_back,
+        not_sent: plan.not_sent,
+    })
+}
+
+/// What a batch's settle writes: the three statements' arrays.
+#[derive(Debug, Default)]
+struct Plan {
+    delivered: Vec<Uuid>,
+    retry_ids: Vec<Uuid>,
+    retry_delays: Vec<i64>,
+    retry_errors: Vec<String>,
+    dead_ids: Vec<Uuid>,
+    dead_errors: Vec<String>,
+    held_back: usize,
+    not_sent: usize,
+}
+
+/// Sorts a batch's events by their receipts (the rules of [`settle`]).
+fn plan(config: &RelayConfig, events: &[OutboxEvent], outcomes: &[Receipt]) -> Plan {
+    let mut plan = Plan::default();
     let mut failed_aggregates = HashSet::new();
-    let (mut held_back, mut not_sent) = (0, 0);
     for (e, o) in events.iter().zip(outcomes) {
         let aggregate = e
             .aggregate_seq
@@ -78,18 +128,18 @@ pub(crate) async fn settle(
         if let Some((t, a)) = aggregate
             && failed_aggregates.contains(&(t, a))
         {
-            held_back += 1;
+            plan.held_back += 1;
             continue;
         }
-        if *o == Receipt::NotSent {
-            not_sent += 1;
+        if matches!(o, Receipt::NotSent | Receipt::Queued) {
+            plan.not_sent += 1;
             if let Some((t, a)) = aggregate {
                 failed_aggregates.insert((t, a));
             }
             continue;
         }
         let Some(error) = o.error() else {
-            delivered.push(e.id);
+            plan.delivered.push(e.id);
             continue;
         };
         let attempt = e.attempts.saturating_add(1);
@@ -97,50 +147,18 @@ pub(crate) async fn settle(
         // leave a hole its consumers wait on. It blocks its aggregate
         // (`outbox-relay blocked`) until delivered or skipped.
         if aggregate.is_none() && (o.is_permanent() || attempt >= config.max_attempts) {
-            dead_ids.push(e.id);
-            dead_errors.push(error);
+            plan.dead_ids.push(e.id);
+            plan.dead_errors.push(error);
         } else {
             let delay =
                 jittered(config.retry_base, config.retry_max, attempt as u32).as_millis() as i64;
-            retry_ids.push(e.id);
-            retry_delays.push(delay);
-            retry_errors.push(error);
+            plan.retry_ids.push(e.id);
+            plan.retry_delays.push(delay);
+            plan.retry_errors.push(error);
         }
         if let Some((t, a)) = aggregate {
             failed_aggregates.insert((t, a));
         }
     }
-    if !delivered.is_empty() {
-        let q = if config.archive {
-            &queries.archive
-        } else {
-            &queries.delete
-        };
-        sqlx::query(q.clone())
-            .bind(&delivered)
-            .execute(&mut *conn)
-            .await?;
-    }
-    if !retry_ids.is_empty() {
-        sqlx::query(queries.reschedule.clone())
-            .bind(&retry_ids)
-            .bind(&retry_delays)
-            .bind(&retry_errors)
-            .execute(&mut *conn)
-            .await?;
-    }
-    if !dead_ids.is_empty() {
-        sqlx::query(queries.dead_letter.clone())
-            .bind(&dead_ids)
-            .bind(&dead_errors)
-            .execute(&mut *conn)
-            .await?;
-    }
-    Ok(Settled {
-        delivered: delivered.len(),
-        retried: retry_ids.len(),
-        dead_lettered: dead_ids.len(),
-        held_back,
-        not_sent,
-    })
+    plan
 }

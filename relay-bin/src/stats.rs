@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use outbox::Ident;
 use sqlx::{PgPool, SqlStr};
 
-use crate::relay::lock;
+use crate::health::lock;
 use crate::settle::Settled;
 
 #[derive(Debug)]

@@ -14,7 +14,7 @@ use crate::publish;
 use crate::relay::Relay;
 use crate::wake::{listen, sleep_or_cancel};
 use crate::wal::WalReader;
-use outbox_core::backoff::jittered;
+use outbox_core::backoff::Backoff;
 
 /// How one broker session ended.
 #[derive(Default)]
@@ -84,14 +84,14 @@ impl Relay {
             )));
         }
         inner.health.database.store(true, Ordering::Relaxed);
-        let mut failures = 0u32;
+        let mut backoff = Backoff::new(cfg.reconnect_min, cfg.reconnect_max);
         let mut drained_late = false;
         while !shutdown.is_cancelled() {
             let (conn, node) = match self.inner.broker.connect().await {
                 Ok(opened) => opened,
                 Err(e) if e.is_refusal() => return self.give_up(e, listener).await,
                 Err(e) => {
-                    self.broker_down(&e, &mut failures, &shutdown).await;
+                    self.broker_down(&e, &mut backoff, &shutdown).await;
                     continue;
                 }
             };
@@ -101,15 +101,10 @@ impl Relay {
                 Some(e) if e.is_refusal() => return self.give_up(e, listener).await,
                 Some(e) => {
                     self.inner.broker.leave(node);
-                    self.broker_down(&e, &mut failures, &shutdown).await;
+                    self.broker_down(&e, &mut backoff, &shutdown).await;
                 }
                 None if end.worker_bug && !shutdown.is_cancelled() => {
-                    failures = failures.saturating_add(1);
-                    sleep_or_cancel(
-                        jittered(cfg.reconnect_min, cfg.reconnect_max, failures),
-                        &shutdown,
-                    )
-                    .await;
+                    sleep_or_cancel(backoff.next_delay(), &shutdown).await;
                 }
                 None => break,
             }
@@ -201,16 +196,10 @@ impl Relay {
         Err(e)
     }
 
-    async fn broker_down(&self, e: &Error, failures: &mut u32, shutdown: &CancellationToken) {
+    async fn broker_down(&self, e: &Error, backoff: &mut Backoff, shutdown: &CancellationToken) {
         self.inner.health.broker.store(false, Ordering::Relaxed);
         self.inner.broker_outage.failed(e);
-        *failures = failures.saturating_add(1);
-        let cfg = &self.inner.config;
-        sleep_or_cancel(
-            jittered(cfg.reconnect_min, cfg.reconnect_max, *failures),
-            shutdown,
-        )
-        .await;
+        sleep_or_cancel(backoff.next_delay(), shutdown).await;
     }
 }
 

@@ -10,7 +10,7 @@ use sqlx::postgres::PgListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use outbox_core::backoff::jittered;
+use outbox_core::backoff::Backoff;
 
 pub(crate) async fn listen(
     pool: PgPool,
@@ -19,7 +19,7 @@ pub(crate) async fn listen(
     shutdown: CancellationToken,
 ) {
     let bump = || wake.send_modify(|g| *g = g.wrapping_add(1));
-    let mut failures = 0u32;
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     while !shutdown.is_cancelled() {
         let listener = async {
             let mut l = PgListener::connect_with(&pool).await?;
@@ -29,29 +29,21 @@ pub(crate) async fn listen(
         let mut listener = match tokio::time::timeout(Duration::from_secs(10), listener).await {
             Ok(Ok(l)) => l,
             Ok(Err(e)) => {
-                if failures == 0 {
+                if backoff.failures() == 0 {
                     tracing::warn!(error = %e, "wake-up listener cannot connect; polling only until it can");
                 }
-                failures += 1;
-                sleep_or_cancel(
-                    jittered(
-                        Duration::from_millis(200),
-                        Duration::from_secs(10),
-                        failures,
-                    ),
-                    &shutdown,
-                )
-                .await;
+                sleep_or_cancel(backoff.next_delay(), &shutdown).await;
                 continue;
             }
             Err(_) => {
-                failures += 1;
+                // The connect timed out: that waited long enough.
+                let _ = backoff.next_delay();
                 continue;
             }
         };
-        if failures > 0 {
+        if backoff.failures() > 0 {
             tracing::info!("wake-up listener connected again");
-            failures = 0;
+            backoff.reset();
         }
         bump();
         loop {

@@ -11,12 +11,12 @@ use lapin::Connection;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
-use crate::message::ClaimedEvent;
+use crate::message::OutboxEvent;
 use crate::publish::{self, Publisher, Receipt};
-use crate::relay::{BatchReport, BrokerSession, Relay, publish_phase};
+use crate::relay::{BatchReport, Relay, WorkerSession};
 use crate::settle::{Settled, settle};
 use crate::wake::sleep_or_cancel;
-use outbox_core::backoff::jittered;
+use outbox_core::backoff::Backoff;
 
 impl Relay {
     /// Claims one batch, publishes it with pipelined confirms and settles
@@ -26,13 +26,13 @@ impl Relay {
     ///
     /// The maintenance round (leases, stats) runs first if it is due, as
     /// it does beside a running relay's workers.
-    pub async fn run_once(&self, session: &mut BrokerSession) -> Result<BatchReport> {
+    pub async fn run_once(&self, session: &mut WorkerSession) -> Result<BatchReport> {
         self.maintenance_round().await;
         self.batch(session).await
     }
 
     /// One batch: claim, publish, settle.
-    async fn batch(&self, session: &mut BrokerSession) -> Result<BatchReport> {
+    async fn batch(&self, session: &mut WorkerSession) -> Result<BatchReport> {
         let inner = &self.inner;
         let cfg = &inner.config;
         // `begin` is never raced against a timeout (a cancelled begin can
@@ -47,7 +47,10 @@ impl Relay {
         // Only this batch's ids may be blamed for a panic in it.
         session.in_flight.clear();
         let mut tx = inner.pool.begin_with(inner.begin.clone()).await?;
-        let events = self.claim(&mut tx, session).await?;
+        let events = inner
+            .claims
+            .claim(&mut tx, inner.leases.held(), &mut session.claim)
+            .await?;
         if events.is_empty() {
             tx.commit().await?;
             return Ok(BatchReport::default());
@@ -62,7 +65,7 @@ impl Relay {
         // panic, its events are marked before the rollback unlocks them
         // for other workers.
         let on_panic = inner.quarantine.mark_on_panic(session.in_flight.clone());
-        let deadline = tokio::time::Instant::now() + publish_phase(cfg);
+        let deadline = tokio::time::Instant::now() + cfg.publish_phase();
         let receipts = session
             .publisher
             .publish_batch(
@@ -91,7 +94,7 @@ impl Relay {
     }
 
     /// Metrics and logs of a settled batch.
-    fn count(&self, events: &[ClaimedEvent], receipts: &[Receipt], settled: &Settled) {
+    fn count(&self, events: &[OutboxEvent], receipts: &[Receipt], settled: &Settled) {
         let inner = &self.inner;
         let cfg = &inner.config;
         metrics::histogram!("outbox_relay_batch_size").record(events.len() as f64);
@@ -104,7 +107,7 @@ impl Relay {
         if receipts.contains(&Receipt::NotSent) {
             tracing::warn!(
                 not_sent = settled.not_sent,
-                deadline = ?publish_phase(cfg),
+                deadline = ?cfg.publish_phase(),
                 "the broker was too slow to finish the batch within its publish deadline; the rest goes in the next batch"
             );
         }
@@ -121,58 +124,31 @@ impl Relay {
         let inner = &self.inner;
         let cfg = &inner.config;
         let publisher = Publisher::open(&conn, cfg.broker_timeout).await?;
-        let mut session = BrokerSession::new(conn, publisher, worker, cfg.workers);
+        let mut session = WorkerSession::new(conn, publisher, worker, cfg.workers);
         inner.health.broker.store(true, Ordering::Relaxed);
         inner.broker_outage.ok();
         let mut wake = inner.wake.subscribe();
-        let mut db_failures = 0u32;
+        let mut db_backoff = Backoff::new(cfg.reconnect_min, cfg.reconnect_max);
         while !stop.is_cancelled() {
             // Mark wake-ups seen *before* claiming: one that arrives during
             // the claim then makes the wait below return at once.
             wake.borrow_and_update();
-            let batch = AssertUnwindSafe(self.batch(&mut session))
-                .catch_unwind()
-                .await;
-            let batch = match batch {
-                Ok(batch) => batch,
-                Err(panic) => {
-                    let why = publish::panic_message(&*panic);
-                    drop(panic);
-                    let ids = std::mem::take(&mut session.in_flight);
-                    inner.quarantine.panicked(&ids, &why).await;
-                    // The channel may hold half a batch: it is replaced.
-                    session.publisher.close().await;
-                    session.publisher = Publisher::open(&session.conn, cfg.broker_timeout).await?;
-                    continue;
-                }
+            let Some(batch) = self.guarded_batch(&mut session).await? else {
+                continue;
             };
             match batch {
                 Ok(report) => {
-                    if db_failures > 0 {
+                    if db_backoff.failures() > 0 {
                         inner.db_outage.ok();
                         inner.health.database.store(true, Ordering::Relaxed);
-                        db_failures = 0;
+                        db_backoff.reset();
                     }
                     if report.claimed > 0 {
                         // More may be due (a full batch, or commits that
                         // landed meanwhile): claim again at once.
                         continue;
                     }
-                    tokio::select! {
-                        _ = stop.cancelled() => {}
-                        _ = wake.changed() => {}
-                        _ = tokio::time::sleep(cfg.poll_interval) => {}
-                    }
-                    // An idle worker publishes nothing, so nothing else
-                    // would notice a node that closed the connection (a
-                    // stopped node): the session ends and fails over now,
-                    // not at the next event, and readiness tells the truth.
-                    if !session.publisher.is_open() {
-                        session.publisher.close().await;
-                        return Err(Error::ChannelClosed(
-                            "the broker closed the connection while the worker was idle".to_owned(),
-                        ));
-                    }
+                    self.idle(&mut session, &mut wake, &stop).await?;
                 }
                 Err(e) if e.is_broker() || !session.publisher.is_open() => {
                     session.publisher.close().await;
@@ -181,17 +157,60 @@ impl Relay {
                 Err(e) => {
                     inner.health.database.store(false, Ordering::Relaxed);
                     inner.db_outage.failed(&e);
-                    db_failures = db_failures.saturating_add(1);
-                    sleep_or_cancel(
-                        jittered(cfg.reconnect_min, cfg.reconnect_max, db_failures),
-                        &stop,
-                    )
-                    .await;
+                    sleep_or_cancel(db_backoff.next_delay(), &stop).await;
                 }
             }
         }
         // Close the channel before the supervisor closes the connection.
         session.publisher.close().await;
+        Ok(())
+    }
+
+    /// One batch, a panic in it caught: then its events are quarantined,
+    /// the channel (which may hold half a batch) is replaced and `None`
+    /// returned.
+    async fn guarded_batch(
+        &self,
+        session: &mut WorkerSession,
+    ) -> Result<Option<Result<BatchReport>>> {
+        let batch = AssertUnwindSafe(self.batch(session)).catch_unwind().await;
+        match batch {
+            Ok(batch) => Ok(Some(batch)),
+            Err(panic) => {
+                let why = publish::panic_message(&*panic);
+                drop(panic);
+                let ids = std::mem::take(&mut session.in_flight);
+                self.inner.quarantine.panicked(&ids, &why).await;
+                session.publisher.close().await;
+                session.publisher =
+                    Publisher::open(&session.conn, self.inner.config.broker_timeout).await?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Nothing was due: waits for a wake-up, the poll interval or `stop`.
+    /// An idle worker publishes nothing, so nothing else would notice a
+    /// node that closed the connection (a stopped node): then the session
+    /// ends and fails over now, not at the next event, and readiness tells
+    /// the truth.
+    async fn idle(
+        &self,
+        session: &mut WorkerSession,
+        wake: &mut tokio::sync::watch::Receiver<u64>,
+        stop: &CancellationToken,
+    ) -> Result<()> {
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = wake.changed() => {}
+            _ = tokio::time::sleep(self.inner.config.poll_interval) => {}
+        }
+        if !session.publisher.is_open() {
+            session.publisher.close().await;
+            return Err(Error::ChannelClosed(
+                "the broker closed the connection while the worker was idle".to_owned(),
+            ));
+        }
         Ok(())
     }
 }

@@ -2,6 +2,7 @@
 //! queue with its retry queue and dead-letter queue, and what a refused
 //! declaration means.
 
+use outbox_core::queues::{dead_letter_queue, retry_queue};
 use std::time::Duration;
 
 use lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
@@ -49,7 +50,7 @@ pub(super) async fn declare_work_queue(
             "x-delivery-limit".into(),
             AMQPValue::LongLongInt(q.delivery_limit.into()),
         );
-        dead_letter_to(&mut args, &format!("{queue}.dlq"));
+        dead_letter_to(&mut args, &dead_letter_queue(queue));
     }
     if let Some(max) = q.max_length {
         args.insert("x-max-length".into(), AMQPValue::LongLongInt(max.into()));
@@ -120,7 +121,7 @@ pub(crate) async fn declare_retry_queues(
     }
     declare_queue(
         ch,
-        &format!("{queue}.retry"),
+        &retry_queue(queue),
         retry_args,
         "queue.declare (retry)",
         t,
@@ -132,7 +133,7 @@ pub(crate) async fn declare_retry_queues(
     }
     declare_queue(
         ch,
-        &format!("{queue}.dlq"),
+        &dead_letter_queue(queue),
         dlq_args,
         "queue.declare (dlq)",
         t,

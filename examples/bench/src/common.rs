@@ -355,7 +355,7 @@ impl Stats {
 /// the relay's own code), so baselines publish the same headers; callers
 /// set a fresh `message_id` per message.
 pub(crate) fn relay_properties() -> Result<BasicProperties> {
-    let event = outbox_relay::ClaimedEvent::new(
+    let event = outbox_relay::OutboxEvent::new(
         uuid::Uuid::now_v7(),
         "order",
         "o-1",

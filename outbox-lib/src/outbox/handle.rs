@@ -5,8 +5,9 @@ use std::sync::Arc;
 use sqlx::{PgPool, Postgres, SqlStr, Transaction};
 
 use super::config::{Capture, OutboxConfig};
-use super::table::{insert_many_sql, insert_one_sql};
-use super::wal::{emit_many_sql, emit_one_sql, ensure_wal_ready};
+use super::statements::{
+    emit_many_sql, emit_one_sql, ensure_wal_ready, insert_many_sql, insert_one_sql,
+};
 use crate::error::Result;
 use crate::migrate::PRODUCER;
 use crate::wakeup::{Notifier, Wakeup};

@@ -5,6 +5,7 @@
 //! [`Capture`] path), `handle.rs` (the [`Outbox`] handle: start-up checks,
 //! commit, wake-up), `enqueue.rs` ([`Outbox::enqueue`] and
 //! [`Outbox::enqueue_many`]: validate, then write by capture path),
+//! `statements.rs` (what a handle prepares at start-up),
 //! `table.rs` (writing rows to the outbox table) and `wal.rs` (writing
 //! logical decoding messages to the write-ahead log). Which aggregate types
 //! are ordered lives below, in `ordered_types.rs`: the handle reads it,
@@ -13,6 +14,7 @@
 mod config;
 mod enqueue;
 mod handle;
+mod statements;
 mod table;
 mod wal;
 

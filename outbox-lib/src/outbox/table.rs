@@ -1,6 +1,6 @@
 //! [`Capture::Table`]: events as rows of the outbox table.
 
-use sqlx::{AssertSqlSafe, PgConnection, SqlSafeStr, SqlStr};
+use sqlx::PgConnection;
 use uuid::Uuid;
 
 use super::config::Capture;
@@ -8,7 +8,6 @@ use super::handle::Outbox;
 use crate::error::Result;
 use crate::event::NewEvent;
 use crate::wakeup::Wakeup;
-use outbox_core::Ident;
 
 impl Outbox {
     /// Inserts one validated event and returns its id.
@@ -87,27 +86,4 @@ impl Outbox {
         }
         Ok(())
     }
-}
-
-pub(super) fn insert_one_sql(schema: &Ident) -> SqlStr {
-    AssertSqlSafe(format!(
-        "INSERT INTO {}.outbox (id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key)
-         VALUES ($1, $2, $3, $4, $5::jsonb, $6::jsonb, $7, $8)
-         ON CONFLICT (id) DO NOTHING",
-        schema.quoted()
-    ))
-    .into_sql_str()
-}
-
-pub(super) fn insert_many_sql(schema: &Ident) -> SqlStr {
-    AssertSqlSafe(format!(
-        "INSERT INTO {}.outbox (id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key)
-         SELECT id, aggregate_type, aggregate_id, event_type, payload::jsonb, headers::jsonb, exchange, routing_key
-         FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[])
-              WITH ORDINALITY AS e(id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key, n)
-         ORDER BY aggregate_type, aggregate_id, n
-         ON CONFLICT (id) DO NOTHING",
-        schema.quoted()
-    ))
-    .into_sql_str()
 }

@@ -219,3 +219,21 @@ pub async fn sample_dead_letters(
         .push_bind(limit);
     Ok(q.build_query_as().fetch_all(pool).await?)
 }
+
+/// Lists up to `limit` dead letters, newest first.
+pub async fn list_dead_letters(
+    pool: &PgPool,
+    schema: &Ident,
+    limit: i64,
+) -> Result<Vec<DeadLetter>> {
+    let page = page_dead_letters(
+        pool,
+        schema,
+        &Filter::default(),
+        Default::default(),
+        Default::default(),
+        limit,
+    )
+    .await?;
+    Ok(page.rows)
+}

@@ -9,7 +9,7 @@
 use chrono::{DateTime, Utc};
 use outbox::Ident;
 use serde::Serialize;
-use sqlx::{AssertSqlSafe, PgPool, Postgres, QueryBuilder};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, QueryBuilder};
 use uuid::Uuid;
 
 use crate::admin::failures::Exchange;
@@ -275,24 +275,6 @@ pub struct Replayed {
     pub unpublishable: Vec<Uuid>,
 }
 
-/// Lists up to `limit` dead letters, newest first.
-pub async fn list_dead_letters(
-    pool: &PgPool,
-    schema: &Ident,
-    limit: i64,
-) -> Result<Vec<DeadLetter>> {
-    let page = crate::admin::dead_letter_pages::page_dead_letters(
-        pool,
-        schema,
-        &Filter::default(),
-        Default::default(),
-        Default::default(),
-        limit,
-    )
-    .await?;
-    Ok(page.rows)
-}
-
 /// How long one operator action (replay, purge) may run: a selection of
 /// hundreds of thousands of dead letters is one transaction.
 const ACTION_TIMEOUT: &str = "SET LOCAL statement_timeout = '10min'";
@@ -315,11 +297,46 @@ pub async fn replay_dead_letters(
     retention: std::time::Duration,
     at_most: Option<u64>,
 ) -> Result<Replayed> {
-    let s = schema.quoted();
     let mut tx = pool.begin().await?;
     sqlx::query(ACTION_TIMEOUT).execute(&mut *tx).await?;
-    // Each selected dead letter, locked: whether its id is in the outbox,
-    // and whether the outbox's CHECKs would take it.
+    let selected = lock_selected(&mut *tx, schema, selection).await?;
+    check_at_most(at_most, selected.len())?;
+    let wanted: Vec<Uuid> = selected
+        .iter()
+        .filter(|c| !c.in_outbox && c.publishable)
+        .map(|c| c.id)
+        .collect();
+    let rows = insert_into_outbox(&mut *tx, schema, &wanted, retention).await?;
+    let replayed: Vec<Uuid> = rows.iter().map(|(id, _)| *id).collect();
+    delete_replayed(&mut *tx, schema, &replayed).await?;
+    tx.commit().await?;
+    let report = replay_report(&selected, &rows);
+    if !report.older_than_retention.is_empty() {
+        tracing::warn!(
+            count = report.older_than_retention.len(),
+            "replayed events older than the retention window: consumers may have forgotten them and apply them again"
+        );
+    }
+    Ok(report)
+}
+
+/// A selected dead letter, as the replay found it.
+struct Candidate {
+    id: Uuid,
+    /// An event with its id is in the outbox.
+    in_outbox: bool,
+    /// The outbox's CHECKs would take it.
+    publishable: bool,
+}
+
+/// Each selected dead letter, locked: whether its id is in the outbox,
+/// and whether the outbox's CHECKs would take it.
+async fn lock_selected(
+    tx: &mut PgConnection,
+    schema: &Ident,
+    selection: &Selection,
+) -> Result<Vec<Candidate>> {
+    let s = schema.quoted();
     let mut q = QueryBuilder::new(format!(
         "SELECT d.id,
                 EXISTS (SELECT 1 FROM {s}.outbox o WHERE o.id = d.id),
@@ -331,13 +348,27 @@ pub async fn replay_dead_letters(
     selection.push_conditions(&mut q);
     q.push(" ORDER BY d.id FOR UPDATE OF d");
     let selected: Vec<(Uuid, bool, bool)> = q.build_query_as().fetch_all(&mut *tx).await?;
-    check_at_most(at_most, selected.len())?;
-    let wanted: Vec<Uuid> = selected
-        .iter()
-        .filter(|(_, in_outbox, ok)| !in_outbox && *ok)
-        .map(|(id, ..)| *id)
-        .collect();
-    let rows: Vec<(Uuid, bool)> = sqlx::query_as(AssertSqlSafe(format!(
+    Ok(selected
+        .into_iter()
+        .map(|(id, in_outbox, publishable)| Candidate {
+            id,
+            in_outbox,
+            publishable,
+        })
+        .collect())
+}
+
+/// Copies the dead letters `ids` into the outbox, due now with attempts
+/// reset; an id in the outbox already is left out. Returns each inserted
+/// id and whether its event is older than `retention`.
+async fn insert_into_outbox(
+    tx: &mut PgConnection,
+    schema: &Ident,
+    ids: &[Uuid],
+    retention: std::time::Duration,
+) -> Result<Vec<(Uuid, bool)>> {
+    let s = schema.quoted();
+    Ok(sqlx::query_as(AssertSqlSafe(format!(
         "INSERT INTO {s}.outbox (id, aggregate_type, aggregate_id, event_type, payload, headers, exchange,
                                  routing_key, created_at, available_at, attempts, last_error, error_history,
                                  aggregate_seq)
@@ -349,51 +380,54 @@ pub async fn replay_dead_letters(
          ON CONFLICT (id) DO NOTHING
          RETURNING id, created_at < now() - $2 * interval '1 millisecond'"
     )))
-    .bind(&wanted)
+    .bind(ids)
     .bind(retention.as_millis() as i64)
     .fetch_all(&mut *tx)
-    .await?;
-    let replayed: Vec<Uuid> = rows.iter().map(|(id, _)| *id).collect();
-    // Only what reached the outbox leaves the dead letters (an id a
-    // producer inserted meanwhile is a conflict too).
+    .await?)
+}
+
+/// Only what reached the outbox leaves the dead letters (an id a
+/// producer inserted meanwhile is a conflict too).
+async fn delete_replayed(tx: &mut PgConnection, schema: &Ident, replayed: &[Uuid]) -> Result<()> {
     sqlx::query(AssertSqlSafe(format!(
-        "DELETE FROM {s}.outbox_dead_letters WHERE id = ANY($1)"
+        "DELETE FROM {}.outbox_dead_letters WHERE id = ANY($1)",
+        schema.quoted()
     )))
-    .bind(&replayed)
+    .bind(replayed)
     .execute(&mut *tx)
     .await?;
-    tx.commit().await?;
+    Ok(())
+}
+
+/// What the replay did, from what it selected and what the outbox took
+/// (`rows`: each inserted id, and whether it is older than the retention).
+fn replay_report(selected: &[Candidate], rows: &[(Uuid, bool)]) -> Replayed {
+    let replayed: Vec<Uuid> = rows.iter().map(|(id, _)| *id).collect();
     let older: Vec<Uuid> = rows
         .iter()
         .filter(|(_, old)| *old)
         .map(|(id, _)| *id)
         .collect();
-    if !older.is_empty() {
-        tracing::warn!(
-            count = older.len(),
-            "replayed events older than the retention window: consumers may have forgotten them and apply them again"
-        );
-    }
     let replayed_set: std::collections::HashSet<Uuid> = replayed.iter().copied().collect();
     let unpublishable: Vec<Uuid> = selected
         .iter()
-        .filter(|(_, in_outbox, ok)| !in_outbox && !ok)
-        .map(|(id, ..)| *id)
+        .filter(|c| !c.in_outbox && !c.publishable)
+        .map(|c| c.id)
         .collect();
     // In the outbox already (whether or not the table would take it), or
     // inserted there by a producer meanwhile.
     let conflicts: Vec<Uuid> = selected
         .iter()
-        .filter(|(id, in_outbox, ok)| *in_outbox || (*ok && !replayed_set.contains(id)))
-        .map(|(id, ..)| *id)
+        .filter(|c| c.in_outbox || (c.publishable && !replayed_set.contains(&c.id)))
+        .map(|c| c.id)
         .collect();
-    Ok(Replayed {
+    Replayed {
         replayed: replayed.len() as u64,
         ids: replayed,
         older_than_retention: older,
         conflicts,
         unpublishable,
-    })
+    }
 }
 
 /// Deletes dead letters for good. Returns their ids. `at_most` as for

@@ -22,11 +22,12 @@ pub use blocked::{
     BlockedAggregate, WaitingEvent, blocked_aggregates, retry_now, skip_events, waiting_events,
 };
 pub use dead_letter_pages::{
-    Cursor, DeadLetterPage, Order, PageAt, page_dead_letters, sample_dead_letters,
+    Cursor, DeadLetterPage, Order, PageAt, list_dead_letters, page_dead_letters,
+    sample_dead_letters,
 };
 pub use dead_letters::{
     DeadLetter, DeadLetterDetail, Filter, Replayed, Selection, count_dead_letters, dead_letter,
-    estimate_dead_letters, list_dead_letters, purge_dead_letters, replay_dead_letters,
+    estimate_dead_letters, purge_dead_letters, replay_dead_letters,
 };
 pub use failures::{Breakdown, Exchange, FailureGroup, Failures, OtherGroups, failures};
 pub use status::{FailingEvent, Gauges, RelayLeases, Status, gauges, relays, status};

@@ -51,8 +51,8 @@ fn check_slot_name(slot: &str) -> Result<()> {
     if ok {
         Ok(())
     } else {
-        Err(Error::Config(format!(
-            "slot name {slot:?} is not valid: lower-case letters, digits and underscores, starting with a letter or underscore, at most 63 bytes"
+        Err(Error::Config(crate::error::ConfigError::SlotName(
+            slot.to_owned(),
         )))
     }
 }
@@ -79,6 +79,38 @@ pub async fn create_wal_slot(
     schema: &Ident,
     slot: Option<&str>,
 ) -> Result<WalSetUp> {
+    check_wal_level(pool).await?;
+    let recorded = recorded_wal_slot(pool, schema).await?;
+    let slot = choose_slot(schema, slot, recorded)?;
+    check_slot_name(&slot)?;
+    check_not_elsewhere(pool, schema, &slot).await?;
+    let row = crate::wal::slot_row(pool, &slot).await?;
+    if row
+        .as_ref()
+        .is_some_and(|r| r.wal_status.as_deref() == Some("lost"))
+    {
+        return Err(Error::WalRefused(crate::wal::lost_message(&slot)));
+    }
+    let publication_created = create_publication(pool, &slot).await?;
+    let slot_created = row.is_none();
+    if slot_created {
+        sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+            .bind(&slot)
+            .execute(pool)
+            .await?;
+    } else if let Some(e) = crate::wal::refusal(&slot, row.as_ref()) {
+        return Err(e);
+    }
+    record_slot(pool, schema, &slot).await?;
+    Ok(WalSetUp {
+        slot,
+        publication_created,
+        slot_created,
+    })
+}
+
+/// Logical decoding needs `wal_level = logical` (a restart to change).
+async fn check_wal_level(pool: &PgPool) -> Result<()> {
     let wal_level: String = sqlx::query_scalar("SELECT current_setting('wal_level')")
         .fetch_one(pool)
         .await?;
@@ -87,23 +119,30 @@ pub async fn create_wal_slot(
             "the database's wal_level is {wal_level:?}: set wal_level = logical (ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL"
         )));
     }
-    let recorded = recorded_wal_slot(pool, schema).await?;
-    let slot = match (slot, recorded) {
-        (Some(wanted), Some(recorded)) if wanted != recorded => {
-            return Err(Error::WalRefused(format!(
-                "schema {schema} reads replication slot {recorded:?} already; to read {wanted:?} instead, drop that slot first (events it holds and no relay read yet are lost with it)"
-            )));
-        }
-        (Some(wanted), _) => wanted.to_owned(),
-        (None, Some(recorded)) => recorded,
-        (None, None) => outbox::wal_slot_name(schema),
-    };
-    check_slot_name(&slot)?;
+    Ok(())
+}
+
+/// The slot's name: the one asked for, else the one recorded, else the
+/// default; never a second slot for a schema whose capture reads one.
+fn choose_slot(schema: &Ident, wanted: Option<&str>, recorded: Option<String>) -> Result<String> {
+    match (wanted, recorded) {
+        (Some(wanted), Some(recorded)) if wanted != recorded => Err(Error::WalRefused(format!(
+            "schema {schema} reads replication slot {recorded:?} already; to read {wanted:?} instead, drop that slot first (events it holds and no relay read yet are lost with it)"
+        ))),
+        (Some(wanted), _) => Ok(wanted.to_owned()),
+        (None, Some(recorded)) => Ok(recorded),
+        (None, None) => Ok(outbox::wal_slot_name(schema)),
+    }
+}
+
+/// Slot names are cluster-wide: refuses one that another database's slot
+/// (or a physical slot) holds.
+async fn check_not_elsewhere(pool: &PgPool, schema: &Ident, slot: &str) -> Result<()> {
     let elsewhere: Option<Option<String>> = sqlx::query_scalar(
         "SELECT d.datname::text FROM pg_replication_slots s LEFT JOIN pg_database d ON d.oid = s.datoid
          WHERE s.slot_name = $1 AND s.database IS DISTINCT FROM current_database()",
     )
-    .bind(&slot)
+    .bind(slot)
     .fetch_optional(pool)
     .await?;
     if let Some(database) = elsewhere {
@@ -114,47 +153,38 @@ pub async fn create_wal_slot(
             "replication slot {slot:?} is taken by {holder}: slot names are cluster-wide, so choose another for this database with --slot (say outbox_<database>_{schema})"
         )));
     }
-    let row = crate::wal::slot_row(pool, &slot).await?;
-    if row
-        .as_ref()
-        .is_some_and(|r| r.wal_status.as_deref() == Some("lost"))
-    {
-        return Err(Error::WalRefused(crate::wal::lost_message(&slot)));
-    }
+    Ok(())
+}
+
+/// Creates the publication named `slot` where missing; whether it did.
+/// The name must have passed `check_slot_name`.
+async fn create_publication(pool: &PgPool, slot: &str) -> Result<bool> {
     let publication_exists: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
-            .bind(&slot)
+            .bind(slot)
             .fetch_one(pool)
             .await?;
     if !publication_exists {
         // An empty publication: the relay reads logical decoding messages
-        // only, never table changes. The name is checked above.
+        // only, never table changes. The name is checked by the caller.
         sqlx::query(AssertSqlSafe(format!("CREATE PUBLICATION \"{slot}\"")))
             .execute(pool)
             .await?;
     }
-    let slot_created = row.is_none();
-    if slot_created {
-        sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
-            .bind(&slot)
-            .execute(pool)
-            .await?;
-    } else if let Some(e) = crate::wal::refusal(&slot, row.as_ref()) {
-        return Err(e);
-    }
+    Ok(!publication_exists)
+}
+
+/// Records `slot` as the one `schema`'s capture reads.
+async fn record_slot(pool: &PgPool, schema: &Ident, slot: &str) -> Result<()> {
     sqlx::query(AssertSqlSafe(format!(
         "INSERT INTO {}.outbox_wal_capture (slot) VALUES ($1)
          ON CONFLICT (singleton) DO UPDATE SET slot = EXCLUDED.slot",
         schema.quoted()
     )))
-    .bind(&slot)
+    .bind(slot)
     .execute(pool)
     .await?;
-    Ok(WalSetUp {
-        slot,
-        publication_created: !publication_exists,
-        slot_created,
-    })
+    Ok(())
 }
 
 /// Drops `schema`'s slot and publication (where they exist) and forgets

@@ -9,23 +9,24 @@ use std::collections::HashMap;
 
 use sqlx::PgConnection;
 
+use crate::claim::{ClaimState, Claims};
 use crate::error::Result;
-use crate::message::{ClaimedEvent, ClaimedRow};
-use crate::relay::{BrokerSession, Inner};
+use crate::message::{ClaimedRow, OutboxEvent};
 
 /// Claims the due chains of this worker's partitions (`ordered.sql`) and
 /// moves its cursors.
 pub(crate) async fn claim(
-    inner: &Inner,
+    claims: &Claims,
     conn: &mut PgConnection,
-    session: &mut BrokerSession,
-) -> Result<Vec<ClaimedEvent>> {
-    let cfg = &inner.config;
+    held: Option<usize>,
+    session: &mut ClaimState,
+) -> Result<Vec<OutboxEvent>> {
+    let batch_size = claims.batch_size;
     // Heads per partition: the batch spread over this worker's share of
     // the relay's partitions.
-    let held = inner.leases.held().map_or(64, |n| n.max(1));
+    let held = held.map_or(64, |n| n.max(1));
     let share = held.div_ceil(session.workers).max(1);
-    let per_partition = cfg.batch_size.div_ceil(share * session.chain_hint).max(1);
+    let per_partition = batch_size.div_ceil(share * session.chain_hint).max(1);
     // Aggregates looked at per partition, due or not: bounds the walk
     // when many heads are backing off.
     let scan_per_partition = (per_partition * 4).max(64);
@@ -34,15 +35,15 @@ pub(crate) async fn claim(
         .iter()
         .map(|(p, (t, a))| (*p, (t.as_str(), a.as_str())))
         .unzip();
-    let ordered: Vec<OrderedRow> = sqlx::query_as(inner.claim_sql.ordered.clone())
-        .bind(inner.id)
+    let ordered: Vec<OrderedRow> = sqlx::query_as(claims.ordered.clone())
+        .bind(claims.relay)
         .bind(session.workers as i32)
         .bind(session.worker as i32)
         .bind(per_partition as i32)
         .bind(&parts)
         .bind(&types)
         .bind(&ids)
-        .bind(cfg.batch_size as i64)
+        .bind(batch_size as i64)
         .bind(scan_per_partition as i32)
         .fetch_all(conn)
         .await?;
@@ -53,7 +54,7 @@ pub(crate) async fn claim(
         per_partition,
         scan_per_partition,
     );
-    session.chain_hint = next_chain_hint(session.chain_hint, &claimed, cfg.batch_size);
+    session.chain_hint = next_chain_hint(session.chain_hint, &claimed, batch_size);
     Ok(due_chains(ordered))
 }
 
@@ -146,8 +147,8 @@ fn next_chain_hint(hint: usize, chains: &[Chain<'_>], batch: usize) -> usize {
 /// sequence) up to its first event that is not due yet. A head being
 /// retried goes alone: the events behind it are not sent again and again
 /// while it keeps failing.
-fn due_chains(rows: Vec<OrderedRow>) -> Vec<ClaimedEvent> {
-    let mut out: Vec<ClaimedEvent> = Vec::with_capacity(rows.len());
+fn due_chains(rows: Vec<OrderedRow>) -> Vec<OutboxEvent> {
+    let mut out: Vec<OutboxEvent> = Vec::with_capacity(rows.len());
     let mut stopped: Option<(String, String)> = None;
     let mut current: Option<(String, String)> = None;
     for OrderedRow { event, due, .. } in rows {

@@ -4,15 +4,15 @@
 
 use axum::extract::Extension;
 use axum::http::{HeaderMap, StatusCode};
-use chrono::Utc;
-use maud::html;
-use outbox_relay::admin;
+use chrono::{DateTime, Utc};
+use maud::{Markup, html};
+use outbox_relay::admin::{self, BlockedAggregate, WaitingEvent};
 use uuid::Uuid;
 
 use super::form::ActionForm;
 use super::layout::{age, count, error_page, page, time, user, user_cut};
 use super::security::{CSRF_FIELD, CsrfToken};
-use super::{ConsoleState, PageResult};
+use super::{Console, ConsoleState, PageResult};
 
 const LIMIT: i64 = 100;
 const WAITING_SHOWN: i64 = 5;
@@ -32,7 +32,6 @@ pub(crate) async fn list(
         admin::waiting_events(&console.pool, &console.schema, &keys, WAITING_SHOWN).await?;
     let total = console.snapshot().gauges.blocked_aggregates;
     let now = Utc::now();
-    let read_only = console.options.read_only;
     let body = html! {
         h1 { "Blocked aggregates" }
         p.muted {
@@ -45,47 +44,7 @@ pub(crate) async fn list(
             p id="no-blocked" { "No aggregate is blocked." }
         }
         @for b in &blocked {
-            @let behind: Vec<_> = waiting.iter().filter(|w| w.aggregate_type == b.aggregate_type && w.aggregate_id == b.aggregate_id).collect();
-            div.card.blocked data-aggregate=(format!("{}/{}", b.aggregate_type, b.aggregate_id)) {
-                h2 { (user_cut(&b.aggregate_type, 80)) " / " (user_cut(&b.aggregate_id, 120)) }
-                dl.kv {
-                    dt { "failing event" } dd { code.event-id { (b.event_id) } " · seq " (b.aggregate_seq) }
-                    dt { "attempts" } dd { (b.attempts) }
-                    dt { "last error" } dd.err { (user(b.last_error.as_deref().unwrap_or(""))) }
-                    dt { "next attempt" } dd {
-                        @if b.next_attempt_at <= now { "due now" } @else { "in " (age((b.next_attempt_at - now).as_seconds_f64())) }
-                        " (" (time(b.next_attempt_at)) " UTC)"
-                    }
-                    dt { "waiting behind it" } dd {
-                        (count(b.waiting)) @if b.waiting >= admin::blocked::WAITING_COUNTED_UP_TO { "+" } " event(s)"
-                        @if !behind.is_empty() {
-                            ": "
-                            @for (i, w) in behind.iter().enumerate() {
-                                @if i > 0 { ", " }
-                                "#" (w.aggregate_seq) " " (user_cut(&w.event_type, 60))
-                            }
-                            @if b.waiting > behind.len() as i64 { ", …" }
-                        }
-                    }
-                }
-                @if !read_only {
-                    div.actions {
-                        form method="post" action=(console.url("/blocked/act")) {
-                            input type="hidden" name=(CSRF_FIELD) value=(csrf.0);
-                            input type="hidden" name="id" value=(b.event_id);
-                            button.retry type="submit" name="action" value="retry" { "Retry now" }
-                        }
-                        form method="post" action=(console.url("/blocked/act")) {
-                            input type="hidden" name=(CSRF_FIELD) value=(csrf.0);
-                            input type="hidden" name="id" value=(b.event_id);
-                            input type="hidden" name="action" value="skip";
-                            input.reason type="text" name="reason" placeholder="why skip it (required)" size="36" maxlength="1000";
-                            " "
-                            button.danger.skip type="submit" { "Skip to dead letters" }
-                        }
-                    }
-                }
-            }
+            (card(console, &csrf, b, &waiting, now))
         }
     };
     Ok(page(
@@ -96,6 +55,75 @@ pub(crate) async fn list(
         None,
         body,
     ))
+}
+
+/// One blocked aggregate: its failing head, what waits behind it, and
+/// (unless read-only) the buttons to retry or skip the head.
+fn card(
+    console: &Console,
+    csrf: &CsrfToken,
+    b: &BlockedAggregate,
+    waiting: &[WaitingEvent],
+    now: DateTime<Utc>,
+) -> Markup {
+    html! {
+        div.card.blocked data-aggregate=(format!("{}/{}", b.aggregate_type, b.aggregate_id)) {
+            h2 { (user_cut(&b.aggregate_type, 80)) " / " (user_cut(&b.aggregate_id, 120)) }
+            dl.kv {
+                dt { "failing event" } dd { code.event-id { (b.event_id) } " · seq " (b.aggregate_seq) }
+                dt { "attempts" } dd { (b.attempts) }
+                dt { "last error" } dd.err { (user(b.last_error.as_deref().unwrap_or(""))) }
+                dt { "next attempt" } dd {
+                    @if b.next_attempt_at <= now { "due now" } @else { "in " (age((b.next_attempt_at - now).as_seconds_f64())) }
+                    " (" (time(b.next_attempt_at)) " UTC)"
+                }
+                dt { "waiting behind it" } dd { (behind(b, waiting)) }
+            }
+            @if !console.options.read_only {
+                (head_actions(console, csrf, b.event_id))
+            }
+        }
+    }
+}
+
+/// How many events wait behind the head, and the first of them.
+fn behind(b: &BlockedAggregate, waiting: &[WaitingEvent]) -> Markup {
+    let behind: Vec<_> = waiting
+        .iter()
+        .filter(|w| w.aggregate_type == b.aggregate_type && w.aggregate_id == b.aggregate_id)
+        .collect();
+    html! {
+        (count(b.waiting)) @if b.waiting >= admin::blocked::WAITING_COUNTED_UP_TO { "+" } " event(s)"
+        @if !behind.is_empty() {
+            ": "
+            @for (i, w) in behind.iter().enumerate() {
+                @if i > 0 { ", " }
+                "#" (w.aggregate_seq) " " (user_cut(&w.event_type, 60))
+            }
+            @if b.waiting > behind.len() as i64 { ", …" }
+        }
+    }
+}
+
+/// Retry the failing head now, or skip it (a reason required).
+fn head_actions(console: &Console, csrf: &CsrfToken, event_id: Uuid) -> Markup {
+    html! {
+        div.actions {
+            form method="post" action=(console.url("/blocked/act")) {
+                input type="hidden" name=(CSRF_FIELD) value=(csrf.0);
+                input type="hidden" name="id" value=(event_id);
+                button.retry type="submit" name="action" value="retry" { "Retry now" }
+            }
+            form method="post" action=(console.url("/blocked/act")) {
+                input type="hidden" name=(CSRF_FIELD) value=(csrf.0);
+                input type="hidden" name="id" value=(event_id);
+                input type="hidden" name="action" value="skip";
+                input.reason type="text" name="reason" placeholder="why skip it (required)" size="36" maxlength="1000";
+                " "
+                button.danger.skip type="submit" { "Skip to dead letters" }
+            }
+        }
+    }
 }
 
 pub(crate) async fn act(

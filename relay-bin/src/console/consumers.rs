@@ -5,6 +5,7 @@
 //! background refresher (an index range on `processed_at`, never a scan).
 //! Without `--amqp-url` the page says how to turn the broker side on.
 
+use outbox_core::queues::{MAX_WORK_QUEUE_LEN, dead_letter_queue, retry_queue};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -86,7 +87,7 @@ fn parse_queue(text: &str) -> Result<ConsumerQueue> {
         None => (None, text.to_owned()),
     };
     // Room for `.retry`: AMQP names are at most 255 bytes.
-    if queue.is_empty() || queue.len() > 249 || consumer.as_deref() == Some("") {
+    if queue.is_empty() || queue.len() > MAX_WORK_QUEUE_LEN || consumer.as_deref() == Some("") {
         bail!(
             "--consumer-queue: expected QUEUE or CONSUMER=QUEUE (a queue name of 1 to 249 bytes), got {text:?}"
         );
@@ -183,7 +184,7 @@ fn depth_cell(id: String, d: &Depth) -> Markup {
 /// The three queues of each consumer queue, read concurrently.
 async fn depths(broker: &Broker, queues: &[ConsumerQueue]) -> Vec<[Depth; 3]> {
     let reads = queues.iter().map(|q| async move {
-        let (retry, dlq) = (format!("{}.retry", q.queue), format!("{}.dlq", q.queue));
+        let (retry, dlq) = (retry_queue(&q.queue), dead_letter_queue(&q.queue));
         let (work, retry, dlq) = tokio::join!(
             broker.depth(&q.queue),
             broker.depth(&retry),

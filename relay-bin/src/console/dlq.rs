@@ -76,7 +76,7 @@ impl Filter {
     }
 
     fn dlq(&self) -> String {
-        format!("{}.dlq", self.queue)
+        outbox_core::queues::dead_letter_queue(&self.queue)
     }
 
     fn describe(&self) -> String {

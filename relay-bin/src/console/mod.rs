@@ -88,7 +88,7 @@ pub(crate) fn home() -> String {
 /// `text` without the database URL's password (nor those of the URLs in
 /// the environment).
 pub(crate) fn scrub(text: &str) -> String {
-    let text = crate::cli::scrub_secrets(text);
+    let text = crate::secrets::scrub_secrets(text);
     match PROCESS.get() {
         Some(p) => {
             outbox::redact::scrub(&outbox::redact::scrub(&text, &p.database_url), &p.amqp_url)

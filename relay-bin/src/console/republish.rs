@@ -1,14 +1,14 @@
 //! Reconciliation's action: publish the events a consumer never
 //! processed again to its queue, after a confirmation that counts them.
 //! The events are rebuilt as the relay built them
-//! ([`ClaimedEvent::properties`]), so their `message_id` is the event id
+//! ([`OutboxEvent::properties`]), so their `message_id` is the event id
 //! and the consumer's inbox skips any it processed meanwhile.
 
 use axum::extract::Extension;
 use axum::http::{HeaderMap, StatusCode};
 use chrono::{DateTime, Utc};
 use maud::html;
-use outbox_relay::ClaimedEvent;
+use outbox_relay::OutboxEvent;
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
@@ -155,7 +155,7 @@ async fn read_missing(
     console: &Console,
     w: &Window,
     limit: i64,
-) -> anyhow::Result<Vec<ClaimedEvent>> {
+) -> anyhow::Result<Vec<OutboxEvent>> {
     let rows = sqlx::query_as::<_, Archived>(AssertSqlSafe(sql(console, READ_MISSING)))
         .bind(&w.consumer)
         .bind(w.since)
@@ -167,7 +167,7 @@ async fn read_missing(
     Ok(rows
         .into_iter()
         .map(|r| {
-            let mut e = ClaimedEvent::new(
+            let mut e = OutboxEvent::new(
                 r.id,
                 r.aggregate_type,
                 r.aggregate_id,

@@ -16,7 +16,7 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection, ExchangeKind};
 
 use crate::error::{Error, Result};
-use crate::message::ClaimedEvent;
+use crate::message::OutboxEvent;
 use outbox_core::amqp::bounded;
 
 pub use receipt::Receipt;
@@ -142,7 +142,7 @@ impl Publisher {
     /// already checked stay known, so the next batch gets further).
     pub(crate) async fn publish_batch(
         &mut self,
-        events: &[ClaimedEvent],
+        events: &[OutboxEvent],
         default_exchange: &str,
         max_payload_bytes: usize,
         confirm_timeout: Duration,

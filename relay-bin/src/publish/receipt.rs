@@ -56,6 +56,10 @@ pub enum Receipt {
     /// Not published: an earlier event of its (ordered) aggregate in the
     /// same batch could not be published. Left in the outbox untouched.
     HeldBack,
+    /// Not sent by the log's reader: its ordered aggregate has events in
+    /// the outbox table, so it goes there too, behind them (no attempt
+    /// counted).
+    Queued,
     /// The payload is over the relay's limit; it is dead-lettered at once.
     TooLarge {
         /// Payload size in bytes.
@@ -84,6 +88,9 @@ impl Receipt {
             Receipt::ExchangeRefused { exchange, reason } => Some(format!(
                 "the broker refused the check of exchange {exchange:?}: {reason}"
             )),
+            Receipt::Queued => {
+                Some("queued behind earlier events of its aggregate in the outbox table".to_owned())
+            }
             Receipt::NotSent => {
                 Some("not sent: the batch's publish deadline passed before its turn".to_owned())
             }

@@ -10,7 +10,7 @@ use lapin::{Channel, Connection, PublisherConfirm};
 use tokio::time::Instant;
 
 use crate::error::{Error, Result};
-use crate::message::{ClaimedEvent, Message};
+use crate::message::{Message, OutboxEvent};
 use crate::publish::receipt::receipt_of;
 use crate::publish::{Publisher, Receipt, channel_failure, panic_message, within};
 
@@ -21,7 +21,7 @@ impl Publisher {
     /// batch (the log's reader keeps a few on the wire).
     pub(crate) async fn send_batch(
         &mut self,
-        events: &[ClaimedEvent],
+        events: &[OutboxEvent],
         default_exchange: &str,
         max_payload_bytes: usize,
         confirm_timeout: Duration,
@@ -72,7 +72,7 @@ impl Publisher {
     /// confirms to await, with the events' indexes.
     async fn send_all(
         &mut self,
-        events: &[ClaimedEvent],
+        events: &[OutboxEvent],
         messages: Vec<Result<Message, Receipt>>,
         refused: &HashMap<String, Receipt>,
         send_by: Instant,
@@ -89,17 +89,8 @@ impl Publisher {
         for (i, (e, message)) in events.iter().zip(messages).enumerate() {
             let aggregate = (e.aggregate_type.as_str(), e.aggregate_id.as_str());
             let ordered = e.aggregate_seq.is_some();
-            let refusal = if ordered && halted.contains(&aggregate) {
-                Err(Receipt::HeldBack)
-            } else if Instant::now() >= send_by {
-                Err(Receipt::NotSent)
-            } else {
-                message.and_then(|m| match refused.get(m.exchange.as_str()) {
-                    Some(receipt) => Err(receipt.clone()),
-                    None => Ok(m),
-                })
-            };
-            let message = match refusal {
+            let held = ordered && halted.contains(&aggregate);
+            let message = match sendable(message, held, send_by, refused) {
                 Ok(m) => m,
                 Err(receipt) => {
                     if ordered {
@@ -110,14 +101,7 @@ impl Publisher {
                 }
             };
             #[cfg(feature = "fault-injection")]
-            if e.event_type == crate::FAULT_PANIC_EVENT_TYPE {
-                panic!("fault injection: event {} asked the relay to panic", e.id);
-            }
-            #[cfg(feature = "fault-injection")]
-            if e.event_type == crate::FAULT_CHANNEL_EVENT_TYPE && e.attempts == 0 {
-                let close = self.channel.close(200, "fault injection".into());
-                let _ = tokio::time::timeout(self.broker_timeout, close).await;
-            }
+            self.inject_fault(e).await;
             // Hands the frames to lapin's IO loop; the confirm comes later.
             let published = within(
                 "basic.publish",
@@ -149,6 +133,43 @@ impl Publisher {
             }
         }
         Ok(pending)
+    }
+}
+
+/// The message to send, or the receipt of an event not sent: held back
+/// behind its aggregate's failed event, out of time, unpublishable, or
+/// for an exchange refused.
+fn sendable(
+    message: Result<Message, Receipt>,
+    held: bool,
+    send_by: Instant,
+    refused: &HashMap<String, Receipt>,
+) -> Result<Message, Receipt> {
+    if held {
+        Err(Receipt::HeldBack)
+    } else if Instant::now() >= send_by {
+        Err(Receipt::NotSent)
+    } else {
+        message.and_then(|m| match refused.get(m.exchange.as_str()) {
+            Some(receipt) => Err(receipt.clone()),
+            None => Ok(m),
+        })
+    }
+}
+
+#[cfg(feature = "fault-injection")]
+impl Publisher {
+    /// Testing only: panics on [`crate::FAULT_PANIC_EVENT_TYPE`]; closes
+    /// the channel before the first attempt of
+    /// [`crate::FAULT_CHANNEL_EVENT_TYPE`].
+    async fn inject_fault(&self, e: &OutboxEvent) {
+        if e.event_type == crate::FAULT_PANIC_EVENT_TYPE {
+            panic!("fault injection: event {} asked the relay to panic", e.id);
+        }
+        if e.event_type == crate::FAULT_CHANNEL_EVENT_TYPE && e.attempts == 0 {
+            let close = self.channel.close(200, "fault injection".into());
+            let _ = tokio::time::timeout(self.broker_timeout, close).await;
+        }
     }
 }
 
@@ -228,7 +249,7 @@ impl SentBatch {
 /// reaches lapin, whose conversions panic on what AMQP cannot carry; or
 /// why it can never be published.
 fn messages(
-    events: &[ClaimedEvent],
+    events: &[OutboxEvent],
     default_exchange: &str,
     max_payload_bytes: usize,
     frame_max: usize,
@@ -250,7 +271,7 @@ fn messages(
 /// The event's message, or why it can never be published. The conversion
 /// is total by construction and fuzzed; should it ever panic, that event
 /// alone is refused (as a relay bug) instead of the whole batch failing.
-fn convert(e: &ClaimedEvent, default_exchange: &str, frame_max: usize) -> Result<Message, Receipt> {
+fn convert(e: &OutboxEvent, default_exchange: &str, frame_max: usize) -> Result<Message, Receipt> {
     match std::panic::catch_unwind(|| e.to_message(default_exchange, frame_max)) {
         Ok(Ok(m)) => Ok(m),
         Ok(Err(why)) => Err(Receipt::Unpublishable(why)),

@@ -6,7 +6,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use uuid::Uuid;
 
-use crate::message::ClaimedEvent;
+use crate::message::OutboxEvent;
 
 /// The message format this relay reads (`"v"` of the content).
 pub(crate) const FORMAT_VERSION: u32 = 1;
@@ -48,7 +48,7 @@ pub(crate) fn decode(
     transactional: bool,
     lsn: u64,
     prefix: &str,
-) -> Result<ClaimedEvent, Unreadable> {
+) -> Result<OutboxEvent, Unreadable> {
     let unreadable = |error: String| Unreadable {
         id: id_of(content).unwrap_or_else(|| {
             Uuid::new_v5(
@@ -91,7 +91,7 @@ pub(crate) fn decode(
     if c.aggregate_seq.is_some_and(|s| s < 1) {
         return Err(unreadable("aggregate_seq is below 1".to_owned()));
     }
-    let mut e = ClaimedEvent::new(
+    let mut e = OutboxEvent::new(
         c.id,
         c.aggregate_type,
         c.aggregate_id,

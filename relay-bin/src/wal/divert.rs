@@ -11,7 +11,7 @@ use sqlx::{PgConnection, PgPool, SqlStr};
 
 use crate::config::RelayConfig;
 use crate::error::{Error, Result};
-use crate::message::ClaimedEvent;
+use crate::message::OutboxEvent;
 use crate::publish::Receipt;
 use crate::settle::{Settled, settle};
 use crate::wal::decode::Unreadable;
@@ -45,7 +45,7 @@ impl Statements {
 pub(crate) async fn queued_aggregates(
     pool: &PgPool,
     queries: &Statements,
-    events: &[ClaimedEvent],
+    events: &[OutboxEvent],
 ) -> Result<HashSet<(String, String)>> {
     let ordered: HashSet<(&str, &str)> = events
         .iter()
@@ -78,7 +78,7 @@ pub(crate) async fn record(
     pool: &PgPool,
     queries: &Statements,
     config: &RelayConfig,
-    failed: &[ClaimedEvent],
+    failed: &[OutboxEvent],
     receipts: &[Receipt],
     unreadable: &[Unreadable],
 ) -> Result<Settled> {
@@ -87,7 +87,7 @@ pub(crate) async fn record(
     let mut tx = pool.begin().await?;
     let mut settled = Settled::default();
     if !failed.is_empty() {
-        let all: Vec<&ClaimedEvent> = failed.iter().collect();
+        let all: Vec<&OutboxEvent> = failed.iter().collect();
         savepoint(&mut tx).await?;
         let r = divert(&mut tx, queries, &all).await;
         let taken = match end_savepoint(&mut tx, r).await {
@@ -150,7 +150,7 @@ async fn end_savepoint<T>(conn: &mut PgConnection, r: Result<T>) -> Result<T> {
 async fn divert(
     conn: &mut PgConnection,
     queries: &Statements,
-    events: &[&ClaimedEvent],
+    events: &[&OutboxEvent],
 ) -> Result<()> {
     let n = events.len();
     let (mut ids, mut types, mut aggregates, mut event_types) = (
@@ -201,9 +201,9 @@ async fn divert(
 async fn one_by_one(
     conn: &mut PgConnection,
     queries: &Statements,
-    failed: &[ClaimedEvent],
+    failed: &[OutboxEvent],
     receipts: &[Receipt],
-) -> Result<(Vec<ClaimedEvent>, Vec<Receipt>, usize)> {
+) -> Result<(Vec<OutboxEvent>, Vec<Receipt>, usize)> {
     let (mut taken, mut taken_receipts, mut dead) = (Vec::new(), Vec::new(), 0);
     for (e, receipt) in failed.iter().zip(receipts) {
         savepoint(conn).await?;
@@ -229,7 +229,10 @@ async fn one_by_one(
             ),
         };
         tracing::warn!(event_id = %e.id, event_type = %e.event_type, error = %error, "event of the log dead-lettered");
-        let attempts = i32::from(!matches!(receipt, Receipt::NotSent | Receipt::HeldBack));
+        let attempts = i32::from(!matches!(
+            receipt,
+            Receipt::NotSent | Receipt::HeldBack | Receipt::Queued
+        ));
         savepoint(conn).await?;
         let r = dead_letter(conn, queries, e, attempts, &error).await;
         match end_savepoint(conn, r).await {
@@ -257,7 +260,7 @@ async fn one_by_one(
 async fn dead_letter(
     conn: &mut PgConnection,
     queries: &Statements,
-    e: &ClaimedEvent,
+    e: &OutboxEvent,
     attempts: i32,
     error: &str,
 ) -> Result<()> {
@@ -308,7 +311,7 @@ fn database_message(e: &Error) -> String {
 
 /// The event as JSON text (the message contract's fields): strings
 /// escaped, so it holds no NUL whatever the event does.
-fn as_text(e: &ClaimedEvent) -> String {
+fn as_text(e: &OutboxEvent) -> String {
     let text = |s: &str| serde_json::Value::from(s).to_string();
     let optional = |s: &Option<String>| s.as_deref().map_or("null".to_owned(), text);
     format!(

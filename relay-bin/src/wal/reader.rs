@@ -17,14 +17,14 @@ use tokio_util::sync::CancellationToken;
 
 use crate::broker::Broker;
 use crate::config::{RelayConfig, WalCapture};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::publish::Publisher;
 use crate::stats::Stats;
 use crate::wake::sleep_or_cancel;
 use crate::wal::decode::lsn_text;
 use crate::wal::divert;
 use crate::wal::slot::{self, refusal, slot_busy, slot_row, wal_error};
-use outbox_core::backoff::jittered;
+use outbox_core::backoff::Backoff;
 use outbox_core::outage::Outage;
 
 /// How a replication session ended, when not by an error.
@@ -81,10 +81,10 @@ impl WalReader {
     /// a refused broker login).
     pub(crate) async fn run(&self, shutdown: CancellationToken) -> Result<()> {
         let cfg = &self.config;
-        let mut failures = 0u32;
+        let mut backoff = Backoff::new(cfg.reconnect_min, cfg.reconnect_max);
         let mut standby: Option<String> = None;
         while !shutdown.is_cancelled() {
-            match self.session(&shutdown, &mut failures).await {
+            match self.session(&shutdown, &mut backoff).await {
                 Ok(ReadEnd::Shutdown) => break,
                 Ok(ReadEnd::Standby(holder)) => {
                     if standby.as_ref() != Some(&holder) {
@@ -101,12 +101,7 @@ impl WalReader {
                 Err(e) => {
                     standby = None;
                     self.outage.failed(&e);
-                    failures = failures.saturating_add(1);
-                    sleep_or_cancel(
-                        jittered(cfg.reconnect_min, cfg.reconnect_max, failures),
-                        &shutdown,
-                    )
-                    .await;
+                    sleep_or_cancel(backoff.next_delay(), &shutdown).await;
                 }
             }
         }
@@ -115,7 +110,11 @@ impl WalReader {
 
     /// One replication session: check the slot, connect the broker and
     /// the stream, read until shutdown or a failure.
-    async fn session(&self, shutdown: &CancellationToken, failures: &mut u32) -> Result<ReadEnd> {
+    async fn session(
+        &self,
+        shutdown: &CancellationToken,
+        backoff: &mut Backoff,
+    ) -> Result<ReadEnd> {
         let row = slot_row(&self.pool, &self.slot).await?;
         if let Some(e) = refusal(&self.slot, row.as_ref()) {
             return Err(e);
@@ -132,7 +131,7 @@ impl WalReader {
             .and_then(|l| Lsn::parse(l).ok())
             .unwrap_or(Lsn::ZERO);
         let (conn, node) = self.broker.connect().await?;
-        let end = self.session_on(&conn, confirmed, failures, shutdown).await;
+        let end = self.session_on(&conn, confirmed, backoff, shutdown).await;
         if end.as_ref().is_err_and(Error::is_broker) {
             // As the table's sessions do: the next connection starts after
             // the node that failed.
@@ -147,7 +146,7 @@ impl WalReader {
         &self,
         conn: &Arc<Connection>,
         confirmed: Lsn,
-        failures: &mut u32,
+        backoff: &mut Backoff,
         shutdown: &CancellationToken,
     ) -> Result<ReadEnd> {
         let cfg = &self.config;
@@ -160,7 +159,7 @@ impl WalReader {
         let end = match started {
             Ok(Ok(())) => {
                 self.outage.ok();
-                *failures = 0;
+                backoff.reset();
                 metrics::gauge!("outbox_relay_wal_reading").set(1.0);
                 tracing::info!(slot = %self.slot, from = %lsn_text(confirmed.as_u64()), "reading the write-ahead log");
                 let end = self
@@ -198,7 +197,8 @@ impl WalReader {
     /// `confirmed` on.
     fn source(&self, confirmed: Lsn) -> Result<ReplicationConfig> {
         let (cfg, wal) = (&self.config, &self.wal);
-        let mut source = crate::wal::source(wal.database_url.expose()).map_err(Error::Config)?;
+        let mut source = crate::wal::source(wal.database_url.expose())
+            .map_err(|e| Error::Config(ConfigError::Url(e)))?;
         source.slot = self.slot.clone();
         source.publication = self.slot.clone().into();
         // Report four times a second, and at least four times per sender

@@ -12,9 +12,8 @@ use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
-use crate::message::ClaimedEvent;
+use crate::message::OutboxEvent;
 use crate::publish::{Publisher, Receipt};
-use crate::relay::publish_phase;
 use crate::settle::Settled;
 use crate::wal::decode::decode;
 use crate::wal::divert;
@@ -177,7 +176,7 @@ impl WalReader {
                     && queued.contains(&(e.aggregate_type.clone(), e.aggregate_id.clone()))
             })
             .collect();
-        let direct: Vec<ClaimedEvent> = events
+        let direct: Vec<OutboxEvent> = events
             .iter()
             .zip(&queued)
             .filter(|(_, q)| !**q)
@@ -186,7 +185,7 @@ impl WalReader {
         let confirms = if direct.is_empty() {
             futures_util::future::ready(Ok(Vec::new())).boxed()
         } else {
-            let deadline = tokio::time::Instant::now() + publish_phase(cfg);
+            let deadline = tokio::time::Instant::now() + cfg.publish_phase();
             publisher
                 .send_batch(
                     &direct,
@@ -251,13 +250,13 @@ impl WalReader {
             .iter()
             .map(|queued| {
                 if *queued {
-                    Receipt::NotSent
+                    Receipt::Queued
                 } else {
                     sent.next().unwrap_or(Receipt::NotSent)
                 }
             })
             .collect();
-        let (failed, failed_receipts): (Vec<ClaimedEvent>, Vec<Receipt>) = batch
+        let (failed, failed_receipts): (Vec<OutboxEvent>, Vec<Receipt>) = batch
             .events
             .iter()
             .zip(&receipts)
@@ -300,7 +299,7 @@ impl WalReader {
 
     fn count(
         &self,
-        failed: &[ClaimedEvent],
+        failed: &[OutboxEvent],
         receipts: &[Receipt],
         delivered: usize,
         settled: &Settled,
@@ -310,7 +309,7 @@ impl WalReader {
         for (e, r) in failed.iter().zip(receipts) {
             if let Some(error) = r
                 .error()
-                .filter(|_| !matches!(r, Receipt::NotSent | Receipt::HeldBack))
+                .filter(|_| !matches!(r, Receipt::NotSent | Receipt::HeldBack | Receipt::Queued))
             {
                 tracing::warn!(event_id = %e.id, event_type = %e.event_type, error = %error, "event of the log not delivered: it goes to the outbox table to be retried");
             }

@@ -9,14 +9,14 @@ use futures_util::future::BoxFuture;
 use pgwire_replication::{Lsn, ReplicationClient};
 
 use crate::error::Result;
-use crate::message::ClaimedEvent;
+use crate::message::OutboxEvent;
 use crate::publish::Receipt;
 use crate::wal::decode::Unreadable;
 
 /// What was read and not yet published.
 #[derive(Default)]
 pub(super) struct Pending {
-    pub(super) events: Vec<ClaimedEvent>,
+    pub(super) events: Vec<OutboxEvent>,
     pub(super) unreadable: Vec<Unreadable>,
     /// End of the last transaction whose messages are all in `events`: the
     /// position the slot may confirm once they are delivered or recorded.
@@ -39,7 +39,7 @@ pub(super) const MAX_BATCHES_ON_WIRE: usize = 64;
 
 /// A batch taken from the stream, sent (all but its queued events).
 pub(super) struct Batch {
-    pub(super) events: Vec<ClaimedEvent>,
+    pub(super) events: Vec<OutboxEvent>,
     /// Per event: ordered, with its aggregate's events in the outbox
     /// table, so it goes there too instead of being sent.
     pub(super) queued: Vec<bool>,
@@ -123,7 +123,7 @@ impl Window {
 }
 
 /// The ordered aggregates among `events`.
-pub(super) fn ordered_aggregates(events: &[ClaimedEvent]) -> HashSet<(String, String)> {
+pub(super) fn ordered_aggregates(events: &[OutboxEvent]) -> HashSet<(String, String)> {
     events
         .iter()
         .filter(|e| e.aggregate_seq.is_some())

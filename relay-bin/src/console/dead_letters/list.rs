@@ -10,11 +10,11 @@ use std::collections::HashMap;
 use uuid::Uuid;
 
 use super::super::Console;
-use super::super::form::Fields;
+use super::super::form::{Fields, bad_request};
 use super::super::layout::{age, count, page, time, user, user_cut};
 use super::super::security::{CSRF_FIELD, CsrfToken};
 use super::super::{ConsoleState, PageResult};
-use super::{bad_request, describe, filter_of, filter_pairs, hidden_filter, query_string};
+use super::filter::{describe, filter_of, filter_pairs, hidden_filter, query_string};
 
 const PAGE: i64 = 50;
 /// The list and the confirmations count matches exactly up to this many.

@@ -1,0 +1,52 @@
+//! The database connection every command opens: checked once up front, so
+//! a wrong URL fails with its cause, then pooled.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use outbox::redact::{redact_url, scrub};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+
+pub(super) async fn connect_db(url: &str, max: u32, slow: Duration) -> Result<PgPool> {
+    outbox::redact::check_url(url, "database URL", &["postgres", "postgresql"])
+        .map_err(anyhow::Error::msg)?;
+    // sqlx's parse errors do not quote the URL; say which setting anyway.
+    let options: PgConnectOptions = url.parse().map_err(|e: sqlx::Error| {
+        anyhow::anyhow!("database URL is malformed: {}", scrub(&e.to_string(), url))
+    })?;
+    // Bounds on the database side: no statement runs forever, and a relay
+    // frozen inside a transaction (SIGSTOP, a hung broker) loses its
+    // session and its row locks instead of holding them for ever. No JIT:
+    // these are short statements, and on a table never analysed the
+    // planner's inflated costs made PostgreSQL compile one for 275 ms that
+    // then ran in 2 ms (the console's blocked page).
+    let options = options
+        .application_name("outbox-relay")
+        .options([
+            ("statement_timeout", "30s"),
+            ("idle_in_transaction_session_timeout", "60s"),
+            ("jit", "off"),
+        ])
+        .log_slow_statements(log::LevelFilter::Warn, slow);
+    // One direct connection first: its error names the cause (refused,
+    // auth, TLS), where a pool would only report a timeout.
+    let probe = tokio::time::timeout(
+        Duration::from_secs(10),
+        PgConnection::connect_with(&options),
+    )
+    .await;
+    let context = || format!("cannot connect to the database at {}", redact_url(url));
+    match probe {
+        Ok(conn) => conn
+            .with_context(context)?
+            .close()
+            .await
+            .with_context(context)?,
+        Err(_) => bail!("{}: no answer within 10s", context()),
+    }
+    Ok(PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_lazy_with(options))
+}

@@ -1,0 +1,99 @@
+//! Flags and environment → one validated config → the command.
+//!
+//! One file per subcommand; `args.rs` holds every flag (their doc comments
+//! are the `--help` text), and `database.rs` the connection the commands
+//! share.
+
+use std::process::ExitCode;
+
+use anyhow::{Result, bail};
+use outbox::Ident;
+use outbox::redact::scrub;
+use tokio_util::sync::CancellationToken;
+
+/// `println!` that treats a closed pipe as success and other errors as errors.
+macro_rules! say {
+    ($($t:tt)*) => { $crate::cli::emit(&format!("{}\n", format_args!($($t)*)))? };
+}
+
+mod args;
+mod blocked;
+mod console;
+mod database;
+mod dead_letters;
+mod logging;
+mod migrate;
+mod ordering;
+mod run;
+mod status;
+
+pub(crate) use args::Args;
+pub(crate) use logging::init_logging;
+
+use args::Command;
+
+pub(crate) async fn run(args: Args) -> Result<ExitCode> {
+    let schema = Ident::new("schema", &args.schema)?;
+    let Some(url) = args.database_url.as_deref() else {
+        bail!("no database URL: set DATABASE_URL or pass --database-url");
+    };
+    let result = dispatch(&args, url, &schema).await;
+    // Errors of the libraries below may quote the URLs they were given.
+    result.map_err(|e| anyhow::anyhow!(scrub(&scrub(&one_line(&e), url), &amqp_url(&args))))
+}
+
+/// The error and its causes on one line, each said once: a library error
+/// that quotes its source would otherwise print it again after itself
+/// (`database: X: X`).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
+fn amqp_url(args: &Args) -> String {
+    match &args.command {
+        Command::Run(r) => r.amqp_url.join(","),
+        Command::Console(c) => c.amqp_url.join(","),
+        _ => String::new(),
+    }
+}
+
+async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
+    let pool = database::connect_db(url, 8, args.slow_statement).await?;
+    match &args.command {
+        Command::Migrate { capture, slot } => {
+            migrate::migrate(&pool, schema, *capture, slot.as_deref()).await?;
+        }
+        Command::Status { json } => status::status(&pool, schema, *json).await?,
+        Command::DeadLetters(cmd) => dead_letters::dead_letters(&pool, schema, cmd).await?,
+        Command::Blocked(cmd) => blocked::blocked(&pool, schema, cmd).await?,
+        Command::Ordering(cmd) => ordering::ordering(&pool, schema, cmd).await?,
+        Command::Run(r) => return run::run_relay(url, schema, r, args.slow_statement).await,
+        Command::Console(c) => console::console(pool, schema, url, c).await?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn wait_for_signal(signal: impl Future<Output = ()>, shutdown: CancellationToken) {
+    signal.await;
+    shutdown.cancel();
+}
+
+/// Writes command output to stdout; a closed pipe (`| head`) is not an error.
+fn emit(text: &str) -> Result<()> {
+    use std::io::Write;
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
