@@ -135,7 +135,6 @@ async fn wal_set_up_is_checked_created_and_dropped() {
         outbox::Outbox::new(&db.pool, config).await.unwrap_err(),
         outbox::Error::WalCaptureNotReady { .. }
     ));
-    db.cleanup().await;
     broker.cleanup().await;
 }
 
@@ -292,7 +291,6 @@ async fn wal_publishes_committed_events_with_the_contract_and_never_rolled_back_
         1,
         "a clean restart published again what was confirmed"
     );
-    db.cleanup().await;
     broker.cleanup().await;
 }
 
@@ -387,7 +385,6 @@ async fn wal_undeliverable_and_unreadable_messages_leave_the_stream_for_the_tabl
     collector.drain(DEADLINE).await;
     assert!(!collector.has(&bad.to_string()));
     assert_eq!(collector.distinct(), ids.len());
-    db.cleanup().await;
     broker.cleanup().await;
 }
 
@@ -522,7 +519,6 @@ async fn wal_slot_moves_past_a_failed_event_only_once_it_is_recorded() {
     relay.stop().await;
     assert!(!collector.has(&bad.to_string()));
     collector.stop();
-    db.cleanup().await;
     broker.cleanup().await;
 }
 
@@ -595,7 +591,6 @@ async fn wal_slot_stays_before_a_batch_on_the_wire_while_later_ones_are_read() {
     assert_eq!(db.count("outbox").await, 0, "nothing went to the table");
     collector.stop();
     proxy.stop();
-    db.cleanup().await;
     broker.cleanup().await;
 }
 
@@ -710,7 +705,6 @@ async fn wal_ordered_event_waits_for_its_aggregates_batch_on_the_wire() {
         .exchange_delete(side.as_str().into(), Default::default())
         .await;
     let _ = conn.close(200, "ok".into()).await;
-    db.cleanup().await;
     broker.cleanup().await;
 }
 
@@ -799,7 +793,6 @@ async fn wal_ordered_aggregate_waits_behind_its_failed_event_in_the_table() {
         .exchange_delete(side.as_str().into(), Default::default())
         .await;
     let _ = conn.close(200, "ok".into()).await;
-    db.cleanup().await;
     broker.cleanup().await;
 }
 
@@ -894,7 +887,6 @@ async fn wal_standby_relay_takes_over_the_slot() {
         ids.len(),
         collector.duplicates()
     );
-    db.cleanup().await;
     broker.cleanup().await;
 }
 
@@ -951,7 +943,6 @@ async fn wal_command_line_sets_up_shows_and_refuses() {
     let (_, json, _) = run(&["status", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(v["wal"]["slot"], slot.as_str());
-    db.cleanup().await;
 }
 
 /// A slot invalidated because the WAL it needed was removed
@@ -1043,7 +1034,6 @@ async fn disruptive_wal_lost_slot_stops_the_relay_with_the_reason() {
         matches!(&err, outbox::Error::WalCaptureNotReady { reason, .. } if reason.contains("invalidated")),
         "{err:?}"
     );
-    db.cleanup().await;
 }
 
 /// The SQL producer path: `outbox_emit` of an event of aggregate `$1`
@@ -1162,7 +1152,6 @@ async fn wal_emit_without_a_readable_slot_is_refused_and_nothing_committed_is_lo
     relay.stop().await;
     collector.drain(DEADLINE).await;
     assert_eq!(collector.distinct(), committed.len());
-    db.cleanup().await;
     broker.cleanup().await;
 }
 
@@ -1279,7 +1268,6 @@ async fn wal_second_database_with_the_same_schema_names_its_own_slot() {
         .execute(&first.pool)
         .await
         .unwrap();
-    first.cleanup().await;
     broker.cleanup().await;
 }
 
@@ -1576,7 +1564,6 @@ async fn wal_any_message_on_the_outbox_prefix_is_accounted_for() {
         "a good event was dead-lettered"
     );
     assert_eq!(collector.duplicates(), 0, "nothing was published twice");
-    db.cleanup().await;
     broker.cleanup().await;
 }
 
@@ -1658,7 +1645,6 @@ async fn wal_nack_settles_every_batch_on_the_channel_before_replacing_it() {
         0,
         "a nack ended the session: delivered events were read and published again"
     );
-    db.cleanup().await;
     broker.cleanup().await;
 }
 
@@ -1728,6 +1714,32 @@ async fn wal_confirm_timeout_copies_at_most_the_window() {
         "{copies} copies: more than the window of four batches ({})",
         4 * batch
     );
-    db.cleanup().await;
     broker.cleanup().await;
+}
+
+/// The tests here leave their clean-up to `TestDb`'s drop: a test that
+/// panics still leaves neither its schema nor its slot (a slot left behind
+/// would hold WAL for ever).
+#[tokio::test]
+async fn wal_a_panicking_test_leaves_neither_its_schema_nor_its_slot() {
+    let reader = tokio::spawn(async {
+        let db = TestDb::producer_wal("wal_panics").await;
+        let names = (db.schema.clone(), db.slot());
+        std::panic::panic_any(names);
+    });
+    let panic = reader.await.unwrap_err().into_panic();
+    let (schema, slot) = *panic.downcast::<(String, String)>().unwrap();
+    let pool = e2e::pool("wal-panics-check", 1).await;
+    let schemas: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_namespace WHERE nspname = $1")
+        .bind(&schema)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let slots: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1")
+            .bind(&slot)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((schemas, slots), (0, 0), "{schema} and {slot} are gone");
 }

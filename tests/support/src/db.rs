@@ -1,6 +1,8 @@
 //! The test database: pools, a migrated schema per test ([`TestDb`]),
 //! replication slots, and row locks.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -19,7 +21,9 @@ pub async fn pool(application_name: &str, max: u32) -> PgPool {
         .expect("test database reachable (run `make services`)")
 }
 
-/// A migrated producer schema of its own.
+/// A migrated producer schema of its own. It is dropped (with its slot)
+/// by [`TestDb::cleanup`], or when the last clone goes, a panicking test's
+/// included.
 #[derive(Debug, Clone)]
 pub struct TestDb {
     /// Pool for the test's own queries.
@@ -29,6 +33,53 @@ pub struct TestDb {
     /// How [`TestDb::produce`] writes events: a table row, or (schemas of
     /// [`TestDb::producer_wal`]) a message in the write-ahead log.
     pub capture: outbox::Capture,
+    /// Drops the schema when the last clone goes, unless cleaned up.
+    guard: Arc<DropGuard>,
+}
+
+/// What a [`TestDb`] leaves behind when its test ends without
+/// [`TestDb::cleanup`] (a panic, an early return).
+#[derive(Debug)]
+struct DropGuard {
+    schema: String,
+    cleaned: AtomicBool,
+}
+
+impl Drop for DropGuard {
+    fn drop(&mut self) {
+        if self.cleaned.load(Ordering::Relaxed) {
+            return;
+        }
+        let schema = self.schema.clone();
+        // No runtime to await on here (and the test's may be the one
+        // panicking): a thread with a runtime and a connection of its own.
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime for the cleanup");
+            rt.block_on(async {
+                let pool = pool(&format!("cleanup-{schema}"), 1).await;
+                drop_schema(&pool, &schema).await;
+                pool.close().await;
+            });
+        })
+        .join();
+        if dropped.is_err() {
+            eprintln!("TestDb: schema {} not dropped", self.schema);
+        }
+    }
+}
+
+/// Drops `schema`'s slot and publication (ending the session reading it),
+/// then the schema.
+async fn drop_schema(pool: &PgPool, schema: &str) {
+    drop_slot(pool, &format!("outbox_{schema}")).await;
+    let _ = sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"
+    )))
+    .execute(pool)
+    .await;
 }
 
 impl TestDb {
@@ -37,10 +88,15 @@ impl TestDb {
         let schema = format!("t_{prefix}_{}", suffix());
         let pool = pool(&format!("test-{schema}"), 8).await;
         outbox::migrate(&pool, &schema).await.expect("migrate");
+        let guard = Arc::new(DropGuard {
+            schema: schema.clone(),
+            cleaned: AtomicBool::new(false),
+        });
         Self {
             pool,
             schema,
             capture: outbox::Capture::Table,
+            guard,
         }
     }
 
@@ -197,13 +253,8 @@ impl TestDb {
     /// Drops the schema, and its slot and publication if it has them
     /// (ending a session still reading the slot).
     pub async fn cleanup(self) {
-        drop_slot(&self.pool, &self.slot()).await;
-        let _ = sqlx::raw_sql(AssertSqlSafe(format!(
-            "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
-            self.schema
-        )))
-        .execute(&self.pool)
-        .await;
+        drop_schema(&self.pool, &self.schema).await;
+        self.guard.cleaned.store(true, Ordering::Relaxed);
     }
 }
 
