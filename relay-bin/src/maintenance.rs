@@ -1,5 +1,6 @@
 //! The maintenance round beside the workers, every third of the lease TTL
-//! while the relay has a broker session: the lease round
+//! while the relay has a broker session (the first is run by the first
+//! worker whose channel opened, before its first claim): the lease round
 //! ([`Leases`](crate::lease::Leases)), then the broker node in use and the
 //! publish stats ([`Stats`](crate::stats::Stats)). A batch never runs it.
 

@@ -127,8 +127,8 @@ impl Relay {
         let mut workers = JoinSet::new();
         let session_stop = shutdown.child_token();
         // Leases and stats beside the workers, while the session lasts: a
-        // relay without a broker lets its partitions go to others.
-        self.maintenance_round().await;
+        // relay without a broker lets its partitions go to others. (The
+        // first round is the first worker's, once its channel is open.)
         workers.spawn({
             let relay = self.clone();
             let stop = session_stop.clone();

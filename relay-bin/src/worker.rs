@@ -127,6 +127,9 @@ impl Relay {
         let mut session = WorkerSession::new(conn, publisher, worker, cfg.workers);
         inner.health.broker.store(true, Ordering::Relaxed);
         inner.broker_outage.ok();
+        // The session's first maintenance round, before the first claim
+        // (the first worker up runs it; the others go on).
+        self.maintenance_round().await;
         let mut wake = inner.wake.subscribe();
         let mut db_backoff = Backoff::new(cfg.reconnect_min, cfg.reconnect_max);
         while !stop.is_cancelled() {

@@ -59,7 +59,20 @@ impl Drop for DropGuard {
                 .build()
                 .expect("a runtime for the cleanup");
             rt.block_on(async {
-                let pool = pool(&format!("cleanup-{schema}"), 1).await;
+                // Bounded: a panicking test's transaction may still hold a
+                // lock (its rollback never runs on the stopped runtime).
+                let options: PgConnectOptions = database_url().parse().expect("TEST_DATABASE_URL");
+                let options = options
+                    .application_name(&format!("cleanup-{schema}"))
+                    .options([("lock_timeout", "10s"), ("statement_timeout", "30s")]);
+                let Ok(pool) = PgPoolOptions::new()
+                    .max_connections(1)
+                    .acquire_timeout(Duration::from_secs(10))
+                    .connect_with(options)
+                    .await
+                else {
+                    return;
+                };
                 drop_schema(&pool, &schema).await;
                 pool.close().await;
             });
