@@ -59,7 +59,8 @@ within() {
 need=()
 for tool in podman:podman runc:runc mmdebstrap:mmdebstrap amqp-consume:amqp-tools \
     amqp-declare-queue:amqp-tools psql:postgresql-client curl:curl; do
-    command -v "${tool%%:*}" >/dev/null || need+=("${tool#*:}")
+    # `type -P`: the PATH only (podman is also a shell function above).
+    type -P "${tool%%:*}" >/dev/null || need+=("${tool#*:}")
 done
 if ((${#need[@]})); then
     # shellcheck disable=SC2207
