@@ -4,10 +4,9 @@
 //! on its own schema, and saves screenshots under
 //! `target/console-screenshots/`.
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use e2e::{Collector, KillOnDrop, TestBroker, TestDb, amqp_url, database_url, wait_until};
+use e2e::{Collector, KillOnDrop, TestBroker, TestDb, wait_until};
 use lapin::types::FieldTable;
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
@@ -679,21 +678,13 @@ async fn console_overview_shows_the_write_ahead_log_slot_and_its_reader() {
     assert!(page.contains("NO READER"), "nobody reads the slot yet");
     // A relay reading the slot: the card names it (the page refreshes its
     // figures every 200 ms here).
-    let relay = KillOnDrop(
-        Command::new(BIN)
-            .env("DATABASE_URL", database_url())
-            .env("AMQP_URL", amqp_url())
-            .env("OUTBOX_SCHEMA", &db.schema)
-            .env("OUTBOX_EXCHANGE", &broker.exchange)
-            .env("OUTBOX_DECLARE_EXCHANGE", "none")
-            .env("OUTBOX_CAPTURE", "wal")
-            .env("OUTBOX_RELAY_NAME", "wal-reader")
-            .env("RUST_LOG", "warn")
-            .arg("run")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("relay"),
+    let relay = start_relay_with(
+        &db,
+        &broker,
+        &[
+            ("OUTBOX_CAPTURE", "wal"),
+            ("OUTBOX_RELAY_NAME", "wal-reader"),
+        ],
     );
     wait_until(
         Duration::from_secs(60),

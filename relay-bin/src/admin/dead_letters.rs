@@ -227,13 +227,12 @@ pub async fn estimate_dead_letters(
         "SELECT ((SELECT count(*) FROM {s}.outbox_dead_letters d TABLESAMPLE SYSTEM (p.pct) WHERE TRUE"
     ));
     selection.push_conditions(&mut q);
+    // The schema is a validated identifier: no quote can be in it.
+    let size = format!("pg_relation_size(to_regclass('{s}.outbox_dead_letters'))");
+    let pct = crate::admin::status::sample_percent(ESTIMATE_PAGES, &size);
     q.push(format!(
-        ") * 100.0 / p.pct)::int8
-         FROM (SELECT least(100, {ESTIMATE_PAGES} * 100.0 * current_setting('block_size')::float8
-                                 / greatest(1, pg_relation_size(to_regclass("
-    ))
-    .push_bind(format!("{s}.outbox_dead_letters"))
-    .push("))))::float4 AS pct) p");
+        ") * 100.0 / p.pct)::int8 FROM (SELECT {pct} AS pct) p"
+    ));
     Ok(q.build_query_scalar().fetch_one(pool).await?)
 }
 

@@ -177,20 +177,29 @@ pub const EXACT_COUNT_UP_TO: i64 = 100_000;
 /// Pages a never-analysed table's estimate reads (16 MiB of 8 KiB pages).
 const SAMPLE_PAGES: u32 = 2000;
 
+/// The percentage of a relation's pages that `TABLESAMPLE SYSTEM` reads
+/// to see about `pages` of them; `relation_size` is an SQL expression of
+/// its size in bytes.
+pub(crate) fn sample_percent(pages: u32, relation_size: &str) -> String {
+    format!(
+        "least(100, {pages} * 100.0 * current_setting('block_size')::float8 / greatest(1, {relation_size}))::float4"
+    )
+}
+
 /// SQL for the rows of `table` now, without scanning it: the last
 /// statistics' rows per page times the table's current pages (so a table
 /// that grew since is not taken for small); never analysed (a freshly
 /// loaded or restored table), the rows in a sample of about
 /// [`SAMPLE_PAGES`] of its pages (`TABLESAMPLE SYSTEM`), scaled up.
 pub(crate) fn estimated_rows(s: &str, table: &str) -> String {
+    let pct = sample_percent(SAMPLE_PAGES, "pg_relation_size(c.oid)");
     format!(
         "(SELECT CASE WHEN c.reltuples >= 0 AND c.relpages > 0
                      THEN c.reltuples / c.relpages * (pg_relation_size(c.oid) / current_setting('block_size')::float8)
                      WHEN pg_relation_size(c.oid) = 0 THEN 0
                      ELSE (SELECT count(*) * 100.0 / p.pct FROM {s}.{table} TABLESAMPLE SYSTEM (p.pct)) END
           FROM pg_class c,
-               LATERAL (SELECT least(100, {SAMPLE_PAGES} * 100.0 * current_setting('block_size')::float8
-                                          / greatest(1, pg_relation_size(c.oid)))::float4 AS pct) p
+               LATERAL (SELECT {pct} AS pct) p
           WHERE c.oid = to_regclass('{s}.{table}'))"
     )
 }

@@ -220,6 +220,11 @@ enum Action {
     Purge,
 }
 
+/// The action and the selection a form asks for.
+fn request_of(console: &Console, f: &Fields) -> Result<(Action, Filter), String> {
+    Ok((action_of(f)?, Filter::of(console, f)?))
+}
+
 fn action_of(f: &Fields) -> Result<Action, String> {
     match f.get("action") {
         Some("replay") => Ok(Action::Replay),
@@ -239,11 +244,10 @@ pub(crate) async fn confirm(
     let Some(broker) = &console.consumers.broker else {
         return no_broker();
     };
-    let (action, filter) =
-        match action_of(&fields).and_then(|a| Ok((a, Filter::of(console, &fields)?))) {
-            Ok(x) => x,
-            Err(e) => return bad_request(&e),
-        };
+    let (action, filter) = match request_of(console, &fields) {
+        Ok(x) => x,
+        Err(e) => return bad_request(&e),
+    };
     let held = broker.hold(&filter.dlq(), ACT_MAX).await?;
     let n = held.messages.iter().filter(|m| filter.matches(m)).count();
     let whole = held.whole;
@@ -289,11 +293,10 @@ pub(crate) async fn act(
     let Some(broker) = &console.consumers.broker else {
         return no_broker();
     };
-    let (action, filter) =
-        match action_of(&fields).and_then(|a| Ok((a, Filter::of(console, &fields)?))) {
-            Ok(x) => x,
-            Err(e) => return bad_request(&e),
-        };
+    let (action, filter) = match request_of(console, &fields) {
+        Ok(x) => x,
+        Err(e) => return bad_request(&e),
+    };
     let Some(expected) = fields.get("expected").and_then(|v| v.parse::<usize>().ok()) else {
         return bad_request("no confirmed count: confirm the action on its confirmation page");
     };

@@ -230,6 +230,15 @@ impl Console {
 
 /// A relay process publishing `db`'s outbox to `broker`'s exchange.
 pub(crate) fn start_relay(db: &TestDb, broker: &TestBroker) -> KillOnDrop {
+    start_relay_with(db, broker, &[])
+}
+
+/// [`start_relay`] with more settings (`OUTBOX_*` variables).
+pub(crate) fn start_relay_with(
+    db: &TestDb,
+    broker: &TestBroker,
+    settings: &[(&str, &str)],
+) -> KillOnDrop {
     let child = Command::new(BIN)
         .env("DATABASE_URL", database_url())
         .env("AMQP_URL", amqp_url())
@@ -239,6 +248,7 @@ pub(crate) fn start_relay(db: &TestDb, broker: &TestBroker) -> KillOnDrop {
         .env("OUTBOX_POLL_INTERVAL", "100ms")
         .env("OUTBOX_LEASE_TTL", "3s")
         .env("RUST_LOG", "warn")
+        .envs(settings.iter().copied())
         .arg("run")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
