@@ -60,8 +60,8 @@
 //! | **chain** | an aggregate's share of an ordered claim: its head and the consecutive events behind it, published in sequence |
 //! | **lease**, **partition** | ordered aggregates hash to 64 partitions; a relay publishes the partitions it holds a lease on (`relay-bin/src/lease.rs`) |
 //! | **publish** | sending a claimed batch with publisher confirms (`relay-bin/src/publish/`) |
-//! | **receipt** | what became of one publish: delivered, nacked, returned, timed out, … (`outbox_relay::Receipt`) |
-//! | **settle** | the relay recording the receipts in the database: delivered rows deleted (or archived), failures rescheduled with backoff, hopeless ones dead-lettered (`relay-bin/src/settle.rs`, `outbox_relay::Settled`) |
+//! | **receipt** | what became of one publish: delivered, nacked, returned, timed out, … (`relay-bin/src/publish/receipt.rs`) |
+//! | **settle** | the relay recording the receipts in the database: delivered rows deleted (or archived), failures rescheduled with backoff, hopeless ones dead-lettered (`relay-bin/src/settle.rs`) |
 //! | **held back** | an ordered event not sent (relay) or not applied (consumer) because an earlier event of its aggregate failed first |
 //! | **dead letter** | an event set aside for an operator: a row in `outbox_dead_letters` (relay), a message in `<queue>.dlq` (consumer) |
 //! | **consume** | a consumer taking a batch of deliveries (`consumer-lib/src/session.rs`) and running it in one transaction (`consumer-lib/src/process/`, `consumer-lib/src/batch/`) |

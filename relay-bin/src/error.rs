@@ -4,7 +4,7 @@ use thiserror::Error;
 /// Errors of the relay engine.
 ///
 /// Broker outcomes of single events (nacked, returned, timed out) are not
-/// errors of the relay: they are [`crate::Receipt`]s that reschedule the event.
+/// errors of the relay: they are receipts that reschedule the event.
 /// These variants stop a batch; the supervisor reconnects and retries.
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -48,17 +48,6 @@ pub enum Error {
         "batches in flight did not finish within the drain timeout of {0:?}; their events stay in the outbox and will be published again"
     )]
     DrainTimedOut(std::time::Duration),
-    /// An operator action found more dead letters than the operator
-    /// confirmed (more arrived or came to match since): it changed nothing.
-    #[error(
-        "{found} dead letters match now, more than the {confirmed} confirmed: nothing was changed; look again and confirm the new count"
-    )]
-    SelectionGrew {
-        /// How many the operator confirmed.
-        confirmed: u64,
-        /// How many the action found.
-        found: u64,
-    },
     /// The replication connection of the write-ahead-log capture failed
     /// (connect, authentication, or the stream broke); the reader
     /// reconnects and reads again from the slot's confirmed position.
@@ -107,10 +96,7 @@ impl Error {
     /// True when a later retry of the same operation may succeed.
     pub fn is_transient(&self) -> bool {
         match self {
-            Error::Config(_)
-            | Error::DrainTimedOut(_)
-            | Error::SelectionGrew { .. }
-            | Error::WalRefused(_) => false,
+            Error::Config(_) | Error::DrainTimedOut(_) | Error::WalRefused(_) => false,
             Error::Replication(_) => true,
             Error::Outbox(e) => e.is_transient(),
             Error::Database(e) => outbox_core::db::is_transient(e),

@@ -4,13 +4,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::Health;
 use anyhow::{Context, Result};
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use outbox::Ident;
-use outbox_relay::Health;
 use sqlx::PgPool;
 
 /// Serves the three endpoints on `addr` in the background, and keeps the
@@ -79,13 +79,13 @@ async fn refresh_gauges(health: Arc<Health>, pool: PgPool, schema: Ident) {
     loop {
         metrics::gauge!("outbox_relay_ready").set(f64::from(u8::from(health.is_ready())));
         // Cheap on any outbox size: estimates and index probes only.
-        if let Ok(g) = outbox_relay::admin::gauges(&pool, &schema).await {
+        if let Ok(g) = crate::admin::gauges(&pool, &schema).await {
             metrics::gauge!("outbox_relay_backlog").set(g.backlog as f64);
             metrics::gauge!("outbox_relay_oldest_pending_seconds").set(g.oldest_due_age_s);
             metrics::gauge!("outbox_relay_dead_letters").set(g.dead_letters as f64);
             metrics::gauge!("outbox_relay_blocked_aggregates").set(g.blocked_aggregates as f64);
         }
-        match outbox_relay::admin::wal_slot(&pool, &schema).await {
+        match crate::admin::wal_slot(&pool, &schema).await {
             Ok(Some(slot)) => {
                 wal_slot_gauges(&slot);
                 reported_slot = true;
@@ -102,7 +102,7 @@ async fn refresh_gauges(health: Arc<Health>, pool: PgPool, schema: Ident) {
 /// The schema's replication slot as gauges (WAL capture set up): what it
 /// keeps on disk, how much more it may keep, and its `wal_status` as one
 /// series per status, 1 for the current one.
-fn wal_slot_gauges(slot: &outbox_relay::admin::WalSlot) {
+fn wal_slot_gauges(slot: &crate::admin::WalSlot) {
     if let Some(lag) = slot.lag_bytes {
         metrics::gauge!("outbox_relay_wal_slot_lag_bytes").set(lag as f64);
     }

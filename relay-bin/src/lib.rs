@@ -14,9 +14,14 @@
 //! of the aggregate key space (fair shares, handed over when a relay dies
 //! or stops), claim each aggregate from its head only, and never
 //! dead-letter an ordered event by themselves: a failing one blocks its own
-//! aggregate until delivered or skipped by an operator. When embedding,
-//! prefer [`Relay::run`]; a [`WorkerSession`] from [`Relay::connect`]
-//! publishes all of the relay's partitions, so use one at a time.
+//! aggregate until delivered or skipped by an operator.
+//!
+//! The public items are the engine's: [`Relay`] with its [`RelayConfig`]
+//! (and [`WalCapture`]), its [`Health`], its [`Error`] (with
+//! [`ConfigError`]) and the WAL capture's set-up ([`create_wal_slot`],
+//! [`drop_wal_slot`]). The `outbox-relay` binary (feature `cli`, on by
+//! default) is this library's `cli` module; turn it off with
+//! `default-features = false` when embedding.
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
@@ -51,23 +56,38 @@
 //! `supervisor.rs` (workers and the maintenance round), `broker.rs`
 //! (connections with failover), `worker.rs` (one batch), `claim/`
 //! (unordered and ordered claims), `lease.rs`, `publish/`, `settle.rs`,
-//! `quarantine.rs`, `stats.rs`, `wal/` (the log's reader); each stage's
-//! SQL is in `.sql` files beside it (`sql.rs`); and [`admin`] (what
-//! `outbox-relay status`, `dead-letters` and `blocked` do).
+//! `quarantine.rs`, `stats.rs`, `wal/` (the log's reader and its set-up);
+//! each stage's SQL is in `.sql` files beside it (`sql.rs`); and, with the
+//! binary, `admin/` (what `outbox-relay status`, `dead-letters` and
+//! `blocked` do, and what the console shows), `cli/`, `console/` and
+//! `http.rs` (metrics and health endpoints).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "testing")]
+#[doc(hidden)]
 pub mod admin;
+#[cfg(all(feature = "cli", not(feature = "testing")))]
+mod admin;
 mod broker;
 mod claim;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
+pub mod cli;
 mod config;
+#[cfg(feature = "cli")]
+mod console;
 mod error;
 mod health;
+#[cfg(feature = "cli")]
+mod http;
 mod lease;
 mod maintenance;
 mod message;
 mod publish;
 mod quarantine;
 mod relay;
+#[cfg(feature = "cli")]
+mod secrets;
 mod settle;
 mod sql;
 mod stats;
@@ -94,7 +114,16 @@ pub const FAULT_CHANNEL_EVENT_TYPE: &str = "outbox-relay.fault-injection.close-c
 pub use crate::config::{RelayConfig, WalCapture};
 pub use crate::error::{ConfigError, Error, Result};
 pub use crate::health::Health;
-pub use crate::message::OutboxEvent;
-pub use crate::publish::Receipt;
-pub use crate::relay::{BatchReport, Relay, WorkerSession};
-pub use crate::settle::Settled;
+pub use crate::relay::Relay;
+pub use crate::wal::{WalSetUp, create_wal_slot, drop_wal_slot};
+
+/// Test seams (feature `testing`, this workspace's tests and bench): one
+/// batch at a time on a session of its own, and the relay's encoding of an
+/// event.
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub use crate::{
+    message::OutboxEvent,
+    relay::{BatchReport, WorkerSession},
+    settle::Settled,
+};

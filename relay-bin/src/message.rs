@@ -12,6 +12,7 @@ use uuid::Uuid;
 /// table, or a message read from the write-ahead log.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
 pub struct OutboxEvent {
     /// Event id, published as `message_id`.
     pub id: Uuid,
@@ -86,6 +87,7 @@ pub(crate) struct Message {
 /// class and weight (4), body size (8), frame end (1).
 const HEADER_FRAME_OVERHEAD: usize = 20;
 
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
 impl OutboxEvent {
     /// A new, never attempted, unordered event with no headers, for the
     /// relay's default exchange and routing key, created now: for code

@@ -42,6 +42,7 @@ fn begin_async_commit(config: &RelayConfig) -> sqlx::SqlStr {
 /// What one batch did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
 pub struct BatchReport {
     /// Events claimed.
     pub claimed: usize,
@@ -93,9 +94,10 @@ pub(crate) struct Inner {
     pub(crate) quarantine: crate::quarantine::Quarantine,
 }
 
-/// What one worker holds while it runs (and what [`Relay::run_once`]
+/// What one worker holds while it runs (and what `Relay::run_once`
 /// takes): its broker connection and confirm-mode channel, its share of
 /// the partitions, and its claim state (cursors over ordered aggregates).
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
 pub struct WorkerSession {
     pub(crate) conn: Arc<Connection>,
     pub(crate) publisher: Publisher,
@@ -111,6 +113,7 @@ impl std::fmt::Debug for WorkerSession {
     }
 }
 
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
 impl WorkerSession {
     /// Worker `worker` of `workers`, publishing on `publisher`.
     pub(crate) fn new(
@@ -141,7 +144,7 @@ impl Relay {
         outbox::check_migrated(&pool, schema.as_str()).await?;
         let wal_slot = if config.wal.is_some() {
             // Fail at start, not in the background: no slot, nothing read.
-            let Some(slot) = crate::admin::recorded_wal_slot(&pool, &schema).await? else {
+            let Some(slot) = crate::wal::recorded_wal_slot(&pool, &schema).await? else {
                 return Err(Error::WalRefused(format!(
                     "the write-ahead-log capture is not set up for schema {schema}: no replication slot is recorded; run `outbox-relay migrate --capture wal`"
                 )));
@@ -197,8 +200,25 @@ impl Relay {
         self.inner.wake.send_modify(|g| *g = g.wrapping_add(1));
     }
 
-    /// Connects to the broker, declaring the default exchange if configured.
+    /// Connects to a broker node (with failover, as the workers do) and
+    /// closes the connection again: fails fast, naming the node, when no
+    /// node takes a connection or opens a confirm-mode channel.
+    /// `outbox-relay run` calls it before it starts; [`Relay::run`]
+    /// itself keeps reconnecting instead.
+    pub async fn check_broker(&self) -> Result<()> {
+        let timeout = self.inner.config.broker_timeout;
+        self.open_session().await?.close(timeout).await;
+        Ok(())
+    }
+
+    /// Testing only (feature `testing`): a worker session of its own, for
+    /// `Relay::run_once`; it publishes all of the relay's partitions.
+    #[cfg(feature = "testing")]
     pub async fn connect(&self) -> Result<WorkerSession> {
+        self.open_session().await
+    }
+
+    async fn open_session(&self) -> Result<WorkerSession> {
         let (conn, _) = self.inner.broker.connect().await?;
         let publisher = Publisher::open(&conn, self.inner.config.broker_timeout).await?;
         Ok(WorkerSession::new(conn, publisher, 0, 1))

@@ -35,6 +35,7 @@ impl Statements {
 /// Counts of one settled batch.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
 pub struct Settled {
     /// Delivered and removed (or archived).
     pub delivered: usize,

@@ -1,5 +1,5 @@
 //! A worker: its own channel, claiming batches until told to stop. One
-//! batch ([`Relay::run_once`]) is claim → publish → settle in one database
+//! batch (`Relay::run_once`) is claim → publish → settle in one database
 //! transaction.
 
 use std::panic::AssertUnwindSafe;
@@ -26,6 +26,7 @@ impl Relay {
     ///
     /// The maintenance round (leases, stats) runs first if it is due, as
     /// it does beside a running relay's workers.
+    #[cfg(feature = "testing")]
     pub async fn run_once(&self, session: &mut WorkerSession) -> Result<BatchReport> {
         self.maintenance_round().await;
         self.batch(session).await

@@ -204,7 +204,7 @@ async fn filtered_replay_and_purge_touch_only_the_matching_dead_letters() {
         .await
         .unwrap_err();
     assert!(
-        matches!(grew, outbox_relay::Error::SelectionGrew { found, .. } if found as usize == no_route),
+        matches!(grew, outbox_relay::admin::Error::SelectionGrew { found, .. } if found as usize == no_route),
         "{grew}"
     );
     assert_eq!(
@@ -222,7 +222,7 @@ async fn filtered_replay_and_purge_touch_only_the_matching_dead_letters() {
     .unwrap_err();
     assert!(matches!(
         replay_grew,
-        outbox_relay::Error::SelectionGrew { .. }
+        outbox_relay::admin::Error::SelectionGrew { .. }
     ));
     assert_eq!(
         db.count("outbox").await as usize,

@@ -130,7 +130,7 @@ pub(crate) async fn fresh_schema(pool: &PgPool, prefix: &str) -> Result<String> 
     outbox::migrate(pool, &schema).await?;
     if capture() == outbox::Capture::Wal {
         let ident = outbox::Ident::new("schema", &schema)?;
-        outbox_relay::admin::create_wal_slot(pool, &ident, None).await?;
+        outbox_relay::create_wal_slot(pool, &ident, None).await?;
     }
     Ok(schema)
 }
@@ -140,7 +140,7 @@ pub(crate) async fn drop_schema(pool: &PgPool, schema: &str) -> Result<()> {
     if let Ok(ident) = outbox::Ident::new("schema", schema) {
         // A stopped relay's replication session may outlive it briefly.
         let until = Instant::now() + Duration::from_secs(10);
-        while let Err(e) = outbox_relay::admin::drop_wal_slot(pool, &ident).await {
+        while let Err(e) = outbox_relay::drop_wal_slot(pool, &ident).await {
             anyhow::ensure!(Instant::now() < until, "dropping the slot of {schema}: {e}");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

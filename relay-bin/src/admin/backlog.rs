@@ -8,8 +8,8 @@ use serde::Serialize;
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
-use crate::admin::status::{EXACT_COUNT_UP_TO, estimated_rows};
-use crate::error::Result;
+use super::Result;
+use super::status::{EXACT_COUNT_UP_TO, estimated_rows};
 
 /// An event waiting in the outbox.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]

@@ -7,7 +7,7 @@ use serde::Serialize;
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
-use crate::error::Result;
+use super::Result;
 
 /// An ordered aggregate held up by its failing head event.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -122,10 +122,10 @@ pub async fn waiting_events(
 }
 
 /// The longest skip reason kept, in characters (the rest is cut).
-pub const REASON_MAX_CHARS: usize = 1_000;
+pub(crate) const REASON_MAX_CHARS: usize = 1_000;
 
 /// Moves the given events from the outbox to the dead-letter table with
-/// `reason` (its first [`REASON_MAX_CHARS`] characters), so the aggregates
+/// `reason` (its first `REASON_MAX_CHARS`, 1,000, characters), so the aggregates
 /// they block move on (consumers see the gap in the sequence). Waits for
 /// any batch in flight on their partitions and keeps relays off them until
 /// done. Returns how many were moved; a moved event can be replayed like

@@ -7,8 +7,8 @@ use outbox::Ident;
 use sqlx::{PgPool, Postgres, QueryBuilder};
 use uuid::Uuid;
 
-use crate::admin::dead_letters::{DeadLetter, Filter, Selection};
-use crate::error::Result;
+use super::Result;
+use super::dead_letters::{DeadLetter, Filter, Selection};
 
 /// The order of a list of dead letters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

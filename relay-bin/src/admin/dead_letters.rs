@@ -12,8 +12,8 @@ use serde::Serialize;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, QueryBuilder};
 use uuid::Uuid;
 
-use crate::admin::failures::Exchange;
-use crate::error::Result;
+use super::Result;
+use super::failures::Exchange;
 
 /// A dead-lettered event.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -288,7 +288,7 @@ const ACTION_TIMEOUT: &str = "SET LOCAL statement_timeout = '10min'";
 ///
 /// `at_most`: the count an operator confirmed. When the selection holds
 /// more dead letters than that by now, nothing changes and the answer is
-/// [`Error::SelectionGrew`](crate::Error::SelectionGrew).
+/// [`Error::SelectionGrew`](super::Error::SelectionGrew).
 pub async fn replay_dead_letters(
     pool: &PgPool,
     schema: &Ident,
@@ -454,7 +454,7 @@ pub async fn purge_dead_letters(
 
 fn check_at_most(at_most: Option<u64>, found: usize) -> Result<()> {
     match at_most {
-        Some(confirmed) if found as u64 > confirmed => Err(crate::Error::SelectionGrew {
+        Some(confirmed) if found as u64 > confirmed => Err(super::Error::SelectionGrew {
             confirmed,
             found: found as u64,
         }),

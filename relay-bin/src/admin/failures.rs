@@ -15,7 +15,7 @@ use outbox::Ident;
 use serde::Serialize;
 use sqlx::{AssertSqlSafe, PgPool};
 
-use crate::error::Result;
+use super::Result;
 
 /// The exchange dead letters were published to, as a group or a filter
 /// names it.

@@ -7,9 +7,9 @@ use serde::Serialize;
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
-use crate::admin::blocked::{BlockedAggregate, blocked_aggregates, blocked_heads};
-use crate::admin::failures::{Failures, failures};
-use crate::error::Result;
+use super::Result;
+use super::blocked::{BlockedAggregate, blocked_aggregates, blocked_heads};
+use super::failures::{Failures, failures};
 
 /// The outbox at a glance (`outbox-relay status`).
 #[derive(Debug, Clone, Serialize)]
@@ -40,12 +40,12 @@ pub struct Status {
     /// it and how far behind.
     pub wal: Option<crate::admin::wal::WalSlot>,
     /// Dead letters by error class, event type and exchange: the
-    /// [`STATUS_TOP_GROUPS`] largest groups of each.
+    /// `STATUS_TOP_GROUPS` (5) largest groups of each.
     pub failures: Failures,
 }
 
 /// How many groups of each breakdown [`Status::failures`] names.
-pub const STATUS_TOP_GROUPS: i64 = 5;
+pub(crate) const STATUS_TOP_GROUPS: i64 = 5;
 
 /// A relay and the partitions it leases.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]

@@ -4,8 +4,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::admin::Selection;
 use clap::{Args as ClapArgs, Parser, Subcommand, ValueEnum};
-use outbox_relay::admin::Selection;
 use uuid::Uuid;
 
 /// Publishes events from a PostgreSQL transactional outbox to RabbitMQ, at

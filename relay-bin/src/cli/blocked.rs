@@ -1,8 +1,8 @@
 //! `outbox-relay blocked`: ordered aggregates held up by a failing event.
 
+use crate::admin;
 use anyhow::Result;
 use outbox::Ident;
-use outbox_relay::admin;
 use sqlx::PgPool;
 
 use super::args::BlockedCommand;

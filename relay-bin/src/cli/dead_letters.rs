@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
+use crate::admin::{self, Replayed};
 use anyhow::Result;
 use outbox::Ident;
-use outbox_relay::admin::{self, Replayed};
 use sqlx::PgPool;
 use uuid::Uuid;
 

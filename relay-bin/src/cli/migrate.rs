@@ -3,7 +3,6 @@
 
 use anyhow::{Context, Result, bail};
 use outbox::Ident;
-use outbox_relay::admin;
 use sqlx::PgPool;
 
 use super::args::CaptureArg;
@@ -26,7 +25,7 @@ pub(super) async fn migrate(
         say!("schema {schema}: applied migrations {applied:?}");
     }
     if capture == CaptureArg::Wal {
-        let done = admin::create_wal_slot(pool, schema, slot)
+        let done = crate::create_wal_slot(pool, schema, slot)
             .await
             .context("setting up the write-ahead-log capture")?;
         let slot = &done.slot;

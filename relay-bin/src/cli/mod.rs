@@ -1,4 +1,5 @@
-//! Flags and environment → one validated config → the command.
+//! The `outbox-relay` binary (feature `cli`): flags and environment → one
+//! validated config → the command. Not an API: `main.rs` calls [`main`].
 //!
 //! One file per subcommand; `args.rs` holds every flag (their doc comments
 //! are the `--help` text), and `database.rs` the connection the commands
@@ -27,12 +28,27 @@ mod ordering;
 mod run;
 mod status;
 
-pub(crate) use args::Args;
-pub(crate) use logging::init_logging;
+use args::{Args, Command};
+use clap::Parser;
+use logging::init_logging;
 
-use args::Command;
+/// The `outbox-relay` binary: parses the command line, sets up logging and
+/// runs the command. Its error is printed on one line, secrets scrubbed.
+pub async fn main() -> ExitCode {
+    let args = Args::parse();
+    init_logging(args.log_format);
+    match run(args).await {
+        Ok(code) => code,
+        Err(e) => {
+            // One line naming the cause; never a password.
+            let line = crate::secrets::scrub_secrets(&format!("{e:#}"));
+            eprintln!("outbox-relay: error: {line}");
+            ExitCode::FAILURE
+        }
+    }
+}
 
-pub(crate) async fn run(args: Args) -> Result<ExitCode> {
+async fn run(args: Args) -> Result<ExitCode> {
     let schema = Ident::new("schema", &args.schema)?;
     let Some(url) = args.database_url.as_deref() else {
         bail!("no database URL: set DATABASE_URL or pass --database-url");

@@ -3,10 +3,10 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
+use crate::{Relay, RelayConfig, WalCapture};
 use anyhow::{Context, Result};
 use outbox::Ident;
 use outbox::redact::redact_urls;
-use outbox_relay::{Relay, RelayConfig, WalCapture};
 use tokio_util::sync::CancellationToken;
 
 use super::args::{CaptureArg, RunArgs};
@@ -25,7 +25,7 @@ pub(super) async fn run_relay(
     let relay = Relay::new(pool.clone(), config).await?;
     // Fail fast with one line when the broker is unreachable at start;
     // after that the supervisor reconnects by itself.
-    relay.connect().await?.close(r.broker_timeout).await;
+    relay.check_broker().await?;
     if let Some(addr) = r.metrics_addr {
         crate::http::serve(addr, relay.health(), pool.clone(), schema.clone()).await?;
     }
@@ -54,24 +54,26 @@ pub(super) async fn run_relay(
 
 /// The engine's config from the flags (not validated yet).
 fn relay_config(url: &str, schema: &Ident, r: &RunArgs) -> RelayConfig {
-    let mut config = RelayConfig::default();
-    config.amqp_url = r.amqp_url.join(",").into();
-    config.schema = schema.to_string();
-    config.default_exchange = r.exchange.clone();
-    config.declare_exchange = (r.declare_exchange != "none").then(|| r.declare_exchange.clone());
-    config.batch_size = r.batch_size;
-    config.workers = r.workers;
-    config.poll_interval = r.poll_interval;
-    config.listen = !r.no_listen;
-    config.max_attempts = r.max_attempts;
-    config.retry_base = r.retry_base;
-    config.retry_max = r.retry_max;
-    config.confirm_timeout = r.confirm_timeout;
-    config.broker_timeout = r.broker_timeout;
-    config.max_payload_bytes = r.max_payload_bytes;
-    config.archive = r.archive;
-    config.drain_timeout = r.drain_timeout;
-    config.lease_ttl = r.lease_ttl;
+    let mut config = RelayConfig {
+        amqp_url: r.amqp_url.join(",").into(),
+        schema: schema.to_string(),
+        default_exchange: r.exchange.clone(),
+        declare_exchange: (r.declare_exchange != "none").then(|| r.declare_exchange.clone()),
+        batch_size: r.batch_size,
+        workers: r.workers,
+        poll_interval: r.poll_interval,
+        listen: !r.no_listen,
+        max_attempts: r.max_attempts,
+        retry_base: r.retry_base,
+        retry_max: r.retry_max,
+        confirm_timeout: r.confirm_timeout,
+        broker_timeout: r.broker_timeout,
+        max_payload_bytes: r.max_payload_bytes,
+        archive: r.archive,
+        drain_timeout: r.drain_timeout,
+        lease_ttl: r.lease_ttl,
+        ..RelayConfig::default()
+    };
     if let Some(name) = &r.name {
         config.name = name.clone();
     }

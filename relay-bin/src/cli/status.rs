@@ -1,8 +1,8 @@
 //! `outbox-relay status`: the backlog at a glance.
 
+use crate::admin;
 use anyhow::{Context, Result};
 use outbox::Ident;
-use outbox_relay::admin;
 use sqlx::PgPool;
 
 use super::blocked::print_blocked;

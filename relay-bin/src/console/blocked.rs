@@ -2,11 +2,11 @@
 //! head, its error and the events waiting behind it; retry the head now,
 //! or skip it to the dead letters with a required reason.
 
+use crate::admin::{self, BlockedAggregate, WaitingEvent};
 use axum::extract::Extension;
 use axum::http::{HeaderMap, StatusCode};
 use chrono::{DateTime, Utc};
 use maud::{Markup, html};
-use outbox_relay::admin::{self, BlockedAggregate, WaitingEvent};
 use uuid::Uuid;
 
 use super::form::ActionForm;
@@ -93,7 +93,7 @@ fn behind(b: &BlockedAggregate, waiting: &[WaitingEvent]) -> Markup {
         .filter(|w| w.aggregate_type == b.aggregate_type && w.aggregate_id == b.aggregate_id)
         .collect();
     html! {
-        (count(b.waiting)) @if b.waiting >= admin::blocked::WAITING_COUNTED_UP_TO { "+" } " event(s)"
+        (count(b.waiting)) @if b.waiting >= admin::WAITING_COUNTED_UP_TO { "+" } " event(s)"
         @if !behind.is_empty() {
             ": "
             @for (i, w) in behind.iter().enumerate() {

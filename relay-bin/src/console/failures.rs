@@ -9,12 +9,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::admin::share;
+use crate::admin::{self, Breakdown, Exchange, Failures};
 use axum::http::HeaderMap;
 use chrono::{DateTime, Utc};
 use maud::{Markup, html};
 use outbox::Ident;
-use outbox_relay::admin::failures::share;
-use outbox_relay::admin::{self, Breakdown, Exchange, Failures};
 use sqlx::PgPool;
 
 use super::layout::{age, count, page, time};
@@ -65,7 +65,7 @@ pub(crate) async fn refreshed(
     pool: &PgPool,
     schema: &Ident,
     previous: Option<&Grouped>,
-) -> outbox_relay::Result<Grouped> {
+) -> crate::admin::Result<Grouped> {
     if let Some(p) = previous.filter(|p| Instant::now() < p.read_again_at) {
         return Ok(p.clone());
     }

@@ -28,6 +28,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
+use crate::admin::{self, BacklogByType, Gauges, MinuteRate, RelayLeases};
 use anyhow::{Context, Result, bail};
 use axum::Router;
 use axum::extract::{Request, State};
@@ -37,7 +38,6 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use chrono::{DateTime, Utc};
 use outbox::Ident;
-use outbox_relay::admin::{self, BacklogByType, Gauges, MinuteRate, RelayLeases};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
@@ -145,7 +145,7 @@ async fn read_snapshot(
     pool: &PgPool,
     schema: &Ident,
     previous: Option<&Snapshot>,
-) -> outbox_relay::Result<Snapshot> {
+) -> crate::admin::Result<Snapshot> {
     let gauges = admin::gauges(pool, schema).await?;
     let (relays, unleased) = admin::relays(pool, schema).await?;
     let rates = admin::publish_rates(pool, schema, 60).await?;
@@ -335,7 +335,7 @@ impl<E: Into<anyhow::Error>> From<E> for PageError {
 impl IntoResponse for PageError {
     fn into_response(self) -> Response {
         // Operator actions that found more than was confirmed: say so.
-        if let Some(e @ outbox_relay::Error::SelectionGrew { .. }) = self.0.downcast_ref() {
+        if let Some(e @ crate::admin::Error::SelectionGrew { .. }) = self.0.downcast_ref() {
             return layout::error_page(
                 axum::http::StatusCode::CONFLICT,
                 "Nothing was changed",

@@ -1,10 +1,10 @@
 //! The Overview page (from the refresher's snapshot: no query per request)
 //! and the read-only Outbox page.
 
+use crate::admin::{self, MinuteRate};
 use axum::http::HeaderMap;
 use chrono::Utc;
 use maud::{Markup, html};
-use outbox_relay::admin::{self, MinuteRate};
 
 use super::layout::{age, count, page, time, user_cut};
 use super::{ConsoleState, PageResult};
@@ -51,7 +51,7 @@ pub(crate) async fn overview(state: ConsoleState, headers: HeaderMap) -> PageRes
         p.muted {
             "Figures as of " (time(s.taken_at)) " UTC ("
             (age((Utc::now() - s.taken_at).as_seconds_f64())) " ago); counts above "
-            (count(admin::status::EXACT_COUNT_UP_TO)) " rows are estimates (from the statistics, or from a sample of the table's pages when it was never analysed). This page refreshes by itself."
+            (count(admin::EXACT_COUNT_UP_TO)) " rows are estimates (from the statistics, or from a sample of the table's pages when it was never analysed). This page refreshes by itself."
         }
     };
     let every = console.options.refresh.as_secs_f64().ceil().max(1.0) as u64;

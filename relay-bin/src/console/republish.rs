@@ -4,11 +4,11 @@
 //! ([`OutboxEvent::properties`]), so their `message_id` is the event id
 //! and the consumer's inbox skips any it processed meanwhile.
 
+use crate::message::OutboxEvent;
 use axum::extract::Extension;
 use axum::http::{HeaderMap, StatusCode};
 use chrono::{DateTime, Utc};
 use maud::html;
-use outbox_relay::OutboxEvent;
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 

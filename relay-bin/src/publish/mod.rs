@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::message::OutboxEvent;
 use outbox_core::amqp::bounded;
 
-pub use receipt::Receipt;
+pub(crate) use receipt::Receipt;
 
 /// One confirm-mode channel, used by one worker.
 pub(crate) struct Publisher {

@@ -13,7 +13,7 @@ use crate::publish::Publisher;
 /// glossary in the crate docs).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Receipt {
+pub(crate) enum Receipt {
     /// Acked and not returned: the broker has it. Only this counts as
     /// delivered.
     Delivered,
@@ -71,7 +71,7 @@ pub enum Receipt {
 
 impl Receipt {
     /// The text recorded as `last_error` (`None` for a delivery).
-    pub fn error(&self) -> Option<String> {
+    pub(crate) fn error(&self) -> Option<String> {
         match self {
             Receipt::Delivered => None,
             Receipt::Nacked => Some("nacked by the broker".to_owned()),
@@ -101,7 +101,7 @@ impl Receipt {
     }
 
     /// True when retrying cannot help.
-    pub fn is_permanent(&self) -> bool {
+    pub(crate) fn is_permanent(&self) -> bool {
         matches!(self, Receipt::TooLarge { .. } | Receipt::Unpublishable(_))
     }
 }

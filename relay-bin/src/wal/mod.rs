@@ -5,17 +5,20 @@
 //! table (`divert.rs`), and only then confirms their position to the slot.
 //! The files: `reader.rs` (sessions, standby, reconnects), `slot.rs`,
 //! `stream.rs` (reading and sending), `window.rs` (the batches on the
-//! wire), `decode.rs`.
+//! wire), `decode.rs`, and `setup.rs` (creating and dropping the slot).
 //! Other relays wait as standbys and take the slot when it is free.
 
 mod decode;
 pub(crate) mod divert;
 mod reader;
+mod setup;
 mod slot;
 mod stream;
 mod window;
 
 pub(crate) use reader::WalReader;
+pub(crate) use setup::recorded_wal_slot;
+pub use setup::{WalSetUp, create_wal_slot, drop_wal_slot};
 pub(crate) use slot::{lost_message, refusal, slot_row};
 
 use pgwire_replication::ReplicationConfig;

@@ -1,8 +1,8 @@
 //! Step two of an action: does it, logs it, and says what happened.
 
+use crate::admin;
 use axum::http::HeaderMap;
 use maud::{Markup, html};
-use outbox_relay::admin;
 use uuid::Uuid;
 
 use super::super::form::{ActionForm, bad_request};
@@ -29,7 +29,7 @@ pub(crate) async fn act(
     Ok(page(console, &headers, "/dead-letters", "Done", None, body))
 }
 
-async fn replay(console: &Console, who: &Principal, c: &Confirmed) -> outbox_relay::Result<Markup> {
+async fn replay(console: &Console, who: &Principal, c: &Confirmed) -> crate::admin::Result<Markup> {
     let req = &c.request;
     let (reason, confirmed) = (&c.reason, c.count());
     let r = admin::replay_dead_letters(
@@ -66,7 +66,7 @@ async fn replay(console: &Console, who: &Principal, c: &Confirmed) -> outbox_rel
     })
 }
 
-async fn purge(console: &Console, who: &Principal, c: &Confirmed) -> outbox_relay::Result<Markup> {
+async fn purge(console: &Console, who: &Principal, c: &Confirmed) -> crate::admin::Result<Markup> {
     let req = &c.request;
     let (reason, confirmed) = (&c.reason, c.count());
     let ids = admin::purge_dead_letters(&console.pool, &console.schema, &req.selection, c.expected)

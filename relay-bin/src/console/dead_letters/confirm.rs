@@ -1,11 +1,11 @@
 //! Step one of an action: how many dead letters it will touch, a sample
 //! of them, and the form that does it.
 
+use crate::admin::{self, Selection};
 use axum::extract::Extension;
 use axum::http::HeaderMap;
 use chrono::{DateTime, Utc};
 use maud::{Markup, html};
-use outbox_relay::admin::{self, Selection};
 
 use super::super::form::{ActionForm, bad_request};
 use super::super::layout::{count, page};
@@ -29,7 +29,7 @@ enum Counted {
 }
 
 impl Counted {
-    async fn of(console: &Console, selection: &Selection) -> outbox_relay::Result<Counted> {
+    async fn of(console: &Console, selection: &Selection) -> crate::admin::Result<Counted> {
         let cap = list::COUNT_CAP;
         let (pool, schema) = (&console.pool, &console.schema);
         let count = admin::count_dead_letters(pool, schema, selection, Some(cap + 1));

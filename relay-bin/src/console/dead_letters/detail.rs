@@ -1,10 +1,10 @@
 //! One dead letter in full: where it was going, why it failed (every
 //! attempt), what it carried, and the buttons to replay or purge it.
 
+use crate::admin::{self, DeadLetterDetail};
 use axum::extract::{Extension, Path};
 use axum::http::{HeaderMap, StatusCode};
 use maud::{Markup, html};
-use outbox_relay::admin::{self, DeadLetterDetail};
 use uuid::Uuid;
 
 use super::super::form::bad_request;

@@ -1,26 +1,26 @@
 //! A dead-letter filter in a form or a URL, and in words.
 
+use crate::admin::Filter;
 use chrono::{DateTime, Utc};
 use maud::{Markup, html};
-use outbox_relay::admin::Filter;
 
 use super::super::form::{Fields, parse_time};
 use super::super::layout::time;
 
 pub(super) fn filter_of(f: &Fields) -> Result<Filter, String> {
     let text = |name| f.get(name).map(str::to_owned);
-    let mut filter = Filter::default();
-    filter.event_type = text("event_type");
-    filter.aggregate_type = text("aggregate_type");
-    filter.aggregate_id = text("aggregate_id");
-    filter.error_words = text("error");
-    filter.error_class = f.untrimmed("error_class").map(str::to_owned);
-    filter.exchange = f
-        .untrimmed("exchange")
-        .map(super::super::failures::exchange_of);
-    filter.since = f.get("since").map(|t| parse_time("since", t)).transpose()?;
-    filter.until = f.get("until").map(|t| parse_time("until", t)).transpose()?;
-    Ok(filter)
+    Ok(Filter {
+        event_type: text("event_type"),
+        aggregate_type: text("aggregate_type"),
+        aggregate_id: text("aggregate_id"),
+        error_words: text("error"),
+        error_class: f.untrimmed("error_class").map(str::to_owned),
+        exchange: f
+            .untrimmed("exchange")
+            .map(super::super::failures::exchange_of),
+        since: f.get("since").map(|t| parse_time("since", t)).transpose()?,
+        until: f.get("until").map(|t| parse_time("until", t)).transpose()?,
+    })
 }
 
 /// The filter as `name=value` pairs (times in RFC 3339).

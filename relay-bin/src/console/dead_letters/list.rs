@@ -1,11 +1,11 @@
 //! The list of dead letters: filter, sort (newest, oldest, most attempts),
 //! page forwards and backwards, select rows or every match for an action.
 
+use crate::admin::{self, Cursor, DeadLetter, DeadLetterPage, Filter, Order, PageAt};
 use axum::extract::{Extension, Query};
 use axum::http::HeaderMap;
 use chrono::{DateTime, Utc};
 use maud::{Markup, html};
-use outbox_relay::admin::{self, Cursor, DeadLetter, DeadLetterPage, Filter, Order, PageAt};
 use std::collections::HashMap;
 use uuid::Uuid;
 
@@ -140,10 +140,10 @@ pub(crate) async fn list(
 /// How many dead letters match, and whether that is approximate.
 /// Unfiltered: the refresher's figure (an estimate on a big table);
 /// filtered: counted through the filter's index, up to a cap.
-async fn matching(console: &Console, filter: &Filter) -> outbox_relay::Result<(i64, bool)> {
+async fn matching(console: &Console, filter: &Filter) -> crate::admin::Result<(i64, bool)> {
     if filter.is_empty() {
         let n = console.snapshot().gauges.dead_letters;
-        return Ok((n, n > admin::status::EXACT_COUNT_UP_TO));
+        return Ok((n, n > admin::EXACT_COUNT_UP_TO));
     }
     let selection = admin::Selection::Matching(filter.clone());
     let n = admin::count_dead_letters(

@@ -1,7 +1,7 @@
 //! An action form's fields, read: replay or purge, and of which dead
 //! letters. Pure: nothing here touches the database.
 
-use outbox_relay::admin::Selection;
+use crate::admin::Selection;
 use uuid::Uuid;
 
 use super::super::form::Fields;
