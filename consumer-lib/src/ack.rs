@@ -8,6 +8,7 @@ use lapin::options::{BasicAckOptions, BasicPublishOptions};
 use lapin::types::AMQPValue;
 use lapin::{Acker, BasicProperties, Channel, Confirmation, PublisherConfirm};
 use outbox::wire;
+use outbox_core::queues::DEATH_HISTORY;
 
 use crate::error::{Error, Result, bounded};
 use crate::event::{HEADER_DEFERRAL_COUNT, HEADER_DELIVERY_COUNT};
@@ -201,17 +202,6 @@ fn add_header(props: BasicProperties, name: &str, value: AMQPValue) -> BasicProp
     headers.insert(name.into(), value);
     props.with_headers(headers)
 }
-
-/// The headers RabbitMQ writes when it dead-letters a message.
-const DEATH_HISTORY: &[&str] = &[
-    "x-death",
-    "x-first-death-exchange",
-    "x-first-death-queue",
-    "x-first-death-reason",
-    "x-last-death-exchange",
-    "x-last-death-queue",
-    "x-last-death-reason",
-];
 
 /// `props` without the headers `names`.
 fn without(props: BasicProperties, names: &[&str]) -> BasicProperties {

@@ -40,10 +40,10 @@ pub(crate) struct Inner {
     pub(crate) counters: Counters,
     pub(crate) broker: Outage,
     pub(crate) database: Outage,
-    /// Index of the broker URL the next connection tries first.
-    pub(crate) next_url: std::sync::atomic::AtomicUsize,
-    /// `host:port` of the broker node in use (or last used).
-    pub(crate) node: std::sync::Mutex<Option<String>>,
+    /// The broker's nodes: which one the next connection tries first
+    /// (the one in use, or the one after it once a session on it failed),
+    /// which one is in use.
+    pub(crate) nodes: outbox_core::amqp::Nodes,
 }
 
 impl std::fmt::Debug for Consumer {
@@ -103,6 +103,15 @@ impl Consumer {
             Outage::new("broker", config.consumer_name.clone()),
             Outage::new("database", config.consumer_name.clone()),
         );
+        let nodes = outbox_core::amqp::Nodes::new(
+            outbox::redact::split_urls(config.amqp_url.expose())
+                .into_iter()
+                .map(str::to_owned)
+                .collect(),
+            config.broker_timeout,
+            "outbox_consumer_broker_connected",
+            vec![("consumer", config.consumer_name.clone())],
+        );
         Ok(Self {
             inner: Arc::new(Inner {
                 begin: config.begin_batch(),
@@ -113,8 +122,7 @@ impl Consumer {
                 inbox,
                 sequences,
                 counters: Counters::default(),
-                next_url: Default::default(),
-                node: Default::default(),
+                nodes,
                 broker,
                 database,
             }),
@@ -179,10 +187,6 @@ impl Consumer {
     /// `host:port` of the broker node this consumer is connected to, or
     /// was last connected to.
     pub fn broker_node(&self) -> Option<String> {
-        self.inner
-            .node
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.inner.nodes.current()
     }
 }

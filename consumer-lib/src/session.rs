@@ -87,38 +87,28 @@ impl Consumer {
         // lapin's auto-recovery stays off: `supervise` reconnects.
         let props = ConnectionProperties::default()
             .with_connection_name(format!("outbox-consumer {}", cfg.consumer_name).into());
-        let conn = self.connect(props).await?;
+        let (conn, node) = self.connect(props).await?;
         let result = self.consume(&conn, shutdown, backoff).await;
-        // Disconnected: the node's gauge drops to 0 until a connection.
-        if let Some(node) = self.broker_node() {
-            metrics::gauge!("outbox_consumer_broker_connected", "consumer" => cfg.consumer_name.clone(), "node" => node).set(0.0);
+        if result.is_err() {
+            // The next connection starts with the node after this one.
+            self.inner.nodes.leave(node);
         }
+        // Disconnected: the node's gauge drops to 0 until a connection.
+        self.inner.nodes.gone();
         let _ = tokio::time::timeout(t, conn.close(200, "consumer stopping".into())).await;
         result
     }
 
-    /// Connects to the first broker URL that answers, from the one after
-    /// the node used last ([`outbox_core::amqp::connect_any`]).
-    async fn connect(&self, props: ConnectionProperties) -> Result<Connection> {
+    /// Connects to the first broker URL that answers, from the node in
+    /// use or the one after the node whose session failed
+    /// (`outbox_core::amqp::Nodes`, the relay's seam too). Returns the
+    /// connection and its node's index.
+    async fn connect(&self, props: ConnectionProperties) -> Result<(Connection, usize)> {
         let me = &self.inner;
-        let urls = outbox::redact::split_urls(me.config.amqp_url.expose());
-        let start = me.next_url.load(Ordering::Relaxed);
-        let (conn, i) =
-            outbox_core::amqp::connect_any(&urls, start, me.config.broker_timeout, props).await?;
-        me.next_url.store((i + 1) % urls.len(), Ordering::Relaxed);
-        let node = outbox::redact::host_port(urls[i]);
-        let name = me.config.consumer_name.clone();
-        let previous = me
-            .node
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .replace(node.clone());
-        if let Some(p) = previous.filter(|p| *p != node) {
-            metrics::gauge!("outbox_consumer_broker_connected", "consumer" => name.clone(), "node" => p).set(0.0);
-        }
-        metrics::gauge!("outbox_consumer_broker_connected", "consumer" => name, "node" => node.clone()).set(1.0);
+        let (conn, i) = me.nodes.connect(props).await?;
+        let node = me.nodes.current().unwrap_or_default();
         tracing::info!(consumer = %me.config.consumer_name, broker = %node, "connected to the broker");
-        Ok(conn)
+        Ok((conn, i))
     }
 
     async fn consume(

@@ -215,3 +215,67 @@ async fn refusals_end_run_with_an_error_instead_of_retrying() {
     }
     env.teardown().await;
 }
+
+/// Two nodes (proxies to the test broker): a consumer whose session fails
+/// starts the next one with the node after it, even when the node it left
+/// still answers; a working session stays where it is (the relay's rule
+/// too, through the same seam: relay-bin/tests/broker_nodes.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_failed_session_the_consumer_moves_to_the_next_node() {
+    let mut env = Env::new().await;
+    let upstream = "127.0.0.1:5672".parse().unwrap();
+    let (first, second) = (
+        e2e::Proxy::start(upstream).await,
+        e2e::Proxy::start(upstream).await,
+    );
+    let late = format!("{}_late", env.queue);
+    let mut cfg = env.config("svc");
+    cfg.queue = late.clone();
+    cfg.declare_retry_queues = false;
+    let direct = cfg.amqp_url.expose().to_owned();
+    let (first_url, second_url) = (first.url(&direct), second.url(&direct));
+    cfg.amqp_url = format!("{first_url},{second_url}").into();
+    let c = Running::start(Consumer::new(cfg, env.pool.clone(), Ack).unwrap());
+    // Both nodes answer, but every session fails (404: no queue yet): the
+    // attempts take turns.
+    wait_until("three failed sessions", || async {
+        c.consumer.stats().broker_errors >= 3
+    })
+    .await;
+    assert!(first.connections() >= 2, "started on the first node");
+    assert!(second.connections() >= 1, "moved on after a failed session");
+
+    env.add_queue(&late).await;
+    env.publish(Some(&id()), "{}").await;
+    wait_until("processed once the queue exists", || async {
+        c.consumer.stats().processed == 1
+    })
+    .await;
+    let node = |url: &str| outbox::redact::host_port(url);
+    let (used, other, other_url) = if c.consumer.broker_node() == Some(node(&first_url)) {
+        (&first, &second, &second_url)
+    } else {
+        (&second, &first, &first_url)
+    };
+    // The node in use drops the connection: the consumer moves to the
+    // other one and stays there once the first answers again.
+    let sessions = c.consumer.stats().connections;
+    used.set(e2e::Mode::Reset);
+    wait_until("reconnected", || async {
+        c.consumer.stats().connections > sessions
+    })
+    .await;
+    used.set(e2e::Mode::Pass);
+    assert_eq!(c.consumer.broker_node(), Some(node(other_url)));
+    let on_other = other.connections();
+    env.publish(Some(&id()), "{}").await;
+    wait_until("processed on the other node", || async {
+        c.consumer.stats().processed == 2
+    })
+    .await;
+    assert_eq!(other.connections(), on_other, "no reconnect while it works");
+    c.stop().await;
+    first.stop();
+    second.stop();
+    env.teardown().await;
+}

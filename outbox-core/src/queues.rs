@@ -13,6 +13,20 @@ pub fn dead_letter_queue(queue: &str) -> String {
     format!("{queue}.dlq")
 }
 
+/// The headers RabbitMQ adds to a message it dead-letters: its death
+/// history. A message the consumer dead-letters itself, or an operator
+/// replays, carries none of them (RabbitMQ could take an old history for
+/// a cycle and drop the message).
+pub const DEATH_HISTORY: &[&str] = &[
+    "x-death",
+    "x-first-death-exchange",
+    "x-first-death-queue",
+    "x-first-death-reason",
+    "x-last-death-exchange",
+    "x-last-death-queue",
+    "x-last-death-reason",
+];
+
 /// The longest a work queue's name may be so that its retry queue's name
 /// still fits AMQP's 255 bytes.
 pub const MAX_WORK_QUEUE_LEN: usize = 255 - ".retry".len();

@@ -1,10 +1,10 @@
 //! The relay's broker seam: connections with failover between the nodes
-//! of `amqp_url`, shared by the table's supervisor and the log's reader.
-//! A new connection starts with the node in use while it works, and after
-//! the node whose session failed once one did.
+//! of `amqp_url` (`outbox_core::amqp::Nodes`, the consumer's too), shared
+//! by the table's supervisor and the log's reader. A new connection starts
+//! with the node in use while it works, and after the node whose session
+//! failed once one did.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lapin::options::ExchangeDeclareOptions;
@@ -14,17 +14,15 @@ use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use crate::config::RelayConfig;
 use crate::error::Result;
 use crate::health::{Health, lock};
-use outbox_core::amqp::bounded;
+use outbox_core::amqp::{Nodes, bounded};
 
-/// The broker's nodes and which one the next connection tries first.
+/// The broker's nodes (which one the next connection tries first, which
+/// one is in use) and what each connection declares.
 pub(crate) struct Broker {
-    /// The URLs of `amqp_url`, in the order tried (never printed).
-    urls: Vec<String>,
+    nodes: Nodes,
     timeout: Duration,
     /// The exchange to declare on each connection, and its kind.
     declare: Option<(String, String)>,
-    /// Index of the URL the next connection tries first.
-    next: AtomicUsize,
     /// Where the node in use is shown.
     health: Arc<Health>,
 }
@@ -32,7 +30,7 @@ pub(crate) struct Broker {
 impl std::fmt::Debug for Broker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Broker")
-            .field("nodes", &self.urls.len())
+            .field("nodes", &self.nodes)
             .finish_non_exhaustive()
     }
 }
@@ -40,13 +38,17 @@ impl std::fmt::Debug for Broker {
 impl Broker {
     pub(crate) fn new(config: &RelayConfig, health: Arc<Health>) -> Self {
         Self {
-            urls: config.amqp_urls(),
+            nodes: Nodes::new(
+                config.amqp_urls(),
+                config.broker_timeout,
+                "outbox_relay_broker_connected",
+                vec![],
+            ),
             timeout: config.broker_timeout,
             declare: config
                 .declare_exchange
                 .clone()
                 .map(|kind| (config.default_exchange.clone(), kind)),
-            next: AtomicUsize::new(0),
             health,
         }
     }
@@ -57,10 +59,10 @@ impl Broker {
     /// index of its node, for [`leave`](Self::leave).
     pub(crate) async fn connect(&self) -> Result<(Arc<Connection>, usize)> {
         let props = ConnectionProperties::default().with_connection_name("outbox-relay".into());
-        let start = self.next.load(Ordering::Relaxed);
-        let (conn, i) =
-            outbox_core::amqp::connect_any(&self.urls, start, self.timeout, props).await?;
-        self.using(i);
+        let (conn, i) = self.nodes.connect(props).await?;
+        let node = self.nodes.current().unwrap_or_default();
+        *lock(&self.health.node) = Some(node.clone());
+        tracing::info!(broker = %node, "connected to the broker");
         let conn = Arc::new(conn);
         if let Some((name, kind)) = &self.declare
             && let Err(e) = declare_exchange(&conn, name, kind, self.timeout).await
@@ -71,37 +73,16 @@ impl Broker {
         Ok((conn, i))
     }
 
-    /// Records (health, metrics, log) that the relay is connected to node
-    /// `i`; the next connection starts with it again (a session that ended
-    /// cleanly, such as the start-up check, is no reason to leave a node:
-    /// services whose lists start at different nodes stay spread).
-    fn using(&self, i: usize) {
-        let node = outbox::redact::host_port(&self.urls[i]);
-        let previous = lock(&self.health.node).replace(node.clone());
-        if let Some(p) = previous.filter(|p| *p != node) {
-            metrics::gauge!("outbox_relay_broker_connected", "node" => p).set(0.0);
-        }
-        metrics::gauge!("outbox_relay_broker_connected", "node" => node.clone()).set(1.0);
-        self.next.store(i, Ordering::Relaxed);
-        tracing::info!(broker = %node, "connected to the broker");
-    }
-
     /// A session on node `i` failed: the next connection starts with the
-    /// node after it, so a failing node is not the first one tried again.
-    /// Unless another session already moved on (the WAL reader's, or a
-    /// connection made since): then that choice stands.
+    /// node after it (unless another session, the WAL reader's or one
+    /// made since, moved on already).
     pub(crate) fn leave(&self, i: usize) {
-        let n = self.urls.len().max(1);
-        let _ = self
-            .next
-            .compare_exchange(i, (i + 1) % n, Ordering::Relaxed, Ordering::Relaxed);
+        self.nodes.leave(i);
     }
 
     /// The connection to the node in use is gone: its gauge drops to 0.
     pub(crate) fn gone(&self) {
-        if let Some(node) = lock(&self.health.node).clone() {
-            metrics::gauge!("outbox_relay_broker_connected", "node" => node).set(0.0);
-        }
+        self.nodes.gone();
     }
 }
 

@@ -34,17 +34,11 @@ use outbox_core::amqp::{bounded, connect_any};
 /// 20, so a limit of 11 or more never drops a browsed message.
 pub(crate) const RENEW_AT: i64 = 10;
 
-/// Headers the broker and the consumer add on the way to a dead-letter
-/// queue: a replayed copy carries none of them, so it starts afresh (no
-/// retry count spent, no death history RabbitMQ could take for a cycle).
+/// Headers the consumer adds on the way to a dead-letter queue, besides
+/// the broker's death history (`outbox_core::queues::DEATH_HISTORY`): a
+/// replayed copy carries none of them, so it starts afresh (no retry count
+/// spent, no death history RabbitMQ could take for a cycle).
 const DEAD_LETTER_HEADERS: &[&str] = &[
-    "x-death",
-    "x-first-death-exchange",
-    "x-first-death-queue",
-    "x-first-death-reason",
-    "x-last-death-exchange",
-    "x-last-death-queue",
-    "x-last-death-reason",
     "x-delivery-count",
     "x-dead-letter-consumer",
     wire::HEADER_DEAD_LETTER_REASON,
@@ -228,7 +222,10 @@ impl DeadLetter {
             return self.properties.clone();
         };
         let mut map = h.inner().clone();
-        for n in DEAD_LETTER_HEADERS {
+        for n in outbox_core::queues::DEATH_HISTORY
+            .iter()
+            .chain(DEAD_LETTER_HEADERS)
+        {
             map.remove(*n);
         }
         self.properties.clone().with_headers(map.into())

@@ -1,6 +1,11 @@
 //! Broker calls bounded by a timeout, the one rule for which broker errors
-//! no retry can fix, and connecting to the first of several nodes that
-//! answers.
+//! no retry can fix, connecting to the first of several nodes that
+//! answers, and [`Nodes`]: the broker seam of the relay, its WAL reader
+//! and the consumer (which node to try first, which one is in use).
+
+mod nodes;
+
+pub use nodes::Nodes;
 
 use std::future::Future;
 use std::time::Duration;
