@@ -6,12 +6,10 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use e2e::{Collector, TestBroker, TestDb, amqp_url, wait_until};
+use e2e::{Collector, TestBroker, TestDb, TestRelay, wait_until};
 use lapin::types::{AMQPValue, FieldTable};
-use outbox_relay::{Relay, RelayConfig};
 use serde_json::{Value, json};
 use sqlx::AssertSqlSafe;
-use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -90,34 +88,19 @@ fn unpublishable_by_name() -> Vec<Row> {
     ]
 }
 
-fn relay_config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
-    let mut c = RelayConfig::default();
-    c.amqp_url = amqp_url().into();
-    c.schema = db.schema.clone();
-    c.default_exchange = broker.exchange.clone();
-    c.declare_exchange = None;
-    c.max_payload_bytes = MAX_PAYLOAD;
-    c.max_attempts = 2;
-    c.poll_interval = Duration::from_millis(100);
-    c.retry_base = Duration::from_millis(20);
-    c.retry_max = Duration::from_millis(100);
-    c.reconnect_min = Duration::from_millis(50);
-    c.reconnect_max = Duration::from_millis(200);
-    c
-}
-
-fn spawn(
-    relay: &Relay,
-) -> (
-    CancellationToken,
-    tokio::task::JoinHandle<outbox_relay::Result<()>>,
-) {
-    let stop = CancellationToken::new();
-    let task = tokio::spawn({
-        let (relay, stop) = (relay.clone(), stop.clone());
-        async move { relay.run(stop).await }
-    });
-    (stop, task)
+/// These tests' relay: [`TestRelay`]'s settings but payloads up to
+/// [`MAX_PAYLOAD`], two attempts, a 100 ms poll, retries after 20 ms up to
+/// 100 ms and reconnects up to 200 ms.
+fn bad_rows_relay(db: &TestDb, broker: &TestBroker) -> TestRelay {
+    TestRelay::new(db, broker).with(|c| {
+        c.max_payload_bytes = MAX_PAYLOAD;
+        c.max_attempts = 2;
+        c.poll_interval = Duration::from_millis(100);
+        c.retry_base = Duration::from_millis(20);
+        c.retry_max = Duration::from_millis(100);
+        c.reconnect_min = Duration::from_millis(50);
+        c.reconnect_max = Duration::from_millis(200);
+    })
 }
 
 async fn dead_letters(db: &TestDb) -> HashMap<Uuid, String> {
@@ -235,10 +218,7 @@ async fn bad_rows_are_refused_or_dead_lettered_and_never_stop_the_relay() {
         intact_ids.insert(id, row);
     }
 
-    let relay = Relay::new(db.pool.clone(), relay_config(&db, &broker))
-        .await
-        .unwrap();
-    let (stop, task) = spawn(&relay);
+    let relay = bad_rows_relay(&db, &broker).start().await;
     wait_until(DEADLINE, "the outbox to empty", || async {
         db.count("outbox").await == 0
     })
@@ -249,13 +229,12 @@ async fn bad_rows_are_refused_or_dead_lettered_and_never_stop_the_relay() {
         || async { collector.distinct() == good.len() + intact.len() },
     )
     .await;
-    assert!(!task.is_finished(), "the relay stopped");
+    assert!(!relay.is_finished(), "the relay stopped");
     assert!(
         !relay.broker_down_now(),
         "the relay reported a broker outage"
     );
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    relay.stop().await;
 
     for id in &good {
         assert!(collector.has(id), "good event {id} missing");
@@ -337,10 +316,7 @@ async fn a_batch_that_panics_is_isolated_and_its_culprit_set_aside() {
     .unwrap();
     good.extend(db.produce(150, 50, Duration::ZERO).await);
 
-    let relay = Relay::new(db.pool.clone(), relay_config(&db, &broker))
-        .await
-        .unwrap();
-    let (stop, task) = spawn(&relay);
+    let relay = bad_rows_relay(&db, &broker).start().await;
     wait_until(DEADLINE, "the outbox to empty", || async {
         db.count("outbox").await == 0
     })
@@ -349,12 +325,11 @@ async fn a_batch_that_panics_is_isolated_and_its_culprit_set_aside() {
         collector.distinct() == good.len()
     })
     .await;
-    assert!(!task.is_finished(), "the relay stopped");
+    assert!(!relay.is_finished(), "the relay stopped");
     // Once with its batch, once alone: the batch is never claimed whole
     // again.
     assert_eq!(relay.worker_panics(), 2);
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    relay.stop().await;
 
     for id in &good {
         assert!(collector.has(id), "good event {id} missing");
@@ -398,11 +373,13 @@ async fn a_channel_failing_under_one_worker_restarts_every_worker() {
     .await
     .unwrap();
     ids.push(culprit.to_string());
-    let mut config = relay_config(&db, &broker);
-    config.workers = 2;
-    config.archive = true;
-    let relay = Relay::new(db.pool.clone(), config).await.unwrap();
-    let (stop, task) = spawn(&relay);
+    let relay = bad_rows_relay(&db, &broker)
+        .with(|c| {
+            c.workers = 2;
+            c.archive = true;
+        })
+        .start()
+        .await;
     wait_until(DEADLINE, "every event on the wire", || async {
         collector.distinct() == ids.len()
     })
@@ -413,8 +390,7 @@ async fn a_channel_failing_under_one_worker_restarts_every_worker() {
         db.count("outbox").await == 0
     })
     .await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    relay.stop().await;
     // The fault landed: the culprit failed once (its channel closed under
     // the batch), then was delivered.
     let attempts: i32 = sqlx::query_scalar(AssertSqlSafe(format!(
@@ -462,10 +438,7 @@ async fn an_old_unpublishable_ordered_row_blocks_only_its_aggregate() {
     .await
     .unwrap();
     let good = db.produce(200, 50, Duration::ZERO).await;
-    let relay = Relay::new(db.pool.clone(), relay_config(&db, &broker))
-        .await
-        .unwrap();
-    let (stop, task) = spawn(&relay);
+    let relay = bad_rows_relay(&db, &broker).start().await;
     wait_until(DEADLINE, "the good events", || async {
         collector.distinct() == good.len()
     })
@@ -482,9 +455,8 @@ async fn an_old_unpublishable_ordered_row_blocks_only_its_aggregate() {
                 .is_some_and(|e| e.contains("routing key"))
     })
     .await;
-    assert!(!task.is_finished(), "the relay stopped");
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    assert!(!relay.is_finished(), "the relay stopped");
+    relay.stop().await;
     assert_eq!(db.count("outbox").await, 1, "only the old row is left");
     assert_eq!(db.count("outbox_dead_letters").await, 0);
     assert_eq!(

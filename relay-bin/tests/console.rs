@@ -334,7 +334,7 @@ async fn console_refuses_a_non_loopback_address_without_credentials_and_requests
         "plain HTTP: no Secure cookie"
     );
     // Behind a TLS-terminating proxy the CSRF cookie is Secure.
-    let (status, behind_tls) = http(
+    let (status, behind_tls) = http_request(
         "GET",
         &format!("http://127.0.0.1:{basic_port}/dead-letters"),
         &[
@@ -364,43 +364,7 @@ async fn console_refuses_a_non_loopback_address_without_credentials_and_requests
 /// `GET url` with an optional `Authorization` header: (status, body).
 async fn http_get(url: &str, authorization: Option<String>) -> (u16, String) {
     let auth = authorization.map(|a| ("Authorization", a));
-    http("GET", url, auth.as_slice(), "").await
-}
-
-/// One HTTP/1.1 request with these headers (`Host` is the URL's unless
-/// given): (status, the whole response as text).
-async fn http(method: &str, url: &str, headers: &[(&str, String)], body: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let u = url::Url::parse(url).expect("url");
-    let mut s = tokio::net::TcpStream::connect((u.host_str().unwrap(), u.port().unwrap()))
-        .await
-        .expect("connect");
-    let mut head = String::new();
-    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
-        head.push_str(&format!(
-            "Host: {}:{}\r\n",
-            u.host_str().unwrap(),
-            u.port().unwrap()
-        ));
-    }
-    for (k, v) in headers {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    let req = format!(
-        "{method} {} HTTP/1.1\r\n{head}Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        u.path(),
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.expect("send");
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).await.expect("read");
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, text)
+    http_request("GET", url, auth.as_slice(), "").await
 }
 
 /// The hidden fields of the form `id` in `page`, URL-encoded as its POST.
@@ -428,10 +392,10 @@ async fn console_confirms_a_selection_too_large_to_count_and_acts_on_what_was_co
     dead_letters(&db, "Big", "b", 1_500, error).await;
     dead_letters(&db, "Small", "s", 5, error).await;
     let console = Console::start(&db, |_| {}).await;
-    let (_, page) = http("GET", &format!("{}/dead-letters", console.url), &[], "").await;
+    let (_, page) = http_request("GET", &format!("{}/dead-letters", console.url), &[], "").await;
     let cookie = between(&page, "outbox_console_csrf=", ";").to_owned();
     let headers = [("Cookie", format!("outbox_console_csrf={cookie}"))];
-    let (status, confirm) = http(
+    let (status, confirm) = http_request(
         "POST",
         &format!("{}/dead-letters/confirm", console.url),
         &headers,
@@ -458,7 +422,8 @@ async fn console_confirms_a_selection_too_large_to_count_and_acts_on_what_was_co
     let act = format!("{}/dead-letters/act", console.url);
     let body = form_body(&confirm, "confirm-form");
     assert!(body.contains("expected=more"), "{body}");
-    let (status, done) = http("POST", &act, &headers, &format!("{body}&reason=cleanup")).await;
+    let (status, done) =
+        http_request("POST", &act, &headers, &format!("{body}&reason=cleanup")).await;
     assert_eq!(status, 200, "{done}");
     assert!(
         done.contains("Purged <strong>1500</strong>") && done.contains("confirmed more than 1,000"),
@@ -477,7 +442,7 @@ async fn console_confirms_a_selection_too_large_to_count_and_acts_on_what_was_co
         "csrf={cookie}&action=purge&scope=ids&ids={}&expected=more&reason=x",
         late[0]
     );
-    let (status, _) = http("POST", &act, &headers, &ids).await;
+    let (status, _) = http_request("POST", &act, &headers, &ids).await;
     assert_eq!(status, 400, "an id selection confirms its count");
     assert_eq!(
         count_where(&db, "outbox_dead_letters", "event_type = 'Big'").await,
@@ -516,7 +481,7 @@ async fn console_refuses_a_forged_post_and_any_action_when_read_only() {
     browser.goto(&format!("{}/dead-letters", console.url)).await;
     // Another site's page POSTing with this browser's cookie and token
     // (as if it had them) is still refused: its Origin gives it away.
-    let (_, page) = http("GET", &format!("{}/dead-letters", console.url), &[], "").await;
+    let (_, page) = http_request("GET", &format!("{}/dead-letters", console.url), &[], "").await;
     let cookie = between(&page, "outbox_console_csrf=", ";").to_owned();
     let purge = format!(
         "csrf={cookie}&action=purge&scope=matching&until=2099-01-01T00:00:00Z&expected=5&reason=x"
@@ -528,14 +493,14 @@ async fn console_refuses_a_forged_post_and_any_action_when_read_only() {
         ]
     };
     let act = format!("{}/dead-letters/act", console.url);
-    let (status, _) = http("POST", &act, &with("http://evil.example"), &purge).await;
+    let (status, _) = http_request("POST", &act, &with("http://evil.example"), &purge).await;
     assert_eq!(status, 403, "a cross-origin POST");
-    let (status, _) = http("POST", &act, &with("http://127.0.0.1:1"), &purge).await;
+    let (status, _) = http_request("POST", &act, &with("http://127.0.0.1:1"), &purge).await;
     assert_eq!(status, 403, "another local port is another origin");
     // Without credentials the console answers only direct loopback
     // requests: a DNS name pointed at 127.0.0.1 (rebinding) or a proxy is refused.
     let overview = format!("{}/", console.url);
-    let (status, _) = http(
+    let (status, _) = http_request(
         "GET",
         &overview,
         &[("Host", "evil.example:80".to_owned())],
@@ -543,7 +508,7 @@ async fn console_refuses_a_forged_post_and_any_action_when_read_only() {
     )
     .await;
     assert_eq!(status, 403, "a non-loopback Host");
-    let (status, _) = http(
+    let (status, _) = http_request(
         "GET",
         &overview,
         &[("X-Forwarded-For", "203.0.113.9".to_owned())],

@@ -4,38 +4,28 @@
 
 use std::time::{Duration, Instant};
 
-use e2e::{SeqLog, TestBroker, TestDb, amqp_url, wait_until};
+use e2e::{SeqLog, TestBroker, TestDb, TestRelay, wait_until};
 use lapin::types::FieldTable;
 use outbox::{NewEvent, OrderedAggregates, Outbox, OutboxConfig};
-use outbox_relay::{Relay, RelayConfig, admin};
+use outbox_relay::{RelayConfig, admin};
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
-fn config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
-    let mut c = RelayConfig::default();
-    c.amqp_url = amqp_url().into();
-    c.schema = db.schema.clone();
-    c.default_exchange = broker.exchange.clone();
-    c.declare_exchange = None;
-    c.poll_interval = Duration::from_millis(100);
-    c.retry_base = Duration::from_millis(50);
-    c.retry_max = Duration::from_millis(200);
-    c.max_attempts = 1000;
-    c.lease_ttl = Duration::from_secs(1);
-    c
-}
-
-fn spawn(relay: &Relay) -> (CancellationToken, tokio::task::JoinHandle<()>) {
-    let stop = CancellationToken::new();
-    let (r, s) = (relay.clone(), stop.clone());
-    (
-        stop,
-        tokio::spawn(async move {
-            r.run(s).await.expect("relay run");
-        }),
-    )
+/// The ordered tests' relay: [`TestRelay`]'s settings but a 100 ms poll,
+/// retries capped at 200 ms, a thousand attempts, 1 s leases and the
+/// default reconnect delays.
+fn ordered_relay(db: &TestDb, broker: &TestBroker) -> TestRelay {
+    TestRelay::new(db, broker).with(|c| {
+        let defaults = RelayConfig::default();
+        c.poll_interval = Duration::from_millis(100);
+        c.retry_base = Duration::from_millis(50);
+        c.retry_max = Duration::from_millis(200);
+        c.max_attempts = 1000;
+        c.lease_ttl = Duration::from_secs(1);
+        c.reconnect_min = defaults.reconnect_min;
+        c.reconnect_max = defaults.reconnect_max;
+    })
 }
 
 async fn ordered_outbox(db: &TestDb) -> Outbox {
@@ -78,14 +68,10 @@ async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
 
     // Two attempts would dead-letter an unordered event; an ordered one
     // stays and blocks its aggregate (a dead letter would be a hole).
-    let relay = Relay::new(db.pool.clone(), {
-        let mut c = config(&db, &broker);
-        c.max_attempts = 2;
-        c
-    })
-    .await
-    .unwrap();
-    let (stop, task) = spawn(&relay);
+    let relay = ordered_relay(&db, &broker)
+        .with(|c| c.max_attempts = 2)
+        .start()
+        .await;
     wait_until(DEADLINE, "b's five events", || async {
         log.seqs_of("b").len() >= 5
     })
@@ -155,8 +141,7 @@ async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
             .unwrap()
             .is_empty()
     );
-    stop.cancel();
-    task.await.unwrap();
+    relay.stop().await;
     db.cleanup().await;
     broker.cleanup().await;
 }
@@ -177,10 +162,7 @@ async fn many_aggregates_arrive_in_sequence_with_unordered_events_alongside() {
     })
     .await
     .unwrap();
-    let relay = Relay::new(db.pool.clone(), config(&db, &broker))
-        .await
-        .unwrap();
-    let (stop, task) = spawn(&relay);
+    let relay = ordered_relay(&db, &broker).start().await;
     // 40 aggregates x 50 events, committed by 4 concurrent writers while
     // the relay runs, plus unordered events that carry no sequence.
     let mut writers = Vec::new();
@@ -219,8 +201,7 @@ async fn many_aggregates_arrive_in_sequence_with_unordered_events_alongside() {
         db.count("outbox").await == 0
     })
     .await;
-    stop.cancel();
-    task.await.unwrap();
+    relay.stop().await;
     db.cleanup().await;
     broker.cleanup().await;
 }
@@ -239,18 +220,12 @@ async fn leases(db: &TestDb) -> Vec<(Option<uuid::Uuid>, i64)> {
 async fn leases_split_between_relays_and_move_to_the_survivor() {
     let db = TestDb::producer("ord_lease").await;
     let broker = TestBroker::new("ord_lease", FieldTable::default()).await;
-    let a = Relay::new(db.pool.clone(), config(&db, &broker))
-        .await
-        .unwrap();
-    let b = Relay::new(db.pool.clone(), config(&db, &broker))
-        .await
-        .unwrap();
-    let c = Relay::new(db.pool.clone(), config(&db, &broker))
-        .await
-        .unwrap();
-    let (stop_a, task_a) = spawn(&a);
-    let (stop_b, task_b) = spawn(&b);
-    let (stop_c, task_c) = spawn(&c);
+    let a = ordered_relay(&db, &broker).build().await;
+    let b = ordered_relay(&db, &broker).build().await;
+    let c = ordered_relay(&db, &broker).build().await;
+    let running_a = TestRelay::spawn(&a);
+    let running_b = TestRelay::spawn(&b);
+    let running_c = TestRelay::spawn(&c);
     // Fair share: at most ceil(64 / 3) = 22 each, all 64 held.
     wait_until(DEADLINE, "64 partitions split three ways", || async {
         let l = leases(&db).await;
@@ -260,8 +235,7 @@ async fn leases_split_between_relays_and_move_to_the_survivor() {
     })
     .await;
     // Clean shutdown: a's leases are released at once.
-    stop_a.cancel();
-    task_a.await.unwrap();
+    running_a.stop().await;
     let l = leases(&db).await;
     assert!(
         l.iter().all(|(o, _)| *o != Some(a.id())),
@@ -274,10 +248,8 @@ async fn leases_split_between_relays_and_move_to_the_survivor() {
     .await;
     // Abrupt death: c's task is dropped without releasing anything. b
     // takes over once c's leases expire (TTL 1 s).
-    task_c.abort();
     let died = Instant::now();
-    let _ = task_c.await;
-    stop_c.cancel();
+    running_c.abort().await;
     wait_until(DEADLINE, "b holds all 64", || async {
         leases(&db).await == vec![(Some(b.id()), 64)]
     })
@@ -288,8 +260,7 @@ async fn leases_split_between_relays_and_move_to_the_survivor() {
         took < Duration::from_secs(30),
         "handover bounded by the TTL plus a lease round, took {took:?}"
     );
-    stop_b.cancel();
-    task_b.await.unwrap();
+    running_b.stop().await;
     db.cleanup().await;
     broker.cleanup().await;
 }
@@ -303,14 +274,10 @@ async fn leases_are_renewed_while_a_rebalance_waits_for_batches_in_flight() {
     let db = TestDb::producer("ord_renew").await;
     let broker = TestBroker::new("ord_renew", FieldTable::default()).await;
     let ttl = Duration::from_secs(2);
-    let a = Relay::new(db.pool.clone(), {
-        let mut c = config(&db, &broker);
-        c.lease_ttl = ttl;
-        c
-    })
-    .await
-    .unwrap();
-    let (stop_a, task_a) = spawn(&a);
+    let a = ordered_relay(&db, &broker)
+        .with(|c| c.lease_ttl = ttl)
+        .start()
+        .await;
     wait_until(DEADLINE, "a holds 64", || async {
         leases(&db).await == vec![(Some(a.id()), 64)]
     })
@@ -384,8 +351,7 @@ async fn leases_are_renewed_while_a_rebalance_waits_for_batches_in_flight() {
         },
     )
     .await;
-    stop_a.cancel();
-    task_a.await.unwrap();
+    a.stop().await;
     db.cleanup().await;
     broker.cleanup().await;
 }
@@ -417,13 +383,10 @@ async fn a_claim_walks_past_many_blocked_aggregates_in_bounded_steps() {
     .execute(&db.pool)
     .await
     .unwrap();
-    let relay = Relay::new(db.pool.clone(), {
-        let mut c = config(&db, &broker);
-        c.batch_size = 4;
-        c
-    })
-    .await
-    .unwrap();
+    let relay = ordered_relay(&db, &broker)
+        .with(|c| c.batch_size = 4)
+        .build()
+        .await;
     let mut session = relay.connect().await.unwrap();
     // One claim looks at 64 aggregates of a partition at most (none due
     // among the first 64 here), so it publishes nothing...
@@ -459,13 +422,10 @@ async fn unordered_events_are_not_held_up_by_an_ordered_backlog() {
     .execute(&db.pool)
     .await
     .unwrap();
-    let relay = Relay::new(db.pool.clone(), {
-        let mut c = config(&db, &broker);
-        c.batch_size = 8;
-        c
-    })
-    .await
-    .unwrap();
+    let relay = ordered_relay(&db, &broker)
+        .with(|c| c.batch_size = 8)
+        .build()
+        .await;
     let mut session = relay.connect().await.unwrap();
     let first = relay.run_once(&mut session).await.unwrap();
     assert!(

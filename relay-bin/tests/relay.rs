@@ -3,28 +3,12 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use e2e::{Collector, TestBroker, TestDb, amqp_url, wait_until};
+use e2e::{Collector, RunningRelay, TestBroker, TestDb, TestRelay, amqp_url, wait_until};
 use lapin::types::{AMQPValue, FieldTable};
 use outbox::{NewEvent, Outbox, OutboxConfig};
-use outbox_relay::{Relay, RelayConfig};
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 
 const DEADLINE: Duration = Duration::from_secs(60);
-
-fn config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
-    let mut c = RelayConfig::default();
-    c.amqp_url = amqp_url().into();
-    c.schema = db.schema.clone();
-    c.default_exchange = broker.exchange.clone();
-    c.declare_exchange = None;
-    c.poll_interval = Duration::from_millis(200);
-    c.retry_base = Duration::from_millis(50);
-    c.retry_max = Duration::from_millis(400);
-    c.reconnect_min = Duration::from_millis(50);
-    c.reconnect_max = Duration::from_millis(500);
-    c
-}
 
 async fn outbox(db: &TestDb) -> Outbox {
     Outbox::new(&db.pool, {
@@ -36,18 +20,6 @@ async fn outbox(db: &TestDb) -> Outbox {
     .unwrap()
 }
 
-fn spawn(
-    relay: &Relay,
-) -> (
-    CancellationToken,
-    tokio::task::JoinHandle<outbox_relay::Result<()>>,
-) {
-    let stop = CancellationToken::new();
-    let r = relay.clone();
-    let s = stop.clone();
-    (stop, tokio::spawn(async move { r.run(s).await }))
-}
-
 #[tokio::test]
 async fn rolled_back_events_are_never_published_and_committed_ones_carry_the_contract() {
     let db = TestDb::producer("relay_contract").await;
@@ -56,10 +28,7 @@ async fn rolled_back_events_are_never_published_and_committed_ones_carry_the_con
     let ob = outbox(&db).await;
     // The relay runs while the transaction is open and uncommitted: a
     // relay that could see (or lock and publish) uncommitted rows fails.
-    let relay = Relay::new(db.pool.clone(), config(&db, &broker))
-        .await
-        .unwrap();
-    let (stop, task) = spawn(&relay);
+    let relay = TestRelay::new(&db, &broker).start().await;
     let mut tx = db.pool.begin().await.unwrap();
     let rolled_back = ob
         .enqueue(
@@ -125,8 +94,7 @@ async fn rolled_back_events_are_never_published_and_committed_ones_carry_the_con
         db.count("outbox").await == 0
     })
     .await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    relay.stop().await;
     collector.drain(DEADLINE).await;
 
     {
@@ -174,10 +142,11 @@ async fn unroutable_event_is_retried_with_backoff_dead_lettered_and_replayable()
         .unwrap();
     ob.commit(tx).await.unwrap();
 
-    let mut cfg = config(&db, &broker);
-    cfg.max_attempts = 4;
-    let relay = Relay::new(db.pool.clone(), cfg).await.unwrap();
-    let (stop, task) = spawn(&relay);
+    let relay = TestRelay::new(&db, &broker)
+        .with(|c| c.max_attempts = 4)
+        .build()
+        .await;
+    let running = TestRelay::spawn(&relay);
     let schema = outbox::Ident::new("schema", &db.schema).unwrap();
     // While retrying, it stays in the outbox and status says why.
     wait_until(DEADLINE, "a recorded retry", || async {
@@ -195,8 +164,7 @@ async fn unroutable_event_is_retried_with_backoff_dead_lettered_and_replayable()
         db.count("outbox_dead_letters").await == 1
     })
     .await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    running.stop().await;
     assert_eq!(db.count("outbox").await, 0);
 
     let dl = outbox_relay::admin::list_dead_letters(&db.pool, &schema, 10)
@@ -257,13 +225,12 @@ async fn unroutable_event_is_retried_with_backoff_dead_lettered_and_replayable()
     assert_eq!(replayed.replayed, 1);
     assert!(replayed.older_than_retention.is_empty());
     assert!(replayed.conflicts.is_empty());
-    let (stop, task) = spawn(&relay);
+    let running = TestRelay::spawn(&relay);
     wait_until(DEADLINE, "the replayed event", || async {
         collector.has(&id.to_string())
     })
     .await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    running.stop().await;
     assert_eq!(db.count("outbox_dead_letters").await, 0);
     collector.stop();
     db.cleanup().await;
@@ -281,14 +248,10 @@ async fn broker_nacks_are_retried_with_backoff_without_a_hot_loop() {
     );
     let broker = TestBroker::new("nack", args).await;
     let ids = db.produce(3, 3, Duration::ZERO).await;
-    let relay = Relay::new(db.pool.clone(), {
-        let mut c = config(&db, &broker);
-        c.max_attempts = 100;
-        c
-    })
-    .await
-    .unwrap();
-    let (stop, task) = spawn(&relay);
+    let relay = TestRelay::new(&db, &broker)
+        .with(|c| c.max_attempts = 100)
+        .start()
+        .await;
     wait_until(DEADLINE, "three nacked attempts each", || async {
         let min: Option<i32> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
             "SELECT min(attempts) FROM \"{}\".outbox",
@@ -300,8 +263,7 @@ async fn broker_nacks_are_retried_with_backoff_without_a_hot_loop() {
         min >= Some(3)
     })
     .await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    relay.stop().await;
     let rows: Vec<(i32, String, serde_json::Value)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT attempts, last_error, error_history FROM \"{}\".outbox",
         db.schema
@@ -339,15 +301,12 @@ async fn three_relays_deliver_every_one_of_20000_events() {
     let collector = Collector::start(&broker.queue);
     let mut relays = Vec::new();
     for _ in 0..3 {
-        let pool = e2e::pool(&format!("relay-{}", db.schema), 4).await;
-        let relay = Relay::new(pool, {
-            let mut c = config(&db, &broker);
-            c.batch_size = 200;
-            c
-        })
-        .await
-        .unwrap();
-        relays.push(spawn(&relay));
+        let relay = TestRelay::new(&db, &broker)
+            .with(|c| c.batch_size = 200)
+            .own_pool(&format!("relay-{}", db.schema), 4)
+            .start()
+            .await;
+        relays.push(relay);
     }
     // Produce while the relays run.
     let ids = db.produce(20_000, 250, Duration::ZERO).await;
@@ -355,9 +314,8 @@ async fn three_relays_deliver_every_one_of_20000_events() {
         db.count("outbox").await == 0
     })
     .await;
-    for (stop, task) in relays {
-        stop.cancel();
-        task.await.unwrap().unwrap();
+    for relay in relays {
+        relay.stop().await;
     }
     collector.drain(Duration::from_secs(120)).await;
     {
@@ -386,15 +344,11 @@ async fn terminated_database_backends_mid_batch_lose_nothing() {
     let collector = Collector::start(&broker.queue);
     let ids = db.produce(5_000, 500, Duration::ZERO).await;
     let app = format!("relay-{}", db.schema);
-    let pool = e2e::pool(&app, 4).await;
-    let relay = Relay::new(pool, {
-        let mut c = config(&db, &broker);
-        c.batch_size = 100;
-        c
-    })
-    .await
-    .unwrap();
-    let (stop, task) = spawn(&relay);
+    let relay = TestRelay::new(&db, &broker)
+        .with(|c| c.batch_size = 100)
+        .own_pool(&app, 4)
+        .start()
+        .await;
     let mut kills = 0;
     while collector.distinct() < ids.len() / 2 && kills < 50 {
         // Only busy backends (in a statement or a transaction): a
@@ -417,8 +371,7 @@ async fn terminated_database_backends_mid_batch_lose_nothing() {
         || async { db.count("outbox").await == 0 },
     )
     .await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    relay.stop().await;
     collector.drain(Duration::from_secs(120)).await;
     {
         let got = collector.received.lock().unwrap();
@@ -459,10 +412,7 @@ async fn an_unpublishable_event_is_dead_lettered_and_does_not_stall_its_batch() 
     .await
     .unwrap();
     let ids = db.produce(50, 50, Duration::ZERO).await;
-    let relay = Relay::new(db.pool.clone(), config(&db, &broker))
-        .await
-        .unwrap();
-    let (stop, task) = spawn(&relay);
+    let relay = TestRelay::new(&db, &broker).start().await;
     wait_until(DEADLINE, "the good events", || async {
         collector.distinct() >= ids.len()
     })
@@ -471,8 +421,7 @@ async fn an_unpublishable_event_is_dead_lettered_and_does_not_stall_its_batch() 
         db.count("outbox_dead_letters").await == 1
     })
     .await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    relay.stop().await;
     let schema = outbox::Ident::new("schema", &db.schema).unwrap();
     let dl = outbox_relay::admin::list_dead_letters(&db.pool, &schema, 10)
         .await
@@ -528,31 +477,24 @@ async fn replaying_a_dead_letter_whose_id_is_in_the_outbox_keeps_it() {
     db.cleanup().await;
 }
 
-/// A one-worker relay with `cfg` whose broker connection goes through a
+/// A one-worker `relay` whose broker connection goes through a
 /// fault proxy, running and connected.
-async fn connected_through_proxy(
-    cfg: RelayConfig,
-) -> (
-    e2e::Proxy,
-    CancellationToken,
-    tokio::task::JoinHandle<outbox_relay::Result<()>>,
-) {
+async fn connected_through_proxy(relay: TestRelay) -> (e2e::Proxy, RunningRelay) {
     let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
     let pool = sqlx::PgPool::connect(&e2e::database_url()).await.unwrap();
-    let relay = Relay::new(pool, {
-        let mut c = cfg;
-        c.amqp_url = proxy.url(&amqp_url()).into();
-        c.workers = 1;
-        c
-    })
-    .await
-    .unwrap();
-    let (stop, task) = spawn(&relay);
+    let relay = relay
+        .with(|c| {
+            c.amqp_url = proxy.url(&amqp_url()).into();
+            c.workers = 1;
+        })
+        .pool(pool)
+        .start()
+        .await;
     wait_until(DEADLINE, "the relay connected", || async {
         relay.health().is_ready()
     })
     .await;
-    (proxy, stop, task)
+    (proxy, relay)
 }
 
 /// A slow broker cannot stretch a batch past its transaction's idle bound:
@@ -606,12 +548,10 @@ async fn a_slow_broker_cannot_stretch_a_batch_past_its_idle_bound() {
     let ids = ob.enqueue_many(&mut *tx, events).await.unwrap();
     ob.commit(tx).await.unwrap();
 
-    let (proxy, stop, task) = connected_through_proxy({
-        let mut c = config(&db, &broker);
+    let (proxy, relay) = connected_through_proxy(TestRelay::new(&db, &broker).with(|c| {
         c.confirm_timeout = Duration::from_secs(3);
         c.broker_timeout = Duration::from_secs(1);
-        c
-    })
+    }))
     .await;
     // Connected at full speed, then slowed.
     proxy.set(e2e::Mode::Delay(Duration::from_millis(100)));
@@ -619,8 +559,7 @@ async fn a_slow_broker_cannot_stretch_a_batch_past_its_idle_bound() {
         db.count("outbox").await == 0 && collector.distinct() == ids.len()
     })
     .await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    relay.stop().await;
     // Quiet: the relay has stopped; anything still in flight has landed.
     wait_until(DEADLINE, "the queue drained", || async {
         e2e::depth(&conn, &broker.queue).await.0 == 0
@@ -643,13 +582,11 @@ async fn a_slow_broker_cannot_stretch_a_batch_past_its_idle_bound() {
 async fn shutdown_abandons_batches_in_flight_past_the_drain_timeout() {
     let db = TestDb::producer("relay_drain").await;
     let broker = TestBroker::new("drain", FieldTable::default()).await;
-    let (proxy, stop, task) = connected_through_proxy({
-        let mut c = config(&db, &broker);
+    let (proxy, relay) = connected_through_proxy(TestRelay::new(&db, &broker).with(|c| {
         c.confirm_timeout = Duration::from_secs(120);
         c.broker_timeout = Duration::from_secs(120);
         c.drain_timeout = Duration::from_secs(1);
-        c
-    })
+    }))
     .await;
     proxy.set(e2e::Mode::Blackhole);
     let ids = db.produce(10, 10, Duration::ZERO).await;
@@ -668,11 +605,11 @@ async fn shutdown_abandons_batches_in_flight_past_the_drain_timeout() {
         n == 0
     })
     .await;
-    stop.cancel();
-    let ended = tokio::time::timeout(Duration::from_secs(30), task)
+    relay.cancel();
+    let ended = relay
+        .join(Duration::from_secs(30))
         .await
-        .expect("run returned within the drain timeout, not the confirm timeout")
-        .unwrap();
+        .expect("run returned within the drain timeout, not the confirm timeout");
     assert!(
         matches!(ended, Err(outbox_relay::Error::DrainTimedOut(_))),
         "{ended:?}"
@@ -692,30 +629,23 @@ async fn refusals_end_run_with_an_error_instead_of_retrying() {
     let broker = TestBroker::new("refused", FieldTable::default()).await;
     let cases = [
         ("a refused login", {
-            let mut c = config(&db, &broker);
-            c.amqp_url = amqp_url()
-                .replace("guest:guest", "guest:S3cret-wrong")
-                .into();
-            c
+            let url = amqp_url().replace("guest:guest", "guest:S3cret-wrong");
+            TestRelay::new(&db, &broker).with(|c| c.amqp_url = url.into())
         }),
         ("a missing vhost", {
-            let mut c = config(&db, &broker);
-            c.amqp_url = amqp_url().replace("%2f", "no-such-vhost").into();
-            c
+            let url = amqp_url().replace("%2f", "no-such-vhost");
+            TestRelay::new(&db, &broker).with(|c| c.amqp_url = url.into())
         }),
         ("a conflicting declaration", {
-            let mut c = config(&db, &broker);
-            c.declare_exchange = Some("direct".into());
-            c
+            TestRelay::new(&db, &broker).with(|c| c.declare_exchange = Some("direct".into()))
         }),
     ];
-    for (what, cfg) in cases {
-        let relay = Relay::new(db.pool.clone(), cfg).await.unwrap();
-        let (_stop, task) = spawn(&relay);
-        let ended = tokio::time::timeout(Duration::from_secs(30), task)
+    for (what, relay) in cases {
+        let relay = relay.start().await;
+        let ended = relay
+            .join(Duration::from_secs(30))
             .await
-            .unwrap_or_else(|_| panic!("{what}: still retrying after 30 s"))
-            .unwrap();
+            .unwrap_or_else(|| panic!("{what}: still retrying after 30 s"));
         let e = ended.expect_err(what);
         assert!(!e.is_transient(), "{what}: {e}");
         assert!(!format!("{e} {e:?}").contains("S3cret"), "{what}: {e}");

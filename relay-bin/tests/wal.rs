@@ -4,57 +4,33 @@
 
 use std::time::{Duration, Instant};
 
-use e2e::{Collector, SeqLog, TestBroker, TestDb, amqp_url, database_url, wait_until};
+use e2e::{
+    Collector, RunningRelay, SeqLog, TestBroker, TestDb, TestRelay, amqp_url, database_url,
+    wait_until,
+};
 use lapin::types::FieldTable;
 use outbox::{Capture, NewEvent};
 use outbox_relay::admin;
-use outbox_relay::{Relay, RelayConfig, WalCapture};
+use outbox_relay::{RelayConfig, WalCapture};
 use serde_json::json;
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
-fn config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
-    let mut c = RelayConfig::default();
-    c.amqp_url = amqp_url().into();
-    c.schema = db.schema.clone();
-    c.default_exchange = broker.exchange.clone();
-    c.declare_exchange = None;
-    c.poll_interval = Duration::from_millis(200);
-    c.retry_base = Duration::from_millis(50);
-    c.retry_max = Duration::from_millis(400);
-    c.reconnect_min = Duration::from_millis(50);
-    c.reconnect_max = Duration::from_millis(500);
-    let mut wal = WalCapture::new(database_url());
-    wal.standby_poll = Duration::from_millis(200);
-    c.wal = Some(wal);
-    c
+/// These tests' relay: [`TestRelay`]'s settings, reading the log.
+fn wal_relay(db: &TestDb, broker: &TestBroker) -> TestRelay {
+    TestRelay::new(db, broker).wal()
 }
 
-struct Running {
-    stop: CancellationToken,
-    task: tokio::task::JoinHandle<outbox_relay::Result<()>>,
-}
-
-async fn spawn(config: RelayConfig, app: &str) -> Running {
+/// Starts `relay` on a pool of its own (6 connections, sessions named
+/// `app`), logging as `RUST_LOG` says.
+async fn start(relay: TestRelay, app: &str) -> RunningRelay {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
-    let pool = e2e::pool(app, 6).await;
-    let relay = Relay::new(pool, config).await.unwrap();
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    let task = tokio::spawn(async move { relay.run(s).await });
-    Running { stop, task }
-}
-
-impl Running {
-    async fn stop(self) {
-        self.stop.cancel();
-        self.task.await.unwrap().unwrap();
-    }
+    relay.own_pool(app, 6).start().await
 }
 
 fn schema(db: &TestDb) -> outbox::Ident {
@@ -86,15 +62,17 @@ async fn wal_set_up_is_checked_created_and_dropped() {
     );
     assert!(err.to_string().contains("migrate --capture wal"), "{err}");
     let broker = TestBroker::new("wal_setup", FieldTable::default()).await;
-    let err = Relay::new(db.pool.clone(), config_for(&db, &broker))
-        .await
-        .unwrap_err();
+    let err = wal_relay(&db, &broker).try_build().await.unwrap_err();
     assert!(matches!(err, outbox_relay::Error::WalRefused(_)), "{err:?}");
     assert!(admin::wal_slot(&db.pool, &s).await.unwrap().is_none());
 
-    let first = admin::create_wal_slot(&db.pool, &s, None).await.unwrap();
+    let first = outbox_relay::create_wal_slot(&db.pool, &s, None)
+        .await
+        .unwrap();
     assert!(first.publication_created && first.slot_created);
-    let again = admin::create_wal_slot(&db.pool, &s, None).await.unwrap();
+    let again = outbox_relay::create_wal_slot(&db.pool, &s, None)
+        .await
+        .unwrap();
     assert!(!again.publication_created && !again.slot_created);
     outbox::Outbox::new(&db.pool, config.clone()).await.unwrap();
     // A written event the slot holds shows as lag, with no reader.
@@ -115,8 +93,8 @@ async fn wal_set_up_is_checked_created_and_dropped() {
     assert_eq!(status.wal.unwrap().slot, db.slot());
     assert_eq!(status.backlog, 0, "no row was written");
 
-    assert!(admin::drop_wal_slot(&db.pool, &s).await.unwrap());
-    assert!(!admin::drop_wal_slot(&db.pool, &s).await.unwrap());
+    assert!(outbox_relay::drop_wal_slot(&db.pool, &s).await.unwrap());
+    assert!(!outbox_relay::drop_wal_slot(&db.pool, &s).await.unwrap());
     // A schema that is no producer's (a consumer's, say) has nothing to
     // drop, and says so without an error.
     let other = format!("{}_c", db.schema);
@@ -125,7 +103,7 @@ async fn wal_set_up_is_checked_created_and_dropped() {
         .await
         .unwrap();
     let other = outbox::Ident::new("schema", &other).unwrap();
-    assert!(!admin::drop_wal_slot(&db.pool, &other).await.unwrap());
+    assert!(!outbox_relay::drop_wal_slot(&db.pool, &other).await.unwrap());
     assert!(admin::wal_slot(&db.pool, &other).await.unwrap().is_none());
     sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA \"{other}\"")))
         .execute(&db.pool)
@@ -138,17 +116,13 @@ async fn wal_set_up_is_checked_created_and_dropped() {
     broker.cleanup().await;
 }
 
-fn config_for(db: &TestDb, broker: &TestBroker) -> RelayConfig {
-    config(db, broker)
-}
-
 #[tokio::test]
 async fn wal_publishes_committed_events_with_the_contract_and_never_rolled_back_ones() {
     let db = TestDb::producer_wal("wal_contract").await;
     let broker = TestBroker::new("wal_contract", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
     let ob = db.outbox(Capture::Wal).await;
-    let relay = spawn(config(&db, &broker), &format!("r-{}", db.schema)).await;
+    let relay = start(wal_relay(&db, &broker), &format!("r-{}", db.schema)).await;
 
     // Written, then rolled back while the relay reads: never decoded.
     let mut tx = db.pool.begin().await.unwrap();
@@ -278,7 +252,7 @@ async fn wal_publishes_committed_events_with_the_contract_and_never_rolled_back_
     }
     // A restart publishes nothing again: the clean stop confirmed it all.
     let collector = Collector::start(&broker.queue);
-    let relay = spawn(config(&db, &broker), &format!("r2-{}", db.schema)).await;
+    let relay = start(wal_relay(&db, &broker), &format!("r2-{}", db.schema)).await;
     let w3 = witness(3).await;
     wait_until(DEADLINE, "a witness after the restart", || async {
         collector.has(&w3.to_string())
@@ -300,9 +274,8 @@ async fn wal_undeliverable_and_unreadable_messages_leave_the_stream_for_the_tabl
     let broker = TestBroker::new("wal_divert", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
     let ob = db.outbox(Capture::Wal).await;
-    let mut cfg = config(&db, &broker);
-    cfg.max_attempts = 3;
-    let relay = spawn(cfg, &format!("r-{}", db.schema)).await;
+    let cfg = wal_relay(&db, &broker).with(|c| c.max_attempts = 3);
+    let relay = start(cfg, &format!("r-{}", db.schema)).await;
     let mut ids = Vec::new();
     let mut bad = None;
     for n in 0..30 {
@@ -442,7 +415,7 @@ async fn wal_slot_moves_past_a_failed_event_only_once_it_is_recorded() {
     let collector = Collector::start(&broker.queue);
     let ob = db.outbox(Capture::Wal).await;
     let app = format!("r-{}", db.schema);
-    let relay = spawn(config(&db, &broker), &app).await;
+    let relay = start(wal_relay(&db, &broker), &app).await;
     let write = |exchange: Option<String>| {
         let ob = ob.clone();
         let pool = db.pool.clone();
@@ -535,11 +508,13 @@ async fn wal_slot_stays_before_a_batch_on_the_wire_while_later_ones_are_read() {
     let collector = Collector::start(&broker.queue);
     let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
     let ob = db.outbox(Capture::Wal).await;
-    let mut config = config(&db, &broker);
-    config.amqp_url = proxy.url(&amqp_url()).into();
-    config.name = format!("window-{}", db.schema);
-    let application_name = format!("outbox-relay {}", config.name);
-    let relay = spawn(config, &format!("r-{}", db.schema)).await;
+    let name = format!("window-{}", db.schema);
+    let application_name = format!("outbox-relay {name}");
+    let config = wal_relay(&db, &broker).with(|c| {
+        c.amqp_url = proxy.url(&amqp_url()).into();
+        c.name = name;
+    });
+    let relay = start(config, &format!("r-{}", db.schema)).await;
     let write = || {
         let ob = ob.clone();
         let pool = db.pool.clone();
@@ -622,9 +597,8 @@ async fn wal_ordered_event_waits_for_its_aggregates_batch_on_the_wire() {
     let collector = Collector::start(&broker.queue);
     let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
     let ob = db.outbox(Capture::Wal).await;
-    let mut config = config(&db, &broker);
-    config.amqp_url = proxy.url(&amqp_url()).into();
-    let relay = spawn(config, &format!("r-{}", db.schema)).await;
+    let config = wal_relay(&db, &broker).with(|c| c.amqp_url = proxy.url(&amqp_url()).into());
+    let relay = start(config, &format!("r-{}", db.schema)).await;
     // Commits `events` in one transaction; their ids.
     let commit = |events: Vec<NewEvent>| {
         let (ob, pool) = (ob.clone(), db.pool.clone());
@@ -717,7 +691,7 @@ async fn wal_ordered_aggregate_waits_behind_its_failed_event_in_the_table() {
         .unwrap();
     let log = SeqLog::start(&broker.queue);
     let ob = db.outbox(Capture::Wal).await;
-    let relay = spawn(config(&db, &broker), &format!("r-{}", db.schema)).await;
+    let relay = start(wal_relay(&db, &broker), &format!("r-{}", db.schema)).await;
     // Event 2 of a-1 goes to an exchange that does not exist yet; a-2 is
     // never held up.
     let side = format!("{}.side", broker.exchange);
@@ -801,16 +775,14 @@ async fn wal_standby_relay_takes_over_the_slot() {
     let db = TestDb::producer_wal("wal_standby").await;
     let broker = TestBroker::new("wal_standby", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
-    let mut cfg_a = config(&db, &broker);
-    cfg_a.name = "relay-a".into();
-    let mut cfg_b = config(&db, &broker);
-    cfg_b.name = "relay-b".into();
-    let a = spawn(cfg_a.clone(), &format!("a-{}", db.schema)).await;
+    let cfg_a = || wal_relay(&db, &broker).with(|c| c.name = "relay-a".into());
+    let cfg_b = wal_relay(&db, &broker).with(|c| c.name = "relay-b".into());
+    let a = start(cfg_a(), &format!("a-{}", db.schema)).await;
     wait_until(DEADLINE, "relay A reads the slot", || async {
         slot(&db).await.reader.as_deref() == Some("outbox-relay relay-a")
     })
     .await;
-    let b = spawn(cfg_b, &format!("b-{}", db.schema)).await;
+    let b = start(cfg_b, &format!("b-{}", db.schema)).await;
     let stop_writing = CancellationToken::new();
     let writer = {
         let db = db.clone();
@@ -859,10 +831,9 @@ async fn wal_standby_relay_takes_over_the_slot() {
     // B's run is dropped mid-stream (no drain, nothing confirmed at the
     // end): A, back as the standby, takes over. (A SIGKILLed or frozen
     // relay process: the fault suite.)
-    let a = spawn(cfg_a, &format!("a2-{}", db.schema)).await;
+    let a = start(cfg_a(), &format!("a2-{}", db.schema)).await;
     let killed = Instant::now();
-    b.task.abort();
-    let _ = b.task.await;
+    b.abort().await;
     let seen = collector.distinct();
     wait_until(DEADLINE, "relay A reads the slot again", || async {
         slot(&db).await.reader.as_deref() == Some("outbox-relay relay-a")
@@ -1137,14 +1108,14 @@ async fn wal_emit_without_a_readable_slot_is_refused_and_nothing_committed_is_lo
     assert_eq!(orders, 0, "a refused event took its transaction with it");
 
     // Set up again: what commits now is read and published.
-    admin::create_wal_slot(&db.pool, &schema(&db), None)
+    outbox_relay::create_wal_slot(&db.pool, &schema(&db), None)
         .await
         .unwrap();
     let mut committed = Vec::new();
     for (id, sql_path) in [("o-1", true), ("o-2", false)] {
         committed.push(order_with_event(id, sql_path).await.unwrap());
     }
-    let relay = spawn(config(&db, &broker), &format!("r-{}", db.schema)).await;
+    let relay = start(wal_relay(&db, &broker), &format!("r-{}", db.schema)).await;
     wait_until(DEADLINE, "the committed events", || async {
         committed.iter().all(|i| collector.has(&i.to_string()))
     })
@@ -1201,7 +1172,9 @@ async fn wal_second_database_with_the_same_schema_names_its_own_slot() {
         .await
         .unwrap();
     outbox::migrate(&pool, &first.schema).await.unwrap();
-    let err = admin::create_wal_slot(&pool, &s, None).await.unwrap_err();
+    let err = outbox_relay::create_wal_slot(&pool, &s, None)
+        .await
+        .unwrap_err();
     assert!(
         matches!(&err, outbox_relay::Error::WalRefused(m) if m.contains("--slot") && m.contains("is taken by a slot of database")),
         "{err:?}"
@@ -1226,26 +1199,19 @@ async fn wal_second_database_with_the_same_schema_names_its_own_slot() {
         "{out}"
     );
     assert_eq!(
-        admin::recorded_wal_slot(&pool, &s)
-            .await
-            .unwrap()
-            .as_deref(),
-        Some(own.as_str())
+        admin::wal_slot(&pool, &s).await.unwrap().map(|w| w.slot),
+        Some(own.clone())
     );
 
     // Both databases' events reach the broker, each through its own slot.
     let broker = TestBroker::new("wal_twodb", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
-    let mut config_other = config(&first, &broker);
-    config_other.wal = Some(WalCapture::new(other_url.clone()));
-    let relay_other = {
-        let relay = Relay::new(pool.clone(), config_other).await.unwrap();
-        let stop = CancellationToken::new();
-        let s = stop.clone();
-        let task = tokio::spawn(async move { relay.run(s).await });
-        Running { stop, task }
-    };
-    let relay_first = spawn(config(&first, &broker), &format!("r-{}", first.schema)).await;
+    let relay_other = wal_relay(&first, &broker)
+        .with(|c| c.wal = Some(WalCapture::new(other_url.clone())))
+        .pool(pool.clone())
+        .start()
+        .await;
+    let relay_first = start(wal_relay(&first, &broker), &format!("r-{}", first.schema)).await;
     let id_first = emit(&first, "o-first").await.unwrap();
     let id_other = emit_sql(&first.schema)
         .bind("o-other")
@@ -1260,7 +1226,7 @@ async fn wal_second_database_with_the_same_schema_names_its_own_slot() {
     relay_first.stop().await;
     // A stopped reader's session may outlive it for a moment.
     wait_until(DEADLINE, "the other database's slot dropped", || async {
-        admin::drop_wal_slot(&pool, &s).await.is_ok()
+        outbox_relay::drop_wal_slot(&pool, &s).await.is_ok()
     })
     .await;
     pool.close().await;
@@ -1457,9 +1423,8 @@ async fn wal_any_message_on_the_outbox_prefix_is_accounted_for() {
     let written: Vec<Written> = (0..160)
         .map(|_| strategy.new_tree(&mut runner).unwrap().current())
         .collect();
-    let mut cfg = config(&db, &broker);
-    cfg.max_attempts = 2;
-    let relay = spawn(cfg, &format!("r-{}", db.schema)).await;
+    let cfg = wal_relay(&db, &broker).with(|c| c.max_attempts = 2);
+    let relay = start(cfg, &format!("r-{}", db.schema)).await;
     let prefix = format!("outbox:{}", db.schema);
     let mut neighbours = Vec::new();
     for (n, w) in written.iter().enumerate() {
@@ -1614,10 +1579,11 @@ async fn wal_nack_settles_every_batch_on_the_channel_before_replacing_it() {
     );
     let broker = TestBroker::new("wal_nack", args).await;
     let ob = db.outbox(Capture::Wal).await;
-    let mut cfg = config(&db, &broker);
-    cfg.batch_size = 20;
-    cfg.max_attempts = 100_000;
-    let relay = spawn(cfg, &format!("r-{}", db.schema)).await;
+    let cfg = wal_relay(&db, &broker).with(|c| {
+        c.batch_size = 20;
+        c.max_attempts = 100_000;
+    });
+    let relay = start(cfg, &format!("r-{}", db.schema)).await;
     let ids = commit_events(&db, &ob, 400, 10).await;
     let end = position(&db).await;
     // The queue is full: the rest were nacked into the table, and the slot
@@ -1659,17 +1625,18 @@ async fn wal_confirm_timeout_copies_at_most_the_window() {
     let collector = Collector::start(&broker.queue);
     let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
     let ob = db.outbox(Capture::Wal).await;
-    let mut cfg = config(&db, &broker);
-    cfg.amqp_url = proxy.url(&amqp_url()).into();
-    cfg.batch_size = 20;
-    cfg.confirm_timeout = Duration::from_millis(1500);
-    // The timed-out events go to the table; retried there only once the
-    // broker answers in time again, each is one copy (a retry that times
-    // out too would be one more).
-    cfg.retry_base = Duration::from_secs(5);
-    cfg.retry_max = Duration::from_secs(5);
-    let batch = cfg.batch_size;
-    let relay = spawn(cfg, &format!("r-{}", db.schema)).await;
+    let batch = 20;
+    let cfg = wal_relay(&db, &broker).with(|c| {
+        c.amqp_url = proxy.url(&amqp_url()).into();
+        c.batch_size = batch;
+        c.confirm_timeout = Duration::from_millis(1500);
+        // The timed-out events go to the table; retried there only once
+        // the broker answers in time again, each is one copy (a retry that
+        // times out too would be one more).
+        c.retry_base = Duration::from_secs(5);
+        c.retry_max = Duration::from_secs(5);
+    });
+    let relay = start(cfg, &format!("r-{}", db.schema)).await;
     let warm = commit_events(&db, &ob, 10, 10).await;
     wait_until(DEADLINE, "the relay publishing", || async {
         warm.iter().all(|i| collector.has(&i.to_string()))

@@ -43,14 +43,3 @@ pub use status::{
     EXACT_COUNT_UP_TO, FailingEvent, Gauges, RelayLeases, Status, gauges, relays, status,
 };
 pub use wal::{WalSlot, wal_slot};
-
-// TEMPORARY: old paths for relay-bin/tests/wal.rs while it is being edited.
-pub use crate::wal::{create_wal_slot, drop_wal_slot};
-/// TEMPORARY.
-#[cfg(feature = "testing")]
-pub async fn recorded_wal_slot(
-    pool: &sqlx::PgPool,
-    schema: &outbox::Ident,
-) -> sqlx::Result<Option<String>> {
-    crate::wal::recorded_wal_slot(pool, schema).await
-}

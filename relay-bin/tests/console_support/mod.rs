@@ -1,17 +1,21 @@
 //! What the console's browser tests share: headless chromium behind its
-//! own chromedriver, a console process on its own port, and the rows the
-//! pages are tried on. Each console test file includes it with
-//! `mod console_support;` and uses what it needs.
+//! own chromedriver ([`Browser`], in `browser.rs`), a console process on
+//! its own port, and the rows the pages are tried on. Each console test
+//! file includes it with `mod console_support;` and uses what it needs.
 #![allow(dead_code)]
 
+mod browser;
+
+// Not every file that includes this module drives a browser.
+#[allow(unused_imports)]
+pub(crate) use browser::Browser;
+
 use std::net::TcpListener;
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use e2e::{KillOnDrop, TestBroker, TestDb, amqp_url, database_url, wait_until};
-use fantoccini::{Client, ClientBuilder, Locator};
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
@@ -39,152 +43,6 @@ pub(crate) fn artifacts(dir: &str) -> PathBuf {
         .join(dir);
     std::fs::create_dir_all(&d).expect("artifact dir");
     d
-}
-
-/// Headless chromium behind its own chromedriver.
-pub(crate) struct Browser {
-    pub(crate) client: Client,
-    _driver: KillOnDrop,
-}
-
-impl Browser {
-    pub(crate) async fn start() -> Browser {
-        let port = free_port();
-        // Its own process group, so the chromium it starts goes with it
-        // when the test ends, a panicking one included (see `Drop`).
-        let driver = Command::new("chromedriver")
-            .process_group(0)
-            .arg(format!("--port={port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("chromedriver not found: run `make browser` (installs chromium and chromium-driver)");
-        let driver = KillOnDrop(driver);
-        wait_for_port(port, "chromedriver to listen").await;
-        let mut caps = serde_json::Map::new();
-        caps.insert(
-            "goog:chromeOptions".to_owned(),
-            serde_json::json!({ "args": [
-                "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1280,1000", "--no-first-run", "--disable-extensions"
-            ] }),
-        );
-        let client = ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
-            .capabilities(caps)
-            .connect(&format!("http://127.0.0.1:{port}"))
-            .await
-            .expect("a chromium session (is chromium installed? `make browser`)");
-        Browser {
-            client,
-            _driver: driver,
-        }
-    }
-
-    pub(crate) async fn goto(&self, url: &str) {
-        self.client.goto(url).await.expect("navigate");
-    }
-
-    /// The text of the first element matching `css`, waiting up to 10 s
-    /// for it (the overview replaces its content as it refreshes).
-    pub(crate) async fn text(&self, css: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let got = match self.client.find(Locator::Css(css)).await {
-                Ok(e) => e.text().await,
-                Err(e) => Err(e),
-            };
-            match got {
-                Ok(t) => return t,
-                Err(e) if Instant::now() > deadline => panic!("no text at {css}: {e}"),
-                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-            }
-        }
-    }
-
-    pub(crate) async fn attr(&self, css: &str, name: &str) -> Option<String> {
-        let e = self
-            .client
-            .wait()
-            .at_most(Duration::from_secs(10))
-            .for_element(Locator::Css(css))
-            .await
-            .unwrap_or_else(|e| panic!("no element {css}: {e}"));
-        e.attr(name).await.expect("attribute")
-    }
-
-    pub(crate) async fn click(&self, css: &str) {
-        self.client
-            .wait()
-            .at_most(Duration::from_secs(10))
-            .for_element(Locator::Css(css))
-            .await
-            .unwrap_or_else(|e| panic!("no element {css}: {e}"))
-            .click()
-            .await
-            .unwrap_or_else(|e| panic!("click {css}: {e}"));
-    }
-
-    pub(crate) async fn type_into(&self, css: &str, text: &str) {
-        let e = self
-            .client
-            .find(Locator::Css(css))
-            .await
-            .unwrap_or_else(|e| panic!("no element {css}: {e}"));
-        e.clear().await.expect("clear");
-        e.send_keys(text).await.expect("type");
-    }
-
-    pub(crate) async fn exists(&self, css: &str) -> bool {
-        !self
-            .client
-            .find_all(Locator::Css(css))
-            .await
-            .expect("find")
-            .is_empty()
-    }
-
-    /// On an action's confirmation page: checks it counts `n` events
-    /// (screenshot `shot` of it, if given), gives a reason, confirms, and
-    /// checks the result says it touched `n`.
-    pub(crate) async fn confirm_action(&self, n: usize, shot: Option<&str>) {
-        let n = n.to_string();
-        let counted = self.attr("#confirm-count", "data-count").await;
-        assert_eq!(
-            counted.as_deref(),
-            Some(n.as_str()),
-            "the confirmation's count"
-        );
-        if let Some(name) = shot {
-            self.screenshot(name).await;
-        }
-        self.type_into("#reason", "consumer fixed, see ticket 7")
-            .await;
-        self.click("#confirm").await;
-        let touched = self.attr("#result", "data-count").await;
-        assert_eq!(
-            touched.as_deref(),
-            Some(n.as_str()),
-            "what the action touched"
-        );
-    }
-
-    pub(crate) async fn screenshot(&self, name: &str) {
-        let png = self.client.screenshot().await.expect("screenshot");
-        let path = artifacts("console-screenshots").join(format!("{name}.png"));
-        std::fs::write(&path, png).expect("write screenshot");
-    }
-
-    pub(crate) async fn close(self) {
-        let _ = self.client.clone().close().await;
-    }
-}
-
-impl Drop for Browser {
-    fn drop(&mut self) {
-        // chromedriver's group: chromedriver and the chromium it started.
-        let group = nix::unistd::Pid::from_raw(self._driver.id() as i32);
-        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
-    }
 }
 
 /// A console process on its own port; its log goes to a file under

@@ -1,6 +1,7 @@
 //! The test broker: a topic exchange and queue per test ([`TestBroker`]),
 //! connections, and queue declares and depths.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -14,14 +15,26 @@ use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use crate::{amqp_url, suffix, wait_until};
 
 /// A topic exchange and a durable queue bound to it with `#`, named for
-/// this test only.
-#[derive(Debug, Clone)]
+/// this test only. They are deleted by [`TestBroker::cleanup`], or when
+/// the last clone goes, a panicking test's included; a value built from
+/// its fields (`TestBroker { exchange, queue }`) deletes those names too.
+#[derive(Debug)]
 pub struct TestBroker {
     /// The exchange.
     pub exchange: String,
     /// The queue.
     pub queue: String,
 }
+
+/// Clones of a [`TestBroker`] still alive, by (exchange, queue), beyond
+/// the first: no entry is one owner. The fields are public (so a value
+/// can be built from names), so the count cannot live in the value.
+static OWNERS: Mutex<BTreeMap<(String, String), usize>> = Mutex::new(BTreeMap::new());
+
+/// Bounds of a clean-up: a broker that is down or does not answer cannot
+/// hang the test that ends.
+const CLEANUP_CONNECT: Duration = Duration::from_secs(5);
+const CLEANUP_STEP: Duration = Duration::from_secs(5);
 
 impl TestBroker {
     /// Declares the exchange and queue (queue arguments optional).
@@ -65,22 +78,116 @@ impl TestBroker {
         b
     }
 
-    /// Deletes the exchange and queue.
-    pub async fn cleanup(self) {
+    /// Deletes the exchange and queue now (clones dropped later delete
+    /// nothing more than these names again).
+    pub async fn cleanup(mut self) {
+        self.release();
+        let (exchange, queue) = self.take_names();
         let conn = connect().await;
-        if let Ok(ch) = conn.create_channel().await {
-            let _ = ch
-                .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
-                .await;
-            let _ = ch
-                .exchange_delete(
-                    self.exchange.as_str().into(),
-                    ExchangeDeleteOptions::default(),
-                )
-                .await;
-        }
-        let _ = conn.close(200, "ok".into()).await;
+        delete(&conn, &exchange, &queue).await;
+        let _ = bounded(conn.close(200, "ok".into())).await;
     }
+
+    /// One owner fewer; whether it was the last.
+    fn release(&self) -> bool {
+        let mut owners = OWNERS.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (self.exchange.clone(), self.queue.clone());
+        match owners.get_mut(&key) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            Some(_) => {
+                owners.remove(&key);
+                true
+            }
+            None => true,
+        }
+    }
+
+    /// The names, leaving none behind: a value without names has nothing
+    /// to delete when dropped.
+    fn take_names(&mut self) -> (String, String) {
+        (
+            std::mem::take(&mut self.exchange),
+            std::mem::take(&mut self.queue),
+        )
+    }
+
+    fn cleaned(&self) -> bool {
+        self.exchange.is_empty() && self.queue.is_empty()
+    }
+}
+
+impl Clone for TestBroker {
+    fn clone(&self) -> Self {
+        if !self.cleaned() {
+            let key = (self.exchange.clone(), self.queue.clone());
+            let mut owners = OWNERS.lock().unwrap_or_else(|e| e.into_inner());
+            *owners.entry(key).or_insert(1) += 1;
+        }
+        Self {
+            exchange: self.exchange.clone(),
+            queue: self.queue.clone(),
+        }
+    }
+}
+
+impl Drop for TestBroker {
+    fn drop(&mut self) {
+        if self.cleaned() || !self.release() {
+            return;
+        }
+        let (exchange, queue) = self.take_names();
+        // No runtime to await on here (and the test's may be the one
+        // panicking): a thread with a runtime and a connection of its own,
+        // every step bounded.
+        let deleted = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime for the cleanup");
+            rt.block_on(async {
+                let url = amqp_url();
+                let connect = Connection::connect(&url, ConnectionProperties::default());
+                let Ok(Ok(conn)) = tokio::time::timeout(CLEANUP_CONNECT, connect).await else {
+                    return Err(format!("exchange {exchange} and queue {queue} not deleted"));
+                };
+                delete(&conn, &exchange, &queue).await;
+                let _ = bounded(conn.close(200, "ok".into())).await;
+                Ok(())
+            })
+        })
+        .join();
+        match deleted {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("TestBroker: {e} (broker unreachable)"),
+            Err(_) => eprintln!("TestBroker: the clean-up panicked"),
+        }
+    }
+}
+
+/// Deletes `queue` and `exchange` (each on a channel of its own, each step
+/// bounded; what is not there, or not named, is left alone).
+async fn delete(conn: &Connection, exchange: &str, queue: &str) {
+    if !queue.is_empty()
+        && let Some(Ok(ch)) = bounded(conn.create_channel()).await
+    {
+        let _ = bounded(ch.queue_delete(queue.into(), QueueDeleteOptions::default())).await;
+        let _ = bounded(ch.close(200, "ok".into())).await;
+    }
+    if !exchange.is_empty()
+        && let Some(Ok(ch)) = bounded(conn.create_channel()).await
+    {
+        let options = ExchangeDeleteOptions::default();
+        let _ = bounded(ch.exchange_delete(exchange.into(), options)).await;
+        let _ = bounded(ch.close(200, "ok".into())).await;
+    }
+}
+
+/// `step`, given [`CLEANUP_STEP`] at most.
+async fn bounded<F: Future>(step: F) -> Option<F::Output> {
+    tokio::time::timeout(CLEANUP_STEP, step).await.ok()
 }
 
 /// A plain connection to the test broker.

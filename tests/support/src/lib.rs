@@ -13,6 +13,7 @@ mod env;
 mod http;
 mod process;
 mod proxy;
+mod relay;
 mod wait;
 
 pub use assert::{assert_applied_once, assert_contract};
@@ -23,4 +24,5 @@ pub use env::{amqp_url, database_url, suffix};
 pub use http::{HttpReply, post_json};
 pub use process::{KillOnDrop, freeze_mid_batch, kill_now, stop_child, wait_exit};
 pub use proxy::{Mode, Proxy};
+pub use relay::{RunningRelay, TestRelay};
 pub use wait::wait_until;

@@ -1,0 +1,247 @@
+//! The oracle, judged only once everything is quiet: every relay has
+//! stopped (a frozen relay's late batch has landed by then), the retry
+//! path is empty, the consumers have emptied their queues and stopped
+//! cleanly with nothing unacknowledged, and the wire watchers have emptied
+//! their own. Then:
+//!
+//! - the committed event ids equal the applied effects, none applied twice
+//!   (exactly-once effects);
+//! - every committed event reached the wire (at-least-once delivery;
+//!   duplicates there are counted and returned);
+//! - every ordered aggregate's effects were applied in commit order;
+//! - in a world watching the order on the wire, each aggregate's sequence
+//!   numbers first arrived in order, 1, 2, 3, ..., every event's once;
+//! - the outbox is empty.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+use e2e::settled_depth;
+use sqlx::AssertSqlSafe;
+
+use super::{Consumers, World};
+
+/// What a scenario committed: what the oracle expects.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Committed {
+    /// Every committed event id.
+    pub(crate) ids: Vec<String>,
+    /// Each ordered aggregate's event ids in commit order (keyed by its
+    /// `x-aggregate-id` in a world watching the order on the wire).
+    pub(crate) order: BTreeMap<String, Vec<String>>,
+}
+
+impl Committed {
+    pub(crate) fn new(ids: Vec<String>) -> Self {
+        Self {
+            ids,
+            order: BTreeMap::new(),
+        }
+    }
+
+    /// The aggregates whose order the oracle checks: `events` as
+    /// `(id, aggregate)`, each aggregate's in commit order.
+    pub(crate) fn in_order(mut self, events: impl IntoIterator<Item = (String, String)>) -> Self {
+        for (id, aggregate) in events {
+            self.order.entry(aggregate).or_default().push(id);
+        }
+        self
+    }
+}
+
+impl From<&[String]> for Committed {
+    fn from(ids: &[String]) -> Self {
+        Self::new(ids.to_vec())
+    }
+}
+
+impl From<&Vec<String>> for Committed {
+    fn from(ids: &Vec<String>) -> Self {
+        Self::new(ids.clone())
+    }
+}
+
+/// What the oracle saw once everything was quiet.
+pub(crate) struct Verdict {
+    pub(crate) events: usize,
+    pub(crate) wire_duplicates: usize,
+}
+
+impl World {
+    /// The oracle, once every relay has stopped: quiet (see [`World::quiet`]),
+    /// then the verdict (the module's list). `consumers` are the ones still
+    /// running; the oracle stops them.
+    pub(crate) async fn judge(
+        &self,
+        consumers: impl Into<Consumers>,
+        committed: impl Into<Committed>,
+        scenario: &str,
+    ) -> Verdict {
+        self.quiet(consumers.into(), scenario).await;
+        self.verdict(&committed.into(), scenario).await
+    }
+
+    /// Quiet before judging: retries still on their way back (on the
+    /// cluster: waiting out their delay, or to be dead-lettered into the
+    /// work queue) drain; the consumers empty their queues and stop
+    /// cleanly (again, with fresh ones, while a requeue leaves anything
+    /// behind, ready or held by a quorum queue); the wire watchers empty
+    /// theirs.
+    async fn quiet(&self, consumers: Consumers, scenario: &str) {
+        let deadline = self.deadline;
+        let retries = self.retry_queues();
+        if let Some(cluster) = self.nodes.cluster() {
+            e2e::wait_until(
+                deadline,
+                &format!("{scenario}: the retry path to empty"),
+                || async {
+                    for q in &retries {
+                        if cluster.messages(q).await.ok() != Some(0) {
+                            return false;
+                        }
+                    }
+                    true
+                },
+            )
+            .await;
+        }
+        let queues: Vec<String> = self.queues.iter().cloned().chain(retries).collect();
+        let conn = self.nodes.connect().await;
+        let mut consumers = consumers;
+        loop {
+            let end = Instant::now() + deadline;
+            e2e::wait_until(
+                deadline,
+                &format!("{scenario}: the queues to empty"),
+                || async {
+                    let mut ready = 0u64;
+                    for q in &queues {
+                        ready += u64::from(e2e::depth(&conn, q).await.0);
+                    }
+                    ready == 0
+                },
+            )
+            .await;
+            consumers.stop(deadline, scenario).await;
+            let mut left = 0u64;
+            for q in &queues {
+                left += u64::from(settled_depth(&conn, q, end).await);
+            }
+            if left == 0 && self.nodes.uncounted(&queues).await == 0 {
+                break;
+            }
+            consumers = self.consumers().await;
+        }
+        let _ = conn.close(200, "ok".into()).await;
+        self.wire.drain(deadline).await;
+        if let Some((seqs, _)) = &self.wire_seqs {
+            seqs.drain(deadline).await;
+        }
+    }
+
+    async fn verdict(&self, committed: &Committed, scenario: &str) -> Verdict {
+        assert!(
+            !self.ordered || !committed.order.is_empty(),
+            "{scenario}: an ordered world is judged on its aggregates' commit order"
+        );
+        let applied: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT event_id FROM \"{}\".effects ORDER BY n",
+            self.consumer_schema
+        )))
+        .fetch_all(&self.db.pool)
+        .await
+        .unwrap();
+        // Exactly once.
+        e2e::assert_applied_once(&applied, &committed.ids, scenario);
+        // At least once on the wire.
+        let wire_seen = self.wire.distinct();
+        assert_eq!(
+            wire_seen,
+            committed.ids.len(),
+            "{scenario}: the wire counter saw {wire_seen} distinct events"
+        );
+        let wire_duplicates = self.wire.duplicates();
+        // Commit order per ordered aggregate, at the consumer.
+        assert_applied_in_order(&applied, &committed.order, scenario);
+        // The relays' own guarantee, on the wire: each sequence number
+        // first arrives after every lower one of its aggregate (copies may
+        // repeat).
+        if let Some((seqs, _)) = &self.wire_seqs {
+            let (first, _) = seqs.first_arrivals();
+            let published: usize = first.values().map(Vec::len).sum();
+            assert_eq!(
+                published,
+                committed.ids.len(),
+                "{scenario}: every committed event on the wire"
+            );
+            for (aggregate, seqs) in &first {
+                let n = committed.order.get(aggregate).map_or(0, Vec::len);
+                let expected: Vec<i64> = (1..=n as i64).collect();
+                assert_eq!(
+                    seqs, &expected,
+                    "{scenario}: {aggregate} published out of order"
+                );
+            }
+        }
+        assert_eq!(
+            self.db.count("outbox").await,
+            0,
+            "{scenario}: the outbox drained"
+        );
+        println!(
+            "{scenario}: events {}, duplicates on the wire {wire_duplicates}, effects applied {}",
+            committed.ids.len(),
+            applied.len()
+        );
+        Verdict {
+            events: committed.ids.len(),
+            wire_duplicates,
+        }
+    }
+}
+
+/// Each aggregate of `order` applied, in `applied` (application order),
+/// in its commit order. The first aggregate out of order is shown by its
+/// events' positions in commit order (1 = its first event).
+fn assert_applied_in_order(
+    applied: &[String],
+    order: &BTreeMap<String, Vec<String>>,
+    scenario: &str,
+) {
+    let aggregate_of: HashMap<&str, &str> = order
+        .iter()
+        .flat_map(|(a, ids)| ids.iter().map(move |id| (id.as_str(), a.as_str())))
+        .collect();
+    let mut applied_order: HashMap<&str, Vec<&str>> = HashMap::new();
+    for id in applied {
+        if let Some(a) = aggregate_of.get(id.as_str()) {
+            applied_order.entry(a).or_default().push(id);
+        }
+    }
+    let out_of_order: Vec<&str> = order
+        .iter()
+        .filter(|(a, ids)| {
+            applied_order
+                .get(a.as_str())
+                .is_none_or(|got| !got.iter().copied().eq(ids.iter().map(String::as_str)))
+        })
+        .map(|(a, _)| a.as_str())
+        .collect();
+    if let Some(first) = out_of_order.first() {
+        let position: HashMap<&str, usize> = order[*first]
+            .iter()
+            .enumerate()
+            .map(|(i, id)| (id.as_str(), i + 1))
+            .collect();
+        let got: Vec<usize> = applied_order
+            .get(first)
+            .map(|ids| ids.iter().map(|id| position[id]).collect())
+            .unwrap_or_default();
+        panic!(
+            "{scenario}: {} ordered aggregates applied out of commit order; {first} applied \
+             its events {got:?} of 1..={}",
+            out_of_order.len(),
+            order[*first].len()
+        );
+    }
+}
