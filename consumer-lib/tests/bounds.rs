@@ -39,7 +39,12 @@ async fn a_handler_that_never_returns_stalls_nothing_else() {
     config.prefetch = 10;
     config.batch_size = 10;
     config.handler_timeout = Duration::from_secs(1);
-    config.lock_timeout = Duration::from_millis(500);
+    // Longer than the handler's bound: the copy that waits on the hung
+    // copy's inbox row gets it once that transaction is rolled back, and
+    // then hangs (and times out) itself. With a shorter lock timeout it
+    // could spend its retries on lock timeouts while the first still hangs
+    // (a slow machine) and reach the DLQ for that reason instead.
+    config.lock_timeout = Duration::from_secs(3);
     config.max_retries = 1;
     config.retry_delay = Duration::from_millis(50);
     let start = || {
