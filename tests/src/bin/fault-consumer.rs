@@ -41,6 +41,22 @@ fn env(name: &str) -> Result<String> {
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    // SIGTERM is handled from the first instant: the fault suites' judge
+    // may stop a consumer it has just started (its queues already empty),
+    // and one killed by the signal's default action before its handler
+    // was installed would look like a consumer that did not stop cleanly.
+    let stop = CancellationToken::new();
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            tokio::select! {
+                _ = terminate.recv() => {}
+                _ = outbox::shutdown_signal() => {}
+            }
+            stop.cancel();
+        }
+    });
     let schema = env("SCHEMA")?;
     let options: PgConnectOptions = env("DATABASE_URL")?.parse()?;
     let pool = PgPoolOptions::new()
@@ -67,14 +83,6 @@ async fn main() -> Result<()> {
             retry_first,
         },
     )?;
-    let stop = CancellationToken::new();
-    tokio::spawn({
-        let stop = stop.clone();
-        async move {
-            outbox::shutdown_signal().await;
-            stop.cancel();
-        }
-    });
     let report = consumer.clone();
     let printer = tokio::spawn(async move {
         let mut last = None;
