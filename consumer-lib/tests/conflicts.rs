@@ -264,6 +264,12 @@ async fn a_handler_that_always_conflicts_is_not_rerun_for_ever() {
     let c = Running::start(Consumer::new(cfg, env.pool.clone(), AlwaysConflicts).unwrap());
     env.publish(Some(&id()), "{}").await;
     env.take(&format!("{}.dlq", env.queue), 1).await;
+    // The dead letter can be in the queue a moment before the consumer
+    // counts it (it counts once the DLQ publish is confirmed).
+    wait_until("the rejection counted", || async {
+        c.consumer.stats().rejected == 1
+    })
+    .await;
     let s = c.consumer.stats();
     assert_eq!(s.rejected, 1, "{s:?}");
     assert!(
