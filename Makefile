@@ -9,7 +9,7 @@ export TEST_AMQP_URL ?= $(AMQP_URL)
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 
-.PHONY: help services browser cluster test-cluster package doc build test lint check-deploy fmt demo bench bench-smoke soak clean-test-schemas dist image-test
+.PHONY: help services browser cluster test-cluster package doc build test lint check-deploy fmt demo bench bench-smoke profile soak clean-test-schemas dist image-test
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-20s %s\n", $$1, $$2}'
@@ -65,6 +65,9 @@ demo: services ## the whole story on this machine: migrate, produce, relay, cons
 bench: services cluster ## benchmark against the local services (a few minutes); writes target/bench/results.json
 	$(CARGO) build --release -q -p relay-bin -p bench
 	$(TARGET_DIR)/release/bench --out target/bench/results.json
+
+profile: services ## a CPU profile of the relay draining a backlog: target/profile/relay-table.svg (CAPTURE=wal for the log; installs perf and inferno if missing)
+	./scripts/profile.sh
 
 bench-smoke: cluster ## the benchmark with tiny counts (CI runs this so it cannot rot)
 	$(CARGO) build -q -p relay-bin -p bench

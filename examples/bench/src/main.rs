@@ -7,6 +7,8 @@ mod common;
 mod console;
 mod consumer;
 mod latency;
+mod minimal;
+mod minimal_wal;
 mod publish;
 mod relay;
 mod write;
@@ -17,6 +19,8 @@ use outbox::{OrderedAggregates, Wakeup};
 use serde_json::{Value, json};
 
 use crate::common::{Stats, attempt};
+use crate::minimal::LoopTuning;
+use crate::minimal_wal::ReaderTuning;
 use crate::publish::{PUBLISH_SWEEP, PublishTuning};
 use crate::write::Shape;
 
@@ -330,7 +334,26 @@ async fn wal_drain(
     );
     let best = publish_sweep(url, sizes).await?;
     let n = ((best.1 * sizes.run_secs) as usize).clamp(1_000, 400_000);
-    let d = drain_rounds(pool, database_url, url, url, n, best.0, sizes.rounds).await?;
+    eprintln!(
+        "bench: WAL capture: minimal reader sweep ({} each)",
+        sizes.sweep_n
+    );
+    let design = attempt("minimal reader sweep", || {
+        minimal_wal::sweep(pool, database_url, url, sizes.sweep_n)
+    })
+    .await?;
+    r.tuning("minimal_wal_reader", design.0.to_string());
+    let d = drain_rounds(
+        pool,
+        database_url,
+        url,
+        url,
+        n,
+        best.0,
+        Some(Design::Wal(design.0)),
+        sizes.rounds,
+    )
+    .await?;
     r.stats(
         "wal_raw_publish_per_s",
         &d.raw,
@@ -367,6 +390,9 @@ async fn wal_drain(
         "  WAL drain: relay CPU s / 10k events",
         "",
     );
+    design_rows(r, "wal_", "wal_drain_design_ratio", &d, |cpu: f64| {
+        cpu * 10_000.0 / (n * sizes.rounds) as f64
+    });
     Ok(())
 }
 
@@ -520,6 +546,22 @@ async fn relay_section(
     eprintln!("bench: raw publisher sweep ({} each)", sizes.sweep_n);
     let best = publish_sweep(url, sizes).await?;
     let n = ((best.1 * sizes.run_secs) as usize).clamp(1_000, 400_000);
+    eprintln!("bench: minimal relay loop sweep ({} each)", sizes.sweep_n);
+    let design = attempt("minimal loop sweep", || {
+        minimal::sweep(pool, url, sizes.sweep_n)
+    })
+    .await?;
+    let d = drain_rounds(
+        pool,
+        database_url,
+        url,
+        url,
+        n,
+        best.0,
+        Some(Design::Table(design.0)),
+        sizes.rounds,
+    )
+    .await?;
     let DrainRounds {
         raw,
         drain,
@@ -527,8 +569,11 @@ async fn relay_section(
         rss,
         raw_cpu,
         drain_cpu,
-    } = drain_rounds(pool, database_url, url, url, n, best.0, sizes.rounds).await?;
+        ..
+    } = &d;
+    let (rss, raw_cpu, drain_cpu) = (*rss, *raw_cpu, *drain_cpu);
     r.tuning("raw_publish", best.0.to_string());
+    r.tuning("minimal_loop", design.0.to_string());
     // Where the time goes: CPU seconds per 10,000 events, per process.
     let per10k = |cpu: f64| cpu * 10_000.0 / (n * sizes.rounds) as f64;
     r.add(
@@ -563,24 +608,79 @@ async fn relay_section(
     );
     r.stats(
         "raw_publish_per_s",
-        &raw,
+        raw,
         "raw confirmed publishes/s (best tuning)",
         "",
     );
     r.stats(
         "relay_drain_per_s",
-        &drain,
+        drain,
         "relay drain events/s (binary)",
         "",
     );
     r.ceiling(
         "relay_drain_ratio",
-        &ratio,
+        ratio,
         "relay_drain_ratio (relay / raw)",
         ">= 0.95",
     );
     r.add("relay_peak_rss_mib", rss, "relay peak RSS MiB", "<= 64");
+    design_rows(r, "", "relay_drain_design_ratio", &d, per10k);
     Ok(best.0)
+}
+
+/// The table drain against its design ceiling, the hand-written loop:
+/// rates, their ratio and each process's CPU per 10,000 events (`per10k`
+/// turns summed CPU seconds into that). `prefix` names the set-up (`""`
+/// the table on one node, `"quorum_"` the cluster, `"wal_"` the log), `key`
+/// the ratio.
+fn design_rows(
+    r: &mut Report,
+    prefix: &str,
+    key: &str,
+    d: &DrainRounds,
+    per10k: impl Fn(f64) -> f64,
+) {
+    let (minimal, ratio, relay_cpu, loop_cpu) =
+        (&d.design, &d.design_ratio, d.drain_cpu, d.design_cpu);
+    let on = match prefix {
+        "" => "",
+        "wal_" => ", WAL",
+        _ => ", quorum",
+    };
+    r.stats(
+        &format!("{prefix}minimal_loop_per_s"),
+        minimal,
+        &format!("hand-written drain events/s (design ceiling{on})"),
+        "",
+    );
+    r.ceiling(
+        key,
+        ratio,
+        &format!("{key} (relay / hand-written loop)"),
+        ">= 0.95",
+    );
+    for (what, i) in [("broker", 0), ("database", 1), ("loop", 2)] {
+        let cpu = [loop_cpu.0, loop_cpu.1, loop_cpu.2][i];
+        r.add(
+            &format!("{prefix}minimal_cpu_s_per_10k_{what}"),
+            per10k(cpu),
+            &format!("  minimal loop{on}: {what} CPU s / 10k events"),
+            "",
+        );
+    }
+    r.add(
+        &format!("relay_{prefix}cpu_design_ratio"),
+        relay_cpu.2 / loop_cpu.2,
+        &format!("relay CPU / hand-written loop CPU per event{on}"),
+        "<= 1.2",
+    );
+    r.add(
+        &format!("database_{prefix}cpu_design_ratio"),
+        relay_cpu.1 / loop_cpu.1,
+        &format!("postgres CPU per event, relay / hand-written loop{on}"),
+        "",
+    );
 }
 
 /// On the three-node cluster with quorum queues: the relay binary (given
@@ -606,25 +706,61 @@ async fn quorum_section(
     );
     let best = publish_sweep(&first, sizes).await?;
     let n = ((best.1 * sizes.run_secs) as usize).clamp(1_000, 400_000);
+    eprintln!(
+        "bench: minimal relay loop sweep, quorum ({} each)",
+        sizes.sweep_n
+    );
+    let design = attempt("minimal loop sweep", || {
+        minimal::sweep(pool, &first, sizes.sweep_n)
+    })
+    .await?;
+    let d = drain_rounds(
+        pool,
+        database_url,
+        &first,
+        urls,
+        n,
+        best.0,
+        Some(Design::Table(design.0)),
+        sizes.rounds,
+    )
+    .await?;
     let DrainRounds {
         raw, drain, ratio, ..
-    } = drain_rounds(pool, database_url, &first, urls, n, best.0, sizes.rounds).await?;
+    } = &d;
+    let (raw_cpu, drain_cpu) = (d.raw_cpu, d.drain_cpu);
     r.tuning("raw_quorum_publish", best.0.to_string());
+    r.tuning("minimal_loop_quorum", design.0.to_string());
+    let per10k = |cpu: f64| cpu * 10_000.0 / (n * sizes.rounds) as f64;
+    for (what, cpu) in [
+        ("raw_quorum_cpu_s_per_10k", raw_cpu),
+        ("quorum_drain_cpu_s_per_10k", drain_cpu),
+    ] {
+        for (part, v) in [("broker", cpu.0), ("database", cpu.1), ("client", cpu.2)] {
+            r.add(
+                &format!("{what}_{part}"),
+                per10k(v),
+                &format!("  {what}: {part} (broker: every RabbitMQ node on the machine)"),
+                "",
+            );
+        }
+    }
+    design_rows(r, "quorum_", "relay_quorum_design_ratio", &d, per10k);
     r.stats(
         "raw_quorum_publish_per_s",
-        &raw,
+        raw,
         "raw confirmed publishes/s, quorum (3 nodes)",
         "",
     );
     r.stats(
         "relay_quorum_per_s",
-        &drain,
+        drain,
         "relay drain events/s, quorum (3 nodes)",
         "",
     );
     r.ceiling(
         "relay_quorum_ratio",
-        &ratio,
+        ratio,
         "relay_quorum_ratio (relay / raw, quorum)",
         ">= 0.9",
     );
@@ -667,20 +803,29 @@ async fn publish_sweep(url: &str, sizes: &Sizes) -> Result<(PublishTuning, f64)>
 }
 
 /// What [`drain_rounds`] measured.
+#[derive(Default)]
 struct DrainRounds {
     raw: Stats,
     drain: Stats,
+    /// Relay / raw publisher, per round.
     ratio: Stats,
+    /// The hand-written loop of the same design (when it ran).
+    design: Stats,
+    /// Relay / hand-written loop, per round.
+    design_ratio: Stats,
     /// The relay's largest peak RSS, MiB.
     rss: f64,
     /// CPU seconds (broker, database, publisher) summed over the rounds.
     raw_cpu: (f64, f64, f64),
     drain_cpu: (f64, f64, f64),
+    design_cpu: (f64, f64, f64),
 }
 
 /// `rounds` rounds of the raw publisher (`tuning`, at `raw_url`) against
 /// the relay binary (at `relay_url`, one URL or several) draining a backlog
-/// of the same `n`, the order alternating.
+/// of the same `n`, and, with `design`, the hand-written loop of the
+/// relay's design (at `raw_url`) draining one too; the order rotates.
+#[allow(clippy::too_many_arguments)]
 async fn drain_rounds(
     pool: &sqlx::PgPool,
     database_url: &str,
@@ -688,47 +833,86 @@ async fn drain_rounds(
     relay_url: &str,
     n: usize,
     tuning: PublishTuning,
+    design: Option<Design>,
     rounds: usize,
 ) -> Result<DrainRounds> {
-    let mut d = DrainRounds {
-        raw: Stats::default(),
-        drain: Stats::default(),
-        ratio: Stats::default(),
-        rss: 0.0,
-        raw_cpu: (0.0, 0.0, 0.0),
-        drain_cpu: (0.0, 0.0, 0.0),
-    };
+    let mut d = DrainRounds::default();
+    let parts = if design.is_some() { 3 } else { 2 };
     for round in 0..rounds {
-        let mut pair = (0.0, 0.0);
-        for k in 0..2 {
-            if (k + round) % 2 == 0 {
+        let mut rates = [0.0; 3];
+        for k in 0..parts {
+            let part = (k + round) % parts;
+            if part == 0 {
                 let (rate, cpu) = attempt("raw publish", || {
                     publish::raw_publish_rate(raw_url, n, tuning)
                 })
                 .await?;
-                pair.0 = rate;
+                rates[0] = rate;
                 d.raw_cpu = add3(d.raw_cpu, cpu);
-            } else {
+            } else if part == 1 {
                 let (rate, peak, cpu) = attempt("relay drain", || {
                     relay::drain_process(pool, database_url, relay_url, n)
                 })
                 .await?;
-                pair.1 = rate;
+                rates[1] = rate;
                 d.rss = d.rss.max(peak);
                 d.drain_cpu = add3(d.drain_cpu, cpu);
+            } else if let Some(design) = design {
+                let (rate, cpu) = attempt("design ceiling", || {
+                    design_rate(pool, database_url, raw_url, n, design)
+                })
+                .await?;
+                rates[2] = rate;
+                d.design_cpu = add3(d.design_cpu, cpu);
             }
         }
         eprintln!(
-            "bench:   round {}: raw {:.0}/s, relay {:.0}/s ({n} each)",
+            "bench:   round {}: raw {:.0}/s, relay {:.0}/s, minimal loop {:.0}/s ({n} each)",
             round + 1,
-            pair.0,
-            pair.1
+            rates[0],
+            rates[1],
+            rates[2]
         );
-        d.raw.push(pair.0);
-        d.drain.push(pair.1);
-        d.ratio.push(pair.1 / pair.0);
+        d.raw.push(rates[0]);
+        d.drain.push(rates[1]);
+        d.ratio.push(rates[1] / rates[0]);
+        if design.is_some() {
+            d.design.push(rates[2]);
+            d.design_ratio.push(rates[1] / rates[2]);
+        }
     }
     Ok(d)
+}
+
+/// The hand-written code of the relay's design, for one capture mode.
+#[derive(Debug, Clone, Copy)]
+enum Design {
+    Table(LoopTuning),
+    Wal(ReaderTuning),
+}
+
+impl std::fmt::Display for Design {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Design::Table(t) => t.fmt(f),
+            Design::Wal(t) => t.fmt(f),
+        }
+    }
+}
+
+/// The design ceiling draining a backlog of `n`: its rate and CPU seconds
+/// (broker, database, this process).
+async fn design_rate(
+    pool: &sqlx::PgPool,
+    database_url: &str,
+    url: &str,
+    n: usize,
+    design: Design,
+) -> Result<(f64, (f64, f64, f64))> {
+    match design {
+        Design::Table(t) => minimal::drain_rate(pool, url, n, t).await,
+        Design::Wal(t) => minimal_wal::drain_rate(pool, database_url, url, n, t).await,
+    }
 }
 
 fn add3(a: (f64, f64, f64), b: (f64, f64, f64)) -> (f64, f64, f64) {
@@ -863,11 +1047,20 @@ async fn ordered_section(
 
 async fn write_section(r: &mut Report, pool: &sqlx::PgPool, sizes: &Sizes) -> Result<()> {
     eprintln!("bench: write path (order transaction, 8 writers, modes interleaved)");
-    let modes: [(&str, Option<Wakeup>); 4] = [
-        ("baseline", None),
-        ("after_commit", Some(Wakeup::AfterCommit)),
-        ("poll_only", Some(Wakeup::PollOnly)),
-        ("in_transaction", Some(Wakeup::InTransaction)),
+    // The event's cost by wake-up mode and by where in the transaction it
+    // is written, and the design's ceiling: the same bytes as one row of a
+    // table with only a primary key.
+    let modes: [(&str, Shape, Option<Wakeup>); 6] = [
+        ("baseline", Shape::Order, None),
+        ("after_commit", Shape::Order, Some(Wakeup::AfterCommit)),
+        ("poll_only", Shape::Order, Some(Wakeup::PollOnly)),
+        ("in_transaction", Shape::Order, Some(Wakeup::InTransaction)),
+        (
+            "event_first",
+            Shape::OrderEventFirst,
+            Some(Wakeup::AfterCommit),
+        ),
+        ("bare_row", Shape::OrderAndBareRow, None),
     ];
     // Warm-up, not counted: connections, caches, the first schema.
     write::write_path(
@@ -879,17 +1072,20 @@ async fn write_section(r: &mut Report, pool: &sqlx::PgPool, sizes: &Sizes) -> Re
     .await?;
     let mut rates = vec![Stats::default(); modes.len()];
     let mut ratios = vec![Stats::default(); modes.len()];
+    let mut design = Stats::default();
     for round in 0..sizes.rounds {
-        let mut got = [0.0; 4];
+        let mut got = [0.0; 6];
         for k in 0..modes.len() {
             let i = (k + round) % modes.len();
-            got[i] = write::write_path(pool, Shape::Order, modes[i].1, sizes.write_secs).await?;
+            let (_, shape, mode) = modes[i];
+            got[i] = write::write_path(pool, shape, mode, sizes.write_secs).await?;
         }
         eprintln!("bench:   round {}: {got:.0?} tx/s", round + 1);
         for i in 0..modes.len() {
             rates[i].push(got[i]);
             ratios[i].push(got[i] / got[0]);
         }
+        design.push(got[1] / got[5]);
     }
     r.stats(
         "write_tx_per_s_baseline",
@@ -924,19 +1120,33 @@ async fn write_section(r: &mut Report, pool: &sqlx::PgPool, sizes: &Sizes) -> Re
         "write_path_ratio (default wake-up)",
         ">= 0.85",
     );
+    r.ceiling(
+        "write_path_design_ratio",
+        &design,
+        "write_path_design_ratio (outbox event / bare row of its bytes)",
+        ">= 0.95",
+    );
 
     eprintln!("bench: write path, worst case (one insert per transaction)");
+    let worst: [(Shape, Option<Wakeup>); 3] = [
+        (Shape::OneInsert, None),
+        (Shape::OneInsert, Some(Wakeup::AfterCommit)),
+        (Shape::OneInsertAndBareRow, None),
+    ];
     let (mut base, mut with, mut ratio) = (Stats::default(), Stats::default(), Stats::default());
+    let (mut bare, mut design) = (Stats::default(), Stats::default());
     for round in 0..sizes.rounds {
-        let mut got = [0.0; 2];
-        for k in 0..2 {
-            let i = (k + round) % 2;
-            let mode = (i == 1).then_some(Wakeup::AfterCommit);
-            got[i] = write::write_path(pool, Shape::OneInsert, mode, sizes.worst_secs).await?;
+        let mut got = [0.0; 3];
+        for k in 0..worst.len() {
+            let i = (k + round) % worst.len();
+            let (shape, mode) = worst[i];
+            got[i] = write::write_path(pool, shape, mode, sizes.worst_secs).await?;
         }
         base.push(got[0]);
         with.push(got[1]);
+        bare.push(got[2]);
         ratio.push(got[1] / got[0]);
+        design.push(got[1] / got[2]);
     }
     r.stats(
         "write_one_insert_tx_per_s_baseline",
@@ -951,6 +1161,18 @@ async fn write_section(r: &mut Report, pool: &sqlx::PgPool, sizes: &Sizes) -> Re
         "",
     );
     r.stats("write_one_insert_ratio", &ratio, "  ratio (worst case)", "");
+    r.stats(
+        "write_one_insert_tx_per_s_bare_row",
+        &bare,
+        "write tx/s, one insert + bare row of the event's bytes",
+        "",
+    );
+    r.ceiling(
+        "write_one_insert_design_ratio",
+        &design,
+        "  outbox event / bare row (worst case)",
+        ">= 0.95",
+    );
     Ok(())
 }
 

@@ -24,12 +24,23 @@ pub(crate) enum Shape {
     /// BEGIN; lock the customer; take stock; insert the order; insert
     /// three lines; [enqueue]; COMMIT.
     Order,
+    /// The order transaction with its event enqueued first, before the
+    /// customer's and the stock's row locks are taken.
+    OrderEventFirst,
+    /// The order transaction and, where the event would go, one `INSERT`
+    /// of the same bytes into a table with only a primary key: the least a
+    /// durable event row can cost (no library, no outbox columns, no due
+    /// index).
+    OrderAndBareRow,
     /// BEGIN; insert one row; [enqueue]; COMMIT: the event's relative cost
     /// at its largest.
     OneInsert,
     /// One insert and one more statement that does nothing (`SELECT 1`):
     /// the ceiling of any event written by a statement of its own.
     OneInsertAndNoop,
+    /// One insert and one more `INSERT` of the event's bytes into a table
+    /// with only a primary key (see [`Shape::OrderAndBareRow`]).
+    OneInsertAndBareRow,
     /// One insert and a bare `pg_logical_emit_message` of the bytes the
     /// log capture writes for one event: the least a log event can cost
     /// (no slot check, no ordered-type lookup, no library).
@@ -42,6 +53,7 @@ struct Statements {
     order: String,
     lines: String,
     one: String,
+    bare_row: String,
     /// The log capture's message prefix.
     prefix: String,
 }
@@ -61,6 +73,7 @@ impl Statements {
                  SELECT $1, l, s, q, p FROM unnest($2::int[], $3::text[], $4::int[], $5::bigint[]) AS t(l, s, q, p)"
             ),
             one: format!("INSERT INTO \"{s}\".one_row (sku, qty) VALUES ($1, $2)"),
+            bare_row: format!("INSERT INTO \"{s}\".bare_events (id, payload) VALUES ($1, $2)"),
             prefix: format!("outbox:{s}"),
         }
     }
@@ -82,6 +95,7 @@ async fn setup(pool: &PgPool) -> Result<String> {
              sku text NOT NULL, qty int NOT NULL CHECK (qty > 0), price_cents bigint NOT NULL,
              PRIMARY KEY (order_id, line));
          CREATE TABLE \"{schema}\".one_row (id bigserial PRIMARY KEY, sku text NOT NULL, qty int NOT NULL);
+         CREATE TABLE \"{schema}\".bare_events (id uuid PRIMARY KEY, payload jsonb NOT NULL);
          ANALYZE \"{schema}\".customers; ANALYZE \"{schema}\".stock;",
         c = CUSTOMERS - 1,
         k = SKUS - 1
@@ -139,13 +153,33 @@ pub(crate) async fn write_path(
                 seed = (seed * 1_103_515_245 + 12_345) & 0x7fff_ffff;
                 let mut tx = pool.begin().await?;
                 let event = match shape {
-                    Shape::Order => {
+                    Shape::Order | Shape::OrderEventFirst | Shape::OrderAndBareRow => {
                         let customer = seed % CUSTOMERS;
                         let skus: Vec<String> = (0..3)
                             .map(|k| format!("sku-{}", (seed / 7 + k * 331) % SKUS))
                             .collect();
                         let mut sorted = skus.clone();
                         sorted.sort(); // a fixed lock order: no deadlocks
+                        let (order, event_id) = (Uuid::now_v7(), Uuid::now_v7());
+                        let event = match &ob {
+                            Some(_) => Some(
+                                NewEvent::new(
+                                    "order",
+                                    order.to_string(),
+                                    "OrderPlaced",
+                                    &order_placed(order, customer, &skus),
+                                )?
+                                .with_id(event_id),
+                            ),
+                            None => None,
+                        };
+                        let event = match (&ob, event) {
+                            (Some(ob), Some(e)) if shape == Shape::OrderEventFirst => {
+                                ob.enqueue(&mut *tx, e).await?;
+                                None
+                            }
+                            (_, e) => e,
+                        };
                         let _: i64 = sqlx::query_scalar(AssertSqlSafe(sql.customer.clone()))
                             .bind(customer)
                             .fetch_one(&mut *tx)
@@ -157,7 +191,6 @@ pub(crate) async fn write_path(
                                 .fetch_one(&mut *tx)
                                 .await?;
                         }
-                        let (order, event_id) = (Uuid::now_v7(), Uuid::now_v7());
                         sqlx::query(AssertSqlSafe(sql.order.clone()))
                             .bind(order)
                             .bind(customer)
@@ -173,20 +206,19 @@ pub(crate) async fn write_path(
                             .bind(vec![1999i64; 3])
                             .execute(&mut *tx)
                             .await?;
-                        match &ob {
-                            Some(_) => Some(
-                                NewEvent::new(
-                                    "order",
-                                    order.to_string(),
-                                    "OrderPlaced",
-                                    &order_placed(order, customer, &skus),
-                                )?
-                                .with_id(event_id),
-                            ),
-                            None => None,
+                        if shape == Shape::OrderAndBareRow {
+                            sqlx::query(AssertSqlSafe(sql.bare_row.clone()))
+                                .bind(event_id)
+                                .bind(sqlx::types::Json(order_placed(order, customer, &skus)))
+                                .execute(&mut *tx)
+                                .await?;
                         }
+                        event
                     }
-                    Shape::OneInsert | Shape::OneInsertAndNoop | Shape::OneInsertAndBareEmit => {
+                    Shape::OneInsert
+                    | Shape::OneInsertAndNoop
+                    | Shape::OneInsertAndBareRow
+                    | Shape::OneInsertAndBareEmit => {
                         sqlx::query(AssertSqlSafe(sql.one.clone()))
                             .bind("A-1")
                             .bind(w as i32)
@@ -194,6 +226,13 @@ pub(crate) async fn write_path(
                             .await?;
                         if shape == Shape::OneInsertAndNoop {
                             sqlx::query("SELECT 1").execute(&mut *tx).await?;
+                        }
+                        if shape == Shape::OneInsertAndBareRow {
+                            sqlx::query(AssertSqlSafe(sql.bare_row.clone()))
+                                .bind(Uuid::now_v7())
+                                .bind(sqlx::types::Json(payload()))
+                                .execute(&mut *tx)
+                                .await?;
                         }
                         if shape == Shape::OneInsertAndBareEmit {
                             sqlx::query("SELECT pg_logical_emit_message(true, $1, $2)")

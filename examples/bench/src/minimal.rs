@@ -1,0 +1,223 @@
+//! The table drain's design ceiling: the least code that drains the outbox
+//! the way the relay's design does, written by hand. Each loop, on its own
+//! database connection and confirm-mode channel: `BEGIN`, claim the oldest
+//! due rows with `FOR UPDATE SKIP LOCKED`, publish each as the message of
+//! the contract (docs/AMQP_MESSAGE.md) with every confirm pipelined behind
+//! the whole batch, `DELETE` the claimed ids, `COMMIT`. Nothing else: no
+//! leases, no stats, no retries, no supervision. Its tuning (loops, batch
+//! size) is swept and the best kept. A relay faster than this means the
+//! ceiling is wrong.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use chrono::{DateTime, Utc};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Confirmation};
+use outbox::{OrderedAggregates, wire};
+use sqlx::{AssertSqlSafe, PgPool, SqlSafeStr, SqlStr};
+use uuid::Uuid;
+
+use crate::common::*;
+use crate::relay::Backlog;
+
+/// How the hand-written loop drains: `loops` concurrent loops, each
+/// claiming up to `batch` rows per transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LoopTuning {
+    pub(crate) loops: usize,
+    pub(crate) batch: usize,
+}
+
+impl std::fmt::Display for LoopTuning {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} loop(s) x batch {}", self.loops, self.batch)
+    }
+}
+
+/// What the sweep tries; the best one is the design ceiling.
+pub(crate) const LOOP_SWEEP: [LoopTuning; 6] = [
+    LoopTuning {
+        loops: 1,
+        batch: 500,
+    },
+    LoopTuning {
+        loops: 2,
+        batch: 250,
+    },
+    LoopTuning {
+        loops: 2,
+        batch: 500,
+    },
+    LoopTuning {
+        loops: 2,
+        batch: 1000,
+    },
+    LoopTuning {
+        loops: 4,
+        batch: 250,
+    },
+    LoopTuning {
+        loops: 4,
+        batch: 500,
+    },
+];
+
+type Row = (Uuid, String, String, String, String, String, DateTime<Utc>);
+
+/// The claim and delete of one loop, on `schema` (the relay's own
+/// statements, cut to what the message needs).
+fn statements(schema: &str) -> (SqlStr, SqlStr) {
+    let sql = |text: String| AssertSqlSafe(text).into_sql_str();
+    (
+        sql(format!(
+            "SELECT id, aggregate_type, aggregate_id, event_type, payload::text, \
+             headers::text, created_at FROM \"{schema}\".outbox \
+             WHERE available_at <= now() AND aggregate_seq IS NULL \
+             ORDER BY available_at, id LIMIT $1 FOR UPDATE SKIP LOCKED"
+        )),
+        sql(format!(
+            "DELETE FROM \"{schema}\".outbox WHERE id = ANY($1)"
+        )),
+    )
+}
+
+/// The contract's properties, by hand (the fixture's events carry no
+/// headers of their own, which `drain_loop` checks).
+fn properties(r: &Row) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        wire::HEADER_AGGREGATE_TYPE.into(),
+        AMQPValue::LongString(r.1.as_str().into()),
+    );
+    headers.insert(
+        wire::HEADER_AGGREGATE_ID.into(),
+        AMQPValue::LongString(r.2.as_str().into()),
+    );
+    BasicProperties::default()
+        .with_message_id(r.0.to_string().into())
+        .with_type(r.3.as_str().into())
+        .with_content_type(wire::CONTENT_TYPE.into())
+        .with_delivery_mode(wire::DELIVERY_MODE_PERSISTENT)
+        .with_timestamp(r.6.timestamp().max(0) as u64)
+        .with_app_id("outbox-relay".into())
+        .with_headers(headers)
+}
+
+/// One loop: claims, publishes, deletes and commits until a claim finds
+/// nothing. Returns the events it published.
+async fn drain_loop(
+    pool: PgPool,
+    ch: Channel,
+    schema: String,
+    exchange: String,
+    batch: usize,
+) -> Result<u64> {
+    let (claim, delete) = statements(&schema);
+    let opts = BasicPublishOptions {
+        mandatory: true,
+        ..Default::default()
+    };
+    let mut conn = pool.acquire().await?;
+    let mut sent = 0;
+    loop {
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        let rows: Vec<Row> = sqlx::query_as(claim.clone())
+            .bind(batch as i64)
+            .fetch_all(&mut *tx)
+            .await?;
+        if rows.is_empty() {
+            tx.commit().await?;
+            return Ok(sent);
+        }
+        let mut confirms = Vec::with_capacity(rows.len());
+        for r in &rows {
+            anyhow::ensure!(r.5 == "{}", "the minimal loop publishes no event headers");
+            let key = wire::default_routing_key(&r.1, &r.3);
+            confirms.push(
+                ch.basic_publish(
+                    exchange.as_str().into(),
+                    key.as_str().into(),
+                    opts,
+                    r.4.as_bytes(),
+                    properties(r),
+                )
+                .await?,
+            );
+        }
+        for c in confirms {
+            let c = c.await?;
+            anyhow::ensure!(c == Confirmation::Ack(None), "not acked: {c:?}");
+        }
+        let ids: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
+        sqlx::query(delete.clone())
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        sent += rows.len() as u64;
+    }
+}
+
+/// The hand-written loops draining a backlog of `n` with `tuning`:
+/// events/s between 5% and 100% of `n` published (timed on the queue, as
+/// the relay is), and CPU seconds of broker, database and this process
+/// over the same span.
+pub(crate) async fn drain_rate(
+    pool: &PgPool,
+    url: &str,
+    n: usize,
+    tuning: LoopTuning,
+) -> Result<(f64, (f64, f64, f64))> {
+    let backlog = Backlog::new(pool, url, n, OrderedAggregates::None, 1_000).await?;
+    let loops_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(tuning.loops as u32)
+        .connect_with((*pool.connect_options()).clone())
+        .await?;
+    let conn = connect(url).await?;
+    let cpu = CpuSpan::start(std::process::id());
+    let mut tasks = Vec::new();
+    for _ in 0..tuning.loops {
+        let ch = conn.create_channel().await?;
+        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        tasks.push(tokio::spawn(drain_loop(
+            loops_pool.clone(),
+            ch,
+            backlog.schema.clone(),
+            backlog.name.clone(),
+            tuning.batch,
+        )));
+    }
+    let warm = (n / 20) as u64;
+    let timed = backlog.time_fill(warm, n as u64).await;
+    let cpu = cpu.stop();
+    let mut sent = 0;
+    for t in tasks {
+        sent += t.await??;
+    }
+    let secs = timed?;
+    anyhow::ensure!(sent == n as u64, "the loops published {sent} of {n}");
+    backlog.verify(pool, n as u64).await?;
+    let _ = conn.close(200, "done".into()).await;
+    loops_pool.close().await;
+    backlog.drop(pool).await?;
+    Ok(((n as u64 - warm) as f64 / secs, cpu))
+}
+
+/// Each of [`LOOP_SWEEP`] once on a backlog of `n`; the fastest.
+pub(crate) async fn sweep(pool: &PgPool, url: &str, n: usize) -> Result<(LoopTuning, f64)> {
+    let mut best = (LOOP_SWEEP[0], 0.0);
+    for tuning in LOOP_SWEEP {
+        let started = Instant::now();
+        let (rate, _) = drain_rate(pool, url, n, tuning).await?;
+        eprintln!(
+            "bench:   minimal loop {tuning}: {rate:.0}/s ({:.1} s)",
+            started.elapsed().as_secs_f64()
+        );
+        if rate > best.1 {
+            best = (tuning, rate);
+        }
+    }
+    Ok(best)
+}

@@ -1,0 +1,273 @@
+//! The WAL drain's design ceiling: the least code that reads the outbox's
+//! slot the way the relay's design does, written by hand. It streams the
+//! slot (pgoutput, logical decoding messages of `outbox_emit`), publishes
+//! each event as the message of the contract with its confirms pipelined
+//! (batches of what is ready, a few batches on the wire), and confirms a
+//! transaction's end position to the slot once every confirm before it has
+//! arrived. Nothing else: no ordered aggregates, no dead letters, no
+//! supervision. Its tuning is swept and the best kept.
+
+use std::collections::VecDeque;
+
+use anyhow::{Context, Result};
+use futures_util::FutureExt;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Confirmation, PublisherConfirm};
+use outbox::{OrderedAggregates, wire};
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use sqlx::PgPool;
+
+use crate::common::*;
+use crate::relay::Backlog;
+
+/// How the hand-written reader batches: up to `batch` events per batch,
+/// up to `window` batches unconfirmed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ReaderTuning {
+    pub(crate) batch: usize,
+    pub(crate) window: usize,
+}
+
+impl std::fmt::Display for ReaderTuning {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "batch {} x {} on the wire", self.batch, self.window)
+    }
+}
+
+/// What the sweep tries; the best one is the design ceiling.
+pub(crate) const READER_SWEEP: [ReaderTuning; 4] = [
+    ReaderTuning {
+        batch: 250,
+        window: 4,
+    },
+    ReaderTuning {
+        batch: 500,
+        window: 4,
+    },
+    ReaderTuning {
+        batch: 1000,
+        window: 2,
+    },
+    ReaderTuning {
+        batch: 1000,
+        window: 8,
+    },
+];
+
+/// The content of an `outbox_emit` message (docs/WAL_CAPTURE.md), the
+/// fields the message needs.
+#[derive(Deserialize)]
+struct Content<'a> {
+    id: uuid::Uuid,
+    aggregate_type: &'a str,
+    aggregate_id: &'a str,
+    event_type: &'a str,
+    #[serde(borrow)]
+    payload: &'a RawValue,
+    #[serde(borrow)]
+    headers: &'a RawValue,
+    created_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// A replication connection to `url` (host, port, user, password and
+/// database of a `postgres://` URL) reading `slot` through its publication.
+fn source(url: &str, slot: &str) -> Result<ReplicationConfig> {
+    let u = url::Url::parse(url).context("the database URL")?;
+    let mut c = ReplicationConfig::new(
+        u.host_str().unwrap_or("localhost"),
+        if u.username().is_empty() {
+            "postgres"
+        } else {
+            u.username()
+        },
+        u.password().unwrap_or(""),
+        u.path().trim_start_matches('/'),
+        slot,
+        slot,
+    );
+    c.port = u.port().unwrap_or(5432);
+    Ok(c.with_buffer_size(4096))
+}
+
+/// Publishes one message's event; its confirm.
+async fn publish(ch: &Channel, exchange: &str, content: &[u8]) -> Result<PublisherConfirm> {
+    let c: Content<'_> = serde_json::from_slice(content)?;
+    anyhow::ensure!(
+        c.headers.get() == "{}",
+        "the minimal reader publishes no event headers"
+    );
+    let mut headers = FieldTable::default();
+    headers.insert(
+        wire::HEADER_AGGREGATE_TYPE.into(),
+        AMQPValue::LongString(c.aggregate_type.into()),
+    );
+    headers.insert(
+        wire::HEADER_AGGREGATE_ID.into(),
+        AMQPValue::LongString(c.aggregate_id.into()),
+    );
+    let props = BasicProperties::default()
+        .with_message_id(c.id.to_string().into())
+        .with_type(c.event_type.into())
+        .with_content_type(wire::CONTENT_TYPE.into())
+        .with_delivery_mode(wire::DELIVERY_MODE_PERSISTENT)
+        .with_timestamp(c.created_at.timestamp().max(0) as u64)
+        .with_app_id("outbox-relay".into())
+        .with_headers(headers);
+    let key = wire::default_routing_key(c.aggregate_type, c.event_type);
+    let opts = BasicPublishOptions {
+        mandatory: true,
+        ..Default::default()
+    };
+    Ok(ch
+        .basic_publish(
+            exchange.into(),
+            key.as_str().into(),
+            opts,
+            c.payload.get().as_bytes(),
+            props,
+        )
+        .await?)
+}
+
+/// One batch on the wire: its confirms and the position confirmed to the
+/// slot once they all arrived.
+struct OnWire {
+    confirms: Vec<PublisherConfirm>,
+    end: Option<Lsn>,
+}
+
+async fn settle(client: &ReplicationClient, b: OnWire) -> Result<()> {
+    for c in b.confirms {
+        let c = c.await?;
+        anyhow::ensure!(c == Confirmation::Ack(None), "not acked: {c:?}");
+    }
+    if let Some(end) = b.end {
+        client.update_applied_lsn(end);
+    }
+    Ok(())
+}
+
+/// Reads `slot` until `n` events are published and confirmed.
+async fn read(
+    database_url: &str,
+    slot: &str,
+    prefix: &str,
+    ch: Channel,
+    exchange: &str,
+    n: usize,
+    tuning: ReaderTuning,
+) -> Result<()> {
+    let mut client = ReplicationClient::connect(source(database_url, slot)?).await?;
+    let mut wire: VecDeque<OnWire> = VecDeque::new();
+    let mut batch = OnWire {
+        confirms: Vec::new(),
+        end: None,
+    };
+    let mut sent = 0;
+    while sent < n || !batch.confirms.is_empty() {
+        // What is ready, without waiting; when nothing is, send the batch.
+        let event = if batch.confirms.len() >= tuning.batch {
+            None
+        } else if batch.confirms.is_empty() {
+            Some(client.recv().await?.context("the stream ended")?)
+        } else {
+            match client.recv().now_or_never() {
+                Some(e) => Some(e?.context("the stream ended")?),
+                None => None,
+            }
+        };
+        match event {
+            Some(ReplicationEvent::Message {
+                prefix: p, content, ..
+            }) if p == prefix => {
+                batch.confirms.push(publish(&ch, exchange, &content).await?);
+                sent += 1;
+            }
+            Some(ReplicationEvent::Commit { end_lsn, .. }) => batch.end = Some(end_lsn),
+            Some(_) => {}
+            None => {
+                if wire.len() >= tuning.window
+                    && let Some(oldest) = wire.pop_front()
+                {
+                    settle(&client, oldest).await?;
+                }
+                let full = std::mem::replace(
+                    &mut batch,
+                    OnWire {
+                        confirms: Vec::new(),
+                        end: None,
+                    },
+                );
+                wire.push_back(full);
+            }
+        }
+    }
+    while let Some(b) = wire.pop_front() {
+        settle(&client, b).await?;
+    }
+    let _ = client.shutdown().await;
+    Ok(())
+}
+
+/// The hand-written reader draining a backlog of `n` events in the log
+/// with `tuning`: events/s between 5% and 100% of `n` published (timed on
+/// the queue, as the relay is), and CPU seconds of broker, database and
+/// this process over the same span. Needs the WAL capture on.
+pub(crate) async fn drain_rate(
+    pool: &PgPool,
+    database_url: &str,
+    url: &str,
+    n: usize,
+    tuning: ReaderTuning,
+) -> Result<(f64, (f64, f64, f64))> {
+    let backlog = Backlog::new(pool, url, n, OrderedAggregates::None, 1_000).await?;
+    let conn = connect(url).await?;
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let ident = outbox::Ident::new("schema", &backlog.schema)?;
+    let slot = outbox::wal_slot_name(&ident);
+    let prefix = outbox::wal_message_prefix(&ident);
+    let cpu = CpuSpan::start(std::process::id());
+    let (database_url, exchange) = (database_url.to_owned(), backlog.name.clone());
+    let reader =
+        tokio::spawn(
+            async move { read(&database_url, &slot, &prefix, ch, &exchange, n, tuning).await },
+        );
+    let warm = (n / 20) as u64;
+    let timed = backlog.time_fill(warm, n as u64).await;
+    let cpu = cpu.stop();
+    let read = reader.await?;
+    let secs = timed?;
+    read?;
+    // The reader stops at its count (the relay keeps reading, so the
+    // harness's own check waits for its slot to pass the log's end).
+    let depth = backlog.depth().await?;
+    anyhow::ensure!(
+        depth == n as u64,
+        "{depth} messages published for {n} events"
+    );
+    let _ = conn.close(200, "done".into()).await;
+    backlog.drop(pool).await?;
+    Ok(((n as u64 - warm) as f64 / secs, cpu))
+}
+
+/// Each of [`READER_SWEEP`] once on a backlog of `n`; the fastest.
+pub(crate) async fn sweep(
+    pool: &PgPool,
+    database_url: &str,
+    url: &str,
+    n: usize,
+) -> Result<(ReaderTuning, f64)> {
+    let mut best = (READER_SWEEP[0], 0.0);
+    for tuning in READER_SWEEP {
+        let (rate, _) = drain_rate(pool, database_url, url, n, tuning).await?;
+        eprintln!("bench:   minimal WAL reader {tuning}: {rate:.0}/s");
+        if rate > best.1 {
+            best = (tuning, rate);
+        }
+    }
+    Ok(best)
+}
