@@ -83,24 +83,31 @@ fn statements(schema: &str) -> (SqlStr, SqlStr) {
     )
 }
 
-/// The contract's properties, by hand (the fixture's events carry no
-/// headers of their own, which `drain_loop` checks).
-fn properties(r: &Row) -> BasicProperties {
+/// The contract's properties, built by hand for an event without headers
+/// of its own (both hand-written ceilings publish the fixture's events,
+/// which carry none; each checks that).
+pub(crate) fn contract_properties(
+    id: Uuid,
+    aggregate_type: &str,
+    aggregate_id: &str,
+    event_type: &str,
+    created_at: DateTime<Utc>,
+) -> BasicProperties {
     let mut headers = FieldTable::default();
     headers.insert(
         wire::HEADER_AGGREGATE_TYPE.into(),
-        AMQPValue::LongString(r.1.as_str().into()),
+        AMQPValue::LongString(aggregate_type.into()),
     );
     headers.insert(
         wire::HEADER_AGGREGATE_ID.into(),
-        AMQPValue::LongString(r.2.as_str().into()),
+        AMQPValue::LongString(aggregate_id.into()),
     );
     BasicProperties::default()
-        .with_message_id(r.0.to_string().into())
-        .with_type(r.3.as_str().into())
+        .with_message_id(id.to_string().into())
+        .with_type(event_type.into())
         .with_content_type(wire::CONTENT_TYPE.into())
         .with_delivery_mode(wire::DELIVERY_MODE_PERSISTENT)
-        .with_timestamp(r.6.timestamp().max(0) as u64)
+        .with_timestamp(created_at.timestamp().max(0) as u64)
         .with_app_id("outbox-relay".into())
         .with_headers(headers)
 }
@@ -141,7 +148,7 @@ async fn drain_loop(
                     key.as_str().into(),
                     opts,
                     r.4.as_bytes(),
-                    properties(r),
+                    contract_properties(r.0, &r.1, &r.2, &r.3, r.6),
                 )
                 .await?,
             );

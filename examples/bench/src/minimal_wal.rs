@@ -12,8 +12,7 @@ use std::collections::VecDeque;
 use anyhow::{Context, Result};
 use futures_util::FutureExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Confirmation, PublisherConfirm};
+use lapin::{Channel, Confirmation, PublisherConfirm};
 use outbox::{OrderedAggregates, wire};
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
 use serde::Deserialize;
@@ -21,6 +20,7 @@ use serde_json::value::RawValue;
 use sqlx::PgPool;
 
 use crate::common::*;
+use crate::minimal::contract_properties;
 use crate::relay::Backlog;
 
 /// How the hand-written reader batches: up to `batch` events per batch,
@@ -99,23 +99,13 @@ async fn publish(ch: &Channel, exchange: &str, content: &[u8]) -> Result<Publish
         c.headers.get() == "{}",
         "the minimal reader publishes no event headers"
     );
-    let mut headers = FieldTable::default();
-    headers.insert(
-        wire::HEADER_AGGREGATE_TYPE.into(),
-        AMQPValue::LongString(c.aggregate_type.into()),
+    let props = contract_properties(
+        c.id,
+        c.aggregate_type,
+        c.aggregate_id,
+        c.event_type,
+        c.created_at,
     );
-    headers.insert(
-        wire::HEADER_AGGREGATE_ID.into(),
-        AMQPValue::LongString(c.aggregate_id.into()),
-    );
-    let props = BasicProperties::default()
-        .with_message_id(c.id.to_string().into())
-        .with_type(c.event_type.into())
-        .with_content_type(wire::CONTENT_TYPE.into())
-        .with_delivery_mode(wire::DELIVERY_MODE_PERSISTENT)
-        .with_timestamp(c.created_at.timestamp().max(0) as u64)
-        .with_app_id("outbox-relay".into())
-        .with_headers(headers);
     let key = wire::default_routing_key(c.aggregate_type, c.event_type);
     let opts = BasicPublishOptions {
         mandatory: true,
