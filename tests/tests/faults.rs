@@ -1192,6 +1192,7 @@ async fn stop_the_relays_node(w: &World, cluster: &Cluster, cell: &str) -> Strin
     // Work in flight: a batch holding rows (table), the log's reader
     // publishing (WAL); the producers go on committing throughout.
     let held = w.in_flight(0).await;
+    eprintln!("{cell}: stopping node {node} at {}", chrono::Utc::now());
     let stopped_at = std::time::Instant::now();
     let moved = std::cell::Cell::new(None);
     // Publishing resumes while the node is still stopping: timed from the

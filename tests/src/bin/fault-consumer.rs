@@ -57,6 +57,12 @@ async fn main() -> Result<()> {
             stop.cancel();
         }
     });
+    // Logs on stderr, filtered by RUST_LOG (the tests keep them per test).
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
     let schema = env("SCHEMA")?;
     let options: PgConnectOptions = env("DATABASE_URL")?.parse()?;
     let pool = PgPoolOptions::new()

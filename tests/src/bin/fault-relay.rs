@@ -5,7 +5,7 @@
 //! `fault-relay-<schema>`), CAPTURE (`wal`: also read the schema's slot),
 //! WAL_SENDER_TIMEOUT_MS (default 3000), MAX_PAYLOAD_BYTES, MAX_ATTEMPTS
 //! and RETRY_BASE_MS (the relay's defaults when unset). SIGINT or SIGTERM
-//! stop it gracefully.
+//! stop it gracefully. Logs go to stderr, filtered by RUST_LOG.
 
 use std::time::Duration;
 
@@ -20,6 +20,12 @@ fn env(name: &str) -> Result<String> {
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    // Logs on stderr, filtered by RUST_LOG (the tests keep them per test).
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
     let schema = env("SCHEMA")?;
     let name = std::env::var("NAME").unwrap_or_else(|_| format!("fault-relay-{schema}"));
     let options: PgConnectOptions = env("DATABASE_URL")?.parse()?;

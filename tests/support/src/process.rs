@@ -92,3 +92,72 @@ pub async fn wait_exit(child: &mut KillOnDrop, timeout: Duration) -> Option<i32>
     .await;
     status.and_then(|s| s.code())
 }
+
+/// Where a test's child processes write their stderr: one file each in a
+/// directory of the test's own, printed (the last lines of each) when the
+/// test fails and deleted when it passes. A wait that times out then shows
+/// what the processes were doing, not only what the test saw.
+#[derive(Debug)]
+pub struct ProcessLogs {
+    dir: std::path::PathBuf,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl ProcessLogs {
+    /// Lines of each log printed when the test fails.
+    const TAIL: usize = 60;
+
+    /// A directory for the logs of the test named `name` (its schema).
+    pub fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join("outbox-test-logs").join(name);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a directory for the processes' logs");
+        Self {
+            dir,
+            next: Default::default(),
+        }
+    }
+
+    /// Sends `command`'s stderr to a new file named after `what`.
+    pub fn attach(&self, command: &mut std::process::Command, what: &str) {
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = self.dir.join(format!("{n:02}-{what}.log"));
+        let file = std::fs::File::create(&path).expect("a process log file");
+        command.stderr(file);
+    }
+
+    /// The last lines of every log, oldest process first.
+    pub fn tails(&self) -> String {
+        let mut files: Vec<_> = std::fs::read_dir(&self.dir)
+            .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+            .unwrap_or_default();
+        files.sort();
+        let mut out = String::new();
+        for path in files {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let from = lines.len().saturating_sub(Self::TAIL);
+            out.push_str(&format!(
+                "--- {} (last {} of {} lines)\n",
+                path.display(),
+                lines.len() - from,
+                lines.len()
+            ));
+            for line in &lines[from..] {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+        out
+    }
+}
+
+impl Drop for ProcessLogs {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("the processes' logs:\n{}", self.tails());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}

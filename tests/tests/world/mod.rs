@@ -21,7 +21,7 @@ mod parts;
 
 use std::time::Duration;
 
-use e2e::{Collector, SeqLog, TestBroker, TestDb, wait_until};
+use e2e::{Collector, ProcessLogs, SeqLog, TestBroker, TestDb, wait_until};
 use lapin::types::FieldTable;
 use outbox_consumer::{OrderedTopology, declare_ordered_topology};
 use sqlx::AssertSqlSafe;
@@ -114,6 +114,8 @@ pub(crate) struct World {
     consumer_processes: bool,
     relay_timeout: Duration,
     pub(crate) deadline: Duration,
+    /// The relays' and consumers' stderr, shown when the scenario fails.
+    logs: ProcessLogs,
 }
 
 impl World {
@@ -190,6 +192,7 @@ impl World {
         };
         let _ = conn.close(200, "ok".into()).await;
         Self {
+            logs: ProcessLogs::new(&db.schema),
             db,
             consumer_schema,
             nodes,

@@ -225,15 +225,21 @@ impl World {
         Running::spawn(|stop| tokio::spawn(async move { consumer.run(stop).await }))
     }
 
+    /// A process of `bin` on the world's database, broker and schema; its
+    /// stderr (logs at `info`) goes to the world's [`ProcessLogs`], shown
+    /// if the scenario fails.
     fn process(&self, bin: &str) -> Command {
         let mut c = Command::new(bin);
         c.env("DATABASE_URL", database_url())
             .env("AMQP_URL", self.nodes.urls())
             .env("SCHEMA", &self.db.schema)
             .env("EXCHANGE", &self.broker.exchange)
-            .env("RUST_LOG", "error")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .env("RUST_LOG", "info,lapin=warn,sqlx=warn")
+            .stdout(Stdio::null());
+        let what = std::path::Path::new(bin)
+            .file_name()
+            .map_or_else(|| "process".into(), |n| n.to_string_lossy());
+        self.logs.attach(&mut c, &what);
         c
     }
 
