@@ -74,5 +74,10 @@ pub(crate) const PRODUCER: MigrationSet = MigrationSet {
             name: "published_at_idx",
             sql: include_str!("../migrations/0013_published_at_idx.sql"),
         },
+        Migration {
+            version: 14,
+            name: "publishable_fast",
+            sql: include_str!("../migrations/0014_publishable_fast.sql"),
+        },
     ],
 };

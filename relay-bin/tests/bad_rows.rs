@@ -534,3 +534,82 @@ async fn wal_emit_refuses_what_the_table_refuses() {
     }
     db.cleanup().await;
 }
+
+/// The CHECKs' inline shortcut (migration 14: names within 255 bytes,
+/// headers' JSON text within 255 bytes) takes only rows that the one
+/// definition, `outbox_unpublishable`, takes; and the table refuses
+/// exactly what the function refuses. Rows around every limit, in bytes of
+/// one and of two-byte characters, and headers whose text the escapes of
+/// their keys make longer than the keys.
+#[tokio::test]
+async fn the_checks_shortcut_takes_only_what_the_function_takes() {
+    let db = TestDb::producer("bad_shortcut").await;
+    let mut rows = Vec::new();
+    for n in [127usize, 128, 253, 254, 255, 256, 257] {
+        for text in ["x".repeat(n), "é".repeat(n / 2)] {
+            rows.push(Row {
+                event_type: text.clone(),
+                routing_key: Some("k".into()),
+                ..Row::new("event type")
+            });
+            rows.push(Row {
+                exchange: Some(text.clone()),
+                ..Row::new("exchange")
+            });
+            rows.push(Row {
+                routing_key: Some(text.clone()),
+                ..Row::new("routing key")
+            });
+            rows.push(Row {
+                aggregate_type: text.clone(),
+                event_type: "E".into(),
+                ..Row::new("default routing key")
+            });
+            for (key, value) in [
+                (text.clone(), json!(1)),
+                (format!("{}\"", &text[..text.len().min(250)]), json!(1)),
+                (format!("a\u{1}{}", "b".repeat(n.min(250))), json!("v")),
+                ("k".into(), json!(text.clone())),
+            ] {
+                rows.push(Row {
+                    headers: json!({ key: value, "traceparent": "00-1-2-01" }).to_string(),
+                    ..Row::new("headers")
+                });
+            }
+        }
+    }
+    let (mut taken, mut refused) = (0, 0);
+    for row in &rows {
+        let publishable: bool = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT \"{}\".outbox_unpublishable($1, $2, $3, $4, $5::jsonb) IS NULL",
+            db.schema
+        )))
+        .bind(&row.aggregate_type)
+        .bind(&row.event_type)
+        .bind(&row.exchange)
+        .bind(&row.routing_key)
+        .bind(&row.headers)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        let inserted = insert(&db, row).await;
+        assert_eq!(
+            inserted.is_ok(),
+            publishable,
+            "{} ({} bytes of event type, {} of headers): the table and the function disagree: {inserted:?}",
+            row.name,
+            row.event_type.len(),
+            row.headers.len()
+        );
+        if publishable {
+            taken += 1;
+        } else {
+            refused += 1;
+        }
+    }
+    assert!(
+        taken > 20 && refused > 20,
+        "{taken} taken, {refused} refused"
+    );
+    db.cleanup().await;
+}

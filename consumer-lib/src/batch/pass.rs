@@ -217,8 +217,17 @@ async fn run_batch(
     if to_handle.is_empty() {
         return Ok(false);
     }
-    let fresh: Vec<Event> = to_handle.iter().map(|&i| events[i].clone()).collect();
-    let call = std::panic::AssertUnwindSafe(h.handle_batch_dyn(&mut *tx, &fresh)).catch_unwind();
+    // `to_handle` is increasing: as long as `events`, it is all of them, in
+    // order, and the handler sees them without a copy (the common batch:
+    // no duplicates, nothing already decided).
+    let copies: Vec<Event>;
+    let fresh: &[Event] = if to_handle.len() == events.len() {
+        events
+    } else {
+        copies = to_handle.iter().map(|&i| events[i].clone()).collect();
+        &copies
+    };
+    let call = std::panic::AssertUnwindSafe(h.handle_batch_dyn(&mut *tx, fresh)).catch_unwind();
     let outcome = match tokio::time::timeout(timeout, call).await {
         Ok(Ok(outcome)) => outcome,
         Ok(Err(_)) => BatchOutcome::All(Outcome::retry("batch handler panicked")),

@@ -437,3 +437,18 @@ impl CpuSpan {
         )
     }
 }
+
+/// Runs `work` in a thread of its own on a runtime of its own (two
+/// workers, as the relay process has), so a hand-written contender does
+/// not share the harness's threads.
+pub(crate) fn on_own_runtime<T: Send + 'static>(
+    work: impl std::future::Future<Output = Result<T>> + Send + 'static,
+) -> std::thread::JoinHandle<Result<T>> {
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?
+            .block_on(work)
+    })
+}

@@ -84,6 +84,11 @@ impl fmt::Display for Contender {
             Contender::Raw(t) => write!(f, "raw ack-only ({t})"),
             Contender::Hand(t) => write!(f, "hand-written ({t})"),
             Contender::LibraryBatch => f.write_str("library, batch handler"),
+            Contender::LibraryTuned(t) => write!(
+                f,
+                "library, batch handler, prefetch {}, batch {}, linger {} ms",
+                t.prefetch, t.batch, t.linger_ms
+            ),
             Contender::LibraryPerEvent => f.write_str("library, per-event handler"),
         }
     }
@@ -156,6 +161,9 @@ enum Contender {
     Raw(RawTuning),
     Hand(HandTuning),
     LibraryBatch,
+    /// The batch handler with the hand-written loop's prefetch, batch
+    /// size and linger (the code's own price, tuning aside).
+    LibraryTuned(HandTuning),
     LibraryPerEvent,
 }
 
@@ -170,6 +178,10 @@ pub(crate) struct ConsumerResults {
     pub(crate) batch_vs_raw: Stats,
     /// Library batch handler / hand-written loop, per round.
     pub(crate) batch_vs_hand: Stats,
+    /// The library with the hand-written loop's tuning.
+    pub(crate) tuned: Stats,
+    /// That / the hand-written loop, per round.
+    pub(crate) tuned_vs_hand: Stats,
     pub(crate) raw_tuning: String,
     pub(crate) hand_tuning: String,
     pub(crate) peak_rss_mib: f64,
@@ -305,9 +317,16 @@ async fn run(pool: &PgPool, url: &str, queue: &str, n: usize, who: Contender) ->
             }
             v
         }
-        (Contender::LibraryBatch | Contender::LibraryPerEvent, Some(s)) => {
-            let batch = matches!(who, Contender::LibraryBatch);
-            let consumer = library(pool, url, queue, s, batch)?;
+        (
+            Contender::LibraryBatch | Contender::LibraryTuned(_) | Contender::LibraryPerEvent,
+            Some(s),
+        ) => {
+            let batch = !matches!(who, Contender::LibraryPerEvent);
+            let tuning = match who {
+                Contender::LibraryTuned(t) => Some(t),
+                _ => None,
+            };
+            let consumer = library(pool, url, queue, s, batch, tuning)?;
             let stop = stop.clone();
             vec![tokio::spawn(async move {
                 consumer.run(stop).await.map_err(anyhow::Error::from)
@@ -374,10 +393,22 @@ async fn time_progress(
     }
 }
 
-fn library(pool: &PgPool, url: &str, queue: &str, schema: &str, batch: bool) -> Result<Consumer> {
+fn library(
+    pool: &PgPool,
+    url: &str,
+    queue: &str,
+    schema: &str,
+    batch: bool,
+    tuning: Option<HandTuning>,
+) -> Result<Consumer> {
     let mut cfg = ConsumerConfig::new(url, queue, "bench");
     cfg.schema = schema.to_string();
     cfg.declare_retry_queues = false;
+    if let Some(t) = tuning {
+        cfg.prefetch = t.prefetch;
+        cfg.batch_size = t.batch;
+        cfg.batch_max_wait = Duration::from_millis(t.linger_ms);
+    }
     let update = update_sql(schema);
     Ok(if batch {
         Consumer::with_batch_handler(cfg, pool.clone(), SetUpdate { update })?
@@ -578,6 +609,13 @@ pub(crate) async fn measure(
         (best_hand.0, count(best_hand.1)),
         (Contender::LibraryBatch, count(best_hand.1)),
         (Contender::LibraryPerEvent, count(best_hand.1 / 4.0)),
+        (
+            Contender::LibraryTuned(match best_hand.0 {
+                Contender::Hand(t) => t,
+                _ => HAND_SWEEP[0],
+            }),
+            count(best_hand.1),
+        ),
     ];
     let mut res = ConsumerResults {
         raw: Stats::default(),
@@ -586,12 +624,14 @@ pub(crate) async fn measure(
         per_event: Stats::default(),
         batch_vs_raw: Stats::default(),
         batch_vs_hand: Stats::default(),
+        tuned: Stats::default(),
+        tuned_vs_hand: Stats::default(),
         raw_tuning: tuning_of(best_raw.0),
         hand_tuning: tuning_of(best_hand.0),
         peak_rss_mib: f64::NAN,
     };
     for round in 0..plan.rounds {
-        let mut rates = [0.0; 4];
+        let mut rates = [0.0; 5];
         for k in 0..order.len() {
             let i = (k + round) % order.len();
             let (who, n) = order[i];
@@ -608,6 +648,8 @@ pub(crate) async fn measure(
         res.per_event.push(rates[3]);
         res.batch_vs_raw.push(rates[2] / rates[0]);
         res.batch_vs_hand.push(rates[2] / rates[1]);
+        res.tuned.push(rates[4]);
+        res.tuned_vs_hand.push(rates[4] / rates[1]);
     }
     res.peak_rss_mib = attempt("consumer memory", || async {
         let conn = connect(url).await?;

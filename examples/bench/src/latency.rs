@@ -19,7 +19,77 @@ use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
+use crate::minimal::LoopTuning;
+use crate::minimal_wal::ReaderTuning;
 use crate::relay::{spawn_relay, stop_child};
+
+/// What moves the events from the outbox to the broker in a latency run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Relayer {
+    /// The relay binary in its own process (with its defaults).
+    Binary,
+    /// The table's hand-written loop ([`crate::minimal::follow`]).
+    Minimal(LoopTuning),
+    /// The log's hand-written reader ([`crate::minimal_wal::follow`]).
+    MinimalWal(ReaderTuning),
+}
+
+/// A running [`Relayer`].
+enum Running {
+    Binary(std::process::Child),
+    Minimal(CancellationToken, std::thread::JoinHandle<Result<u64>>),
+    MinimalWal(std::thread::JoinHandle<Result<()>>),
+}
+
+impl Running {
+    fn start(
+        relayer: Relayer,
+        pool: &PgPool,
+        database_url: &str,
+        url: &str,
+        schema: &str,
+        exchange: &str,
+        total: usize,
+    ) -> Result<Self> {
+        let owned = |s: &str| s.to_owned();
+        Ok(match relayer {
+            Relayer::Binary => Running::Binary(spawn_relay(database_url, url, schema, exchange)?),
+            Relayer::Minimal(tuning) => {
+                let stop = CancellationToken::new();
+                let handle = crate::minimal::follow(
+                    pool.clone(),
+                    owned(url),
+                    owned(schema),
+                    owned(exchange),
+                    tuning,
+                    stop.clone(),
+                );
+                Running::Minimal(stop, handle)
+            }
+            Relayer::MinimalWal(tuning) => Running::MinimalWal(crate::minimal_wal::follow(
+                owned(database_url),
+                owned(url),
+                owned(schema),
+                owned(exchange),
+                total,
+                tuning,
+            )),
+        })
+    }
+
+    /// Stops it once every event is on the queue (the hand-written
+    /// reader stops by itself at its count).
+    async fn stop(self) -> Result<()> {
+        match self {
+            Running::Binary(mut child) => stop_child(&mut child),
+            Running::Minimal(stop, handle) => {
+                stop.cancel();
+                join(handle).await.map(drop)
+            }
+            Running::MinimalWal(handle) => join(handle).await,
+        }
+    }
+}
 
 type Stamps = Arc<Mutex<HashMap<String, Instant>>>;
 
@@ -59,12 +129,21 @@ pub(crate) struct LatencyRun {
     pub(crate) samples: Vec<(&'static str, Vec<f64>)>,
 }
 
+/// Waits for a hand-written relayer's thread to end.
+async fn join<T: Send + 'static>(h: std::thread::JoinHandle<Result<T>>) -> Result<T> {
+    tokio::task::spawn_blocking(move || h.join())
+        .await?
+        .map_err(|_| anyhow::anyhow!("the hand-written relayer panicked"))?
+}
+
 /// Offers `rate` events/s for `warm + secs` seconds with the default
-/// wake-up; the first `warm` seconds are not counted.
+/// wake-up, moved to the broker by `relayer`; the first `warm` seconds
+/// are not counted.
 pub(crate) async fn latency(
     pool: &PgPool,
     database_url: &str,
     url: &str,
+    relayer: Relayer,
     rate: f64,
     warm: f64,
     secs: f64,
@@ -135,10 +214,11 @@ pub(crate) async fn latency(
         let stop = stop.clone();
         async move { consumer.run(stop).await }
     });
-    let mut relay = spawn_relay(database_url, url, &schema, &name)?;
+    let total = ((warm + secs) * rate) as usize;
+    let relay = Running::start(relayer, pool, database_url, url, &schema, &name, total)?;
     let result = offer(pool, &schema, rate, warm, secs, &published, &effects).await;
     stop.cancel();
-    stop_child(&mut relay)?;
+    relay.stop().await?;
     consumer_task.await??;
     raw_task.abort();
     listen_task.abort();

@@ -60,8 +60,9 @@ struct Args {
     /// Where to write the results.
     #[arg(long, default_value = "target/bench/results.json")]
     out: std::path::PathBuf,
-    /// Run only these sections (relay, growth, ordered, write, latency,
-    /// consumer, quorum, console); all by default.
+    /// Run only these sections (relay, growth, ordered, write,
+    /// write-causes, latency, consumer, quorum, console, wal, wal-drain,
+    /// wal-growth, wal-write, wal-latency); all by default.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Internal: run a consumer for the memory measurement (queue, count).
@@ -69,11 +70,12 @@ struct Args {
     child_consumer: Option<Vec<String>>,
 }
 
-const SECTIONS: [&str; 13] = [
+const SECTIONS: [&str; 14] = [
     "relay",
     "growth",
     "ordered",
     "write",
+    "write-causes",
     "latency",
     "consumer",
     "quorum",
@@ -189,6 +191,9 @@ async fn main() -> Result<()> {
     }
     if run("write") {
         write_section(&mut r, &pool, &sizes).await?;
+    }
+    if run("write-causes") {
+        write_causes_section(&mut r, &pool, &sizes).await?;
     }
     if run("latency") {
         latency_section(&mut r, &pool, &args.database_url, url, &sizes, "", "<= 10").await?;
@@ -1179,6 +1184,109 @@ async fn write_section(r: &mut Report, pool: &sqlx::PgPool, sizes: &Sizes) -> Re
 /// Latency at 1,000 events/s, open loop, with the producers' current
 /// capture (the `wal` section sets it): figures named `<prefix><name>`,
 /// `p99_target` for the publish p99.
+/// Drops every index of the outbox table but its primary key, and every
+/// CHECK: the outbox row with nothing but its columns.
+const BARE_OUTBOX: &str = "DO $$ DECLARE r record; BEGIN
+    FOR r IN SELECT indexrelid::regclass AS i FROM pg_index
+             WHERE indrelid = '{s}.outbox'::regclass AND NOT indisprimary LOOP
+        EXECUTE 'DROP INDEX ' || r.i;
+    END LOOP;
+    FOR r IN SELECT conname FROM pg_constraint
+             WHERE conrelid = '{s}.outbox'::regclass AND contype = 'c' LOOP
+        EXECUTE format('ALTER TABLE {s}.outbox DROP CONSTRAINT %I', r.conname);
+    END LOOP;
+END $$";
+
+/// The publishable CHECKs as migration 11 wrote them (each row through
+/// `outbox_unpublishable`), before migration 14 put an inline test first.
+const V11_CHECKS: &str = "ALTER TABLE {s}.outbox
+    DROP CONSTRAINT outbox_names_publishable,
+    DROP CONSTRAINT outbox_headers_publishable,
+    ADD CONSTRAINT outbox_names_publishable CHECK (attempts > 0
+        OR {s}.outbox_unpublishable(aggregate_type, event_type, exchange, routing_key, NULL) IS NULL),
+    ADD CONSTRAINT outbox_headers_publishable CHECK (attempts > 0
+        OR {s}.outbox_unpublishable('', '', NULL, '', headers) IS NULL)";
+
+/// What makes up the write path's price, one part of the outbox row taken
+/// away at a time (one insert per transaction, where the event's share is
+/// largest; 8 writers; all in the same rounds, order rotated): the CHECKs
+/// as migration 11 wrote them (before migration 14), the wake-up,
+/// the due index, the two CHECKs that call `outbox_unpublishable`, the
+/// library's statement (its `ON CONFLICT`), the other indexes and CHECKs,
+/// and what is left: the outbox's columns against a bare row of the same
+/// bytes.
+async fn write_causes_section(r: &mut Report, pool: &sqlx::PgPool, sizes: &Sizes) -> Result<()> {
+    eprintln!("bench: write path's price, part by part (one insert per transaction)");
+    let modes: [(&str, Shape, Option<Wakeup>, Option<&str>); 9] = [
+        ("baseline", Shape::OneInsert, None, None),
+        (
+            "after_commit",
+            Shape::OneInsert,
+            Some(Wakeup::AfterCommit),
+            None,
+        ),
+        (
+            "after_commit_v11_checks",
+            Shape::OneInsert,
+            Some(Wakeup::AfterCommit),
+            Some(V11_CHECKS),
+        ),
+        ("poll_only", Shape::OneInsert, Some(Wakeup::PollOnly), None),
+        (
+            "no_due_index",
+            Shape::OneInsert,
+            Some(Wakeup::PollOnly),
+            Some("DROP INDEX {s}.outbox_due_idx"),
+        ),
+        (
+            "no_publishable_checks",
+            Shape::OneInsert,
+            Some(Wakeup::PollOnly),
+            Some(
+                "ALTER TABLE {s}.outbox DROP CONSTRAINT outbox_names_publishable, \
+                 DROP CONSTRAINT outbox_headers_publishable",
+            ),
+        ),
+        ("hand_insert", Shape::OneInsertAndOutboxRow, None, None),
+        (
+            "hand_insert_bare_table",
+            Shape::OneInsertAndOutboxRow,
+            None,
+            Some(BARE_OUTBOX),
+        ),
+        ("bare_row", Shape::OneInsertAndBareRow, None, None),
+    ];
+    let mut rates = vec![Stats::default(); modes.len()];
+    for round in 0..sizes.rounds {
+        let mut got = vec![0.0; modes.len()];
+        for k in 0..modes.len() {
+            let i = (k + round) % modes.len();
+            let (_, shape, mode, alter) = modes[i];
+            got[i] = write::write_path_altered(pool, shape, mode, sizes.worst_secs, alter).await?;
+        }
+        eprintln!("bench:   round {}: {got:.0?} tx/s", round + 1);
+        for (s, g) in rates.iter_mut().zip(&got) {
+            s.push(*g);
+        }
+    }
+    for ((name, ..), s) in modes.iter().zip(&rates) {
+        r.stats(
+            &format!("write_causes_tx_per_s_{name}"),
+            s,
+            &format!("write causes: tx/s, one insert + {name}"),
+            "",
+        );
+    }
+    Ok(())
+}
+
+/// Latency at 1,000 events/s offered open-loop: the relay binary and the
+/// design's hand-written path (the table's `LISTEN`-claim-publish-delete
+/// loop, or the log's minimal reader; each with the relay's default batch
+/// of 500: at this rate batches are a few events, so the tuning does not
+/// matter), alternating in each run. Ours over the hand-written path, per
+/// run, at p50 and p99 of the publish latency (commit to arrival on the
+/// queue; the consumer side is the same code for both).
 async fn latency_section(
     r: &mut Report,
     pool: &sqlx::PgPool,
@@ -1188,40 +1296,74 @@ async fn latency_section(
     prefix: &str,
     p99_target: &'static str,
 ) -> Result<()> {
+    let design = if prefix.is_empty() {
+        latency::Relayer::Minimal(LoopTuning {
+            loops: 2,
+            batch: 500,
+        })
+    } else {
+        latency::Relayer::MinimalWal(ReaderTuning {
+            batch: 500,
+            window: 4,
+        })
+    };
     let mut by_key: Vec<(String, Stats)> = Vec::new();
+    let mut push = |k: String, v: f64| match by_key.iter_mut().find(|(key, _)| *key == k) {
+        Some((_, s)) => s.push(v),
+        None => {
+            let mut s = Stats::default();
+            s.push(v);
+            by_key.push((k, s));
+        }
+    };
     let mut achieved = Stats::default();
+    let (mut ratio_p50, mut ratio_p99) = (Stats::default(), Stats::default());
     let mut offered = 0.0;
     for run in 0..sizes.latency_runs {
-        eprintln!(
-            "bench: {prefix}latency, open loop at 1,000 events/s, run {}",
-            run + 1
-        );
-        let res = attempt("latency", || {
-            latency::latency(
-                pool,
-                database_url,
-                url,
-                1000.0,
-                sizes.latency_warm,
-                sizes.latency_secs,
-            )
-        })
-        .await?;
-        offered = res.offered_per_s;
-        achieved.push(res.achieved_per_s);
-        for (name, samples) in &res.samples {
-            for (k, v) in latency::percentiles(name, samples) {
-                let k = format!("{prefix}{k}");
-                match by_key.iter_mut().find(|(key, _)| *key == k) {
-                    Some((_, s)) => s.push(v),
-                    None => {
-                        let mut s = Stats::default();
-                        s.push(v);
-                        by_key.push((k, s));
-                    }
+        let mut publish = [(0.0, 0.0); 2];
+        for k in 0..2 {
+            let i = (k + run) % 2;
+            let (relayer, name) = match i {
+                0 => (latency::Relayer::Binary, "the relay"),
+                _ => (design, "the hand-written path"),
+            };
+            eprintln!(
+                "bench: {prefix}latency, open loop at 1,000 events/s, run {}: {name}",
+                run + 1
+            );
+            let res = attempt("latency", || {
+                latency::latency(
+                    pool,
+                    database_url,
+                    url,
+                    relayer,
+                    1000.0,
+                    sizes.latency_warm,
+                    sizes.latency_secs,
+                )
+            })
+            .await?;
+            let who = if i == 0 { "" } else { "minimal_" };
+            for (sample, samples) in &res.samples {
+                let pct = latency::percentiles(sample, samples);
+                if *sample == "publish_latency" {
+                    publish[i] = (pct[0].1, pct[2].1);
+                }
+                for (k, v) in pct {
+                    push(format!("{prefix}{who}{k}"), v);
                 }
             }
+            if i == 0 {
+                offered = res.offered_per_s;
+                achieved.push(res.achieved_per_s);
+            }
         }
+        eprintln!(
+            "bench:   publish p50/p99 ms: relay {:.1}/{:.1}, hand-written {:.1}/{:.1}",
+            publish[0].0, publish[0].1, publish[1].0, publish[1].1
+        );
+        ratio_p50.push(publish[0].0 / publish[1].0);
+        ratio_p99.push(publish[0].1 / publish[1].1);
     }
     r.add(
         &format!("{prefix}latency_offered_per_s"),
@@ -1242,6 +1384,14 @@ async fn latency_section(
             ""
         };
         r.stats(k, s, k, target);
+    }
+    for (p, s) in [("p50", &ratio_p50), ("p99", &ratio_p99)] {
+        r.stats(
+            &format!("{prefix}latency_design_ratio_{p}"),
+            s,
+            &format!("{prefix}latency_design_ratio_{p} (relay / hand-written, publish {p})"),
+            "<= 1.2",
+        );
     }
     Ok(())
 }
@@ -1299,6 +1449,18 @@ async fn consumer_section(
         "consumer_overhead_ratio",
         &c.batch_vs_hand,
         "consumer_overhead_ratio (library / hand)",
+        ">= 0.9",
+    );
+    r.stats(
+        "consumer_tuned_per_s",
+        &c.tuned,
+        "consumer: library, batch handler, the hand loop's prefetch/batch/linger",
+        "",
+    );
+    r.ceiling(
+        "consumer_overhead_ratio_same_tuning",
+        &c.tuned_vs_hand,
+        "  library with the hand loop's tuning / hand",
         ">= 0.9",
     );
     r.add(

@@ -112,8 +112,59 @@ pub(crate) fn contract_properties(
         .with_headers(headers)
 }
 
-/// One loop: claims, publishes, deletes and commits until a claim finds
-/// nothing. Returns the events it published.
+/// One batch on `conn`: `BEGIN`, claim up to `batch` due rows, publish
+/// each with every confirm awaited after the whole batch, `DELETE` them,
+/// `COMMIT`. Returns how many it published.
+async fn one_batch(
+    conn: &mut sqlx::PgConnection,
+    ch: &Channel,
+    (claim, delete): &(SqlStr, SqlStr),
+    exchange: &str,
+    batch: usize,
+) -> Result<usize> {
+    let opts = BasicPublishOptions {
+        mandatory: true,
+        ..Default::default()
+    };
+    let mut tx = sqlx::Connection::begin(conn).await?;
+    let rows: Vec<Row> = sqlx::query_as(claim.clone())
+        .bind(batch as i64)
+        .fetch_all(&mut *tx)
+        .await?;
+    if rows.is_empty() {
+        tx.commit().await?;
+        return Ok(0);
+    }
+    let mut confirms = Vec::with_capacity(rows.len());
+    for r in &rows {
+        anyhow::ensure!(r.5 == "{}", "the minimal loop publishes no event headers");
+        let key = wire::default_routing_key(&r.1, &r.3);
+        confirms.push(
+            ch.basic_publish(
+                exchange.into(),
+                key.as_str().into(),
+                opts,
+                r.4.as_bytes(),
+                contract_properties(r.0, &r.1, &r.2, &r.3, r.6),
+            )
+            .await?,
+        );
+    }
+    for c in confirms {
+        let c = c.await?;
+        anyhow::ensure!(c == Confirmation::Ack(None), "not acked: {c:?}");
+    }
+    let ids: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
+    sqlx::query(delete.clone())
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(rows.len())
+}
+
+/// One loop draining the backlog until a claim finds nothing; returns how
+/// many events it published.
 async fn drain_loop(
     pool: PgPool,
     ch: Channel,
@@ -121,51 +172,83 @@ async fn drain_loop(
     exchange: String,
     batch: usize,
 ) -> Result<u64> {
-    let (claim, delete) = statements(&schema);
-    let opts = BasicPublishOptions {
-        mandatory: true,
-        ..Default::default()
-    };
+    let statements = statements(&schema);
     let mut conn = pool.acquire().await?;
     let mut sent = 0;
     loop {
-        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-        let rows: Vec<Row> = sqlx::query_as(claim.clone())
-            .bind(batch as i64)
-            .fetch_all(&mut *tx)
-            .await?;
-        if rows.is_empty() {
-            tx.commit().await?;
-            return Ok(sent);
+        match one_batch(&mut conn, &ch, &statements, &exchange, batch).await? {
+            0 => return Ok(sent),
+            n => sent += n as u64,
         }
-        let mut confirms = Vec::with_capacity(rows.len());
-        for r in &rows {
-            anyhow::ensure!(r.5 == "{}", "the minimal loop publishes no event headers");
-            let key = wire::default_routing_key(&r.1, &r.3);
-            confirms.push(
-                ch.basic_publish(
-                    exchange.as_str().into(),
-                    key.as_str().into(),
-                    opts,
-                    r.4.as_bytes(),
-                    contract_properties(r.0, &r.1, &r.2, &r.3, r.6),
-                )
-                .await?,
-            );
-        }
-        for c in confirms {
-            let c = c.await?;
-            anyhow::ensure!(c == Confirmation::Ack(None), "not acked: {c:?}");
-        }
-        let ids: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
-        sqlx::query(delete.clone())
-            .bind(&ids)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        sent += rows.len() as u64;
     }
 }
+
+/// The table's latency ceiling: `loops` loops that each claim at once
+/// while rows are due and otherwise wait for the producers' wake-up
+/// (`LISTEN` on the schema's channel, one listener for all) or the
+/// relay's default poll interval, until `stop`. On its own runtime (two
+/// workers, as the relay process has), so it does not share the
+/// harness's threads. Returns how many events it published.
+pub(crate) fn follow(
+    pool: PgPool,
+    url: String,
+    schema: String,
+    exchange: String,
+    tuning: LoopTuning,
+    stop: tokio_util::sync::CancellationToken,
+) -> std::thread::JoinHandle<Result<u64>> {
+    on_own_runtime(async move {
+        let (wake, _) = tokio::sync::watch::channel(0u64);
+        let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
+        let ident = outbox::Ident::new("schema", &schema)?;
+        listener.listen(&outbox::wakeup_channel(&ident)).await?;
+        let listen = tokio::spawn({
+            let wake = wake.clone();
+            async move {
+                while listener.recv().await.is_ok() {
+                    while listener.next_buffered().is_some() {}
+                    wake.send_modify(|g| *g = g.wrapping_add(1));
+                }
+            }
+        });
+        let conn = connect(&url).await?;
+        let mut loops = Vec::new();
+        for _ in 0..tuning.loops {
+            let ch = conn.create_channel().await?;
+            ch.confirm_select(ConfirmSelectOptions::default()).await?;
+            let (pool, schema, exchange) = (pool.clone(), schema.clone(), exchange.clone());
+            let (mut woken, stop) = (wake.subscribe(), stop.clone());
+            loops.push(tokio::spawn(async move {
+                let statements = statements(&schema);
+                let mut conn = pool.acquire().await?;
+                let mut sent = 0u64;
+                while !stop.is_cancelled() {
+                    woken.borrow_and_update();
+                    let n = one_batch(&mut conn, &ch, &statements, &exchange, tuning.batch).await?;
+                    sent += n as u64;
+                    if n == 0 {
+                        tokio::select! {
+                            _ = woken.changed() => {}
+                            _ = tokio::time::sleep(POLL) => {}
+                            _ = stop.cancelled() => {}
+                        }
+                    }
+                }
+                Ok::<_, anyhow::Error>(sent)
+            }));
+        }
+        let mut sent = 0;
+        for l in loops {
+            sent += l.await??;
+        }
+        listen.abort();
+        let _ = conn.close(200, "done".into()).await;
+        Ok(sent)
+    })
+}
+
+/// The relay's default poll interval (`--poll-interval`).
+const POLL: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The hand-written loops draining a backlog of `n` with `tuning`:
 /// events/s between 5% and 100% of `n` published (timed on the queue, as

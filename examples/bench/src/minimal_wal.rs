@@ -202,6 +202,31 @@ async fn read(
     Ok(())
 }
 
+/// The log's latency ceiling: the hand-written reader following the
+/// schema's slot with `tuning` until it has published `n` events, on its
+/// own runtime (two workers, as the relay process has), so it does not
+/// share the harness's threads.
+pub(crate) fn follow(
+    database_url: String,
+    url: String,
+    schema: String,
+    exchange: String,
+    n: usize,
+    tuning: ReaderTuning,
+) -> std::thread::JoinHandle<Result<()>> {
+    on_own_runtime(async move {
+        let conn = connect(&url).await?;
+        let ch = conn.create_channel().await?;
+        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        let ident = outbox::Ident::new("schema", &schema)?;
+        let slot = outbox::wal_slot_name(&ident);
+        let prefix = outbox::wal_message_prefix(&ident);
+        read(&database_url, &slot, &prefix, ch, &exchange, n, tuning).await?;
+        let _ = conn.close(200, "done".into()).await;
+        Ok(())
+    })
+}
+
 /// The hand-written reader draining a backlog of `n` events in the log
 /// with `tuning`: events/s between 5% and 100% of `n` published (timed on
 /// the queue, as the relay is), and CPU seconds of broker, database and

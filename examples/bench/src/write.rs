@@ -41,6 +41,9 @@ pub(crate) enum Shape {
     /// One insert and one more `INSERT` of the event's bytes into a table
     /// with only a primary key (see [`Shape::OrderAndBareRow`]).
     OneInsertAndBareRow,
+    /// One insert and a hand-written `INSERT` of the event into the outbox
+    /// table: the library's columns and values, without `ON CONFLICT`.
+    OneInsertAndOutboxRow,
     /// One insert and a bare `pg_logical_emit_message` of the bytes the
     /// log capture writes for one event: the least a log event can cost
     /// (no slot check, no ordered-type lookup, no library).
@@ -54,6 +57,7 @@ struct Statements {
     lines: String,
     one: String,
     bare_row: String,
+    outbox_row: String,
     /// The log capture's message prefix.
     prefix: String,
 }
@@ -74,6 +78,10 @@ impl Statements {
             ),
             one: format!("INSERT INTO \"{s}\".one_row (sku, qty) VALUES ($1, $2)"),
             bare_row: format!("INSERT INTO \"{s}\".bare_events (id, payload) VALUES ($1, $2)"),
+            outbox_row: format!(
+                "INSERT INTO \"{s}\".outbox (id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key) \
+                 VALUES ($1, $2, $3, $4, $5::jsonb, $6::jsonb, $7, $8)"
+            ),
             prefix: format!("outbox:{s}"),
         }
     }
@@ -127,7 +135,27 @@ pub(crate) async fn write_path(
     mode: Option<Wakeup>,
     secs: f64,
 ) -> Result<f64> {
+    write_path_altered(pool, shape, mode, secs, None).await
+}
+
+/// [`write_path`] on a schema changed by `alter` first (SQL run once
+/// after set-up, `{s}` standing for the quoted schema): to take one part
+/// of the outbox table away and measure what it costs.
+pub(crate) async fn write_path_altered(
+    pool: &PgPool,
+    shape: Shape,
+    mode: Option<Wakeup>,
+    secs: f64,
+    alter: Option<&str>,
+) -> Result<f64> {
     let schema = setup(pool).await?;
+    if let Some(alter) = alter {
+        sqlx::raw_sql(AssertSqlSafe(
+            alter.replace("{s}", &format!("\"{schema}\"")),
+        ))
+        .execute(pool)
+        .await?;
+    }
     let ob = match mode {
         Some(m) => Some(
             Outbox::new(pool, {
@@ -218,6 +246,7 @@ pub(crate) async fn write_path(
                     Shape::OneInsert
                     | Shape::OneInsertAndNoop
                     | Shape::OneInsertAndBareRow
+                    | Shape::OneInsertAndOutboxRow
                     | Shape::OneInsertAndBareEmit => {
                         sqlx::query(AssertSqlSafe(sql.one.clone()))
                             .bind("A-1")
@@ -231,6 +260,19 @@ pub(crate) async fn write_path(
                             sqlx::query(AssertSqlSafe(sql.bare_row.clone()))
                                 .bind(Uuid::now_v7())
                                 .bind(sqlx::types::Json(payload()))
+                                .execute(&mut *tx)
+                                .await?;
+                        }
+                        if shape == Shape::OneInsertAndOutboxRow {
+                            sqlx::query(AssertSqlSafe(sql.outbox_row.clone()))
+                                .bind(Uuid::now_v7())
+                                .bind("order")
+                                .bind(n.to_string())
+                                .bind("OrderPlaced")
+                                .bind(payload().to_string())
+                                .bind("{}")
+                                .bind(None::<String>)
+                                .bind(None::<String>)
                                 .execute(&mut *tx)
                                 .await?;
                         }

@@ -6,9 +6,13 @@
 -- not due come back alone with `due` false (they only move the cursor).
 -- The lease rows are held FOR KEY SHARE until the transaction ends, so no
 -- lease changes owner under a batch in flight (renewals go through).
+-- While the outbox holds no ordered event at all (one probe of a partial
+-- index, evaluated once), no partition is looked at and no lease locked:
+-- walking every partition's heads cost a millisecond a claim for nothing.
 WITH parts AS (
     SELECT partition FROM {schema}.outbox_leases
     WHERE owner = $1 AND expires_at > now() AND partition % $2 = $3
+      AND EXISTS (SELECT 1 FROM {schema}.outbox o WHERE o.aggregate_seq IS NOT NULL)
     FOR KEY SHARE),
 cursor AS (SELECT * FROM unnest($5::int[], $6::text[], $7::text[]) AS c(partition, t, a)),
 heads AS MATERIALIZED (

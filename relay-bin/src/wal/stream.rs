@@ -176,19 +176,26 @@ impl WalReader {
                     && queued.contains(&(e.aggregate_type.clone(), e.aggregate_id.clone()))
             })
             .collect();
-        let direct: Vec<OutboxEvent> = events
-            .iter()
-            .zip(&queued)
-            .filter(|(_, q)| !**q)
-            .map(|(e, _)| e.clone())
-            .collect();
+        // Those not queued (all of them, without a copy, when none is).
+        let copies: Vec<OutboxEvent>;
+        let direct: &[OutboxEvent] = if queued.contains(&true) {
+            copies = events
+                .iter()
+                .zip(&queued)
+                .filter(|(_, q)| !**q)
+                .map(|(e, _)| e.clone())
+                .collect();
+            &copies
+        } else {
+            &events
+        };
         let confirms = if direct.is_empty() {
             futures_util::future::ready(Ok(Vec::new())).boxed()
         } else {
             let deadline = tokio::time::Instant::now() + cfg.publish_phase();
             publisher
                 .send_batch(
-                    &direct,
+                    direct,
                     &cfg.default_exchange,
                     cfg.max_payload_bytes,
                     cfg.confirm_timeout,
