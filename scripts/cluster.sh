@@ -77,19 +77,32 @@ proc_alive() { # pid: exists and is not a zombie (here PID 1 reaps orphans late)
     state=$(sed 's/^.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1) || return 1
     [ -n "$state" ] && [ "$state" != Z ]
 }
-# pid of node i's beam if it is alive (the pid file may be stale after a
-# SIGKILL: the process must exist, not be a zombie, and be that node).
-node_pid() {
-    local f pid
-    f="$(node_dir "$1")/pid"
-    [ -s "$f" ] || return 1
-    pid=$(tr -dc 0-9 <"$f")
-    [ -n "$pid" ] && proc_alive "$pid" || return 1
-    [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = beam.smp ] || return 1
-    if [ -r "/proc/$pid/environ" ]; then
-        tr '\0' '\n' <"/proc/$pid/environ" | grep -qx "RABBITMQ_NODENAME=${NODES[$1]}" || return 1
+# Whether process $1 is node $2's beam: alive, not a zombie, a beam.smp,
+# started for that node (when its environment can be read).
+is_node_beam() { # pid, index
+    proc_alive "$1" || return 1
+    [ "$(cat "/proc/$1/comm" 2>/dev/null)" = beam.smp ] || return 1
+    if [ -r "/proc/$1/environ" ]; then
+        tr '\0' '\n' <"/proc/$1/environ" | grep -qx "RABBITMQ_NODENAME=${NODES[$2]}" || return 1
     fi
-    echo "$pid"
+}
+# pid of node i's beam if it is alive: from its pid file, or, when that is
+# missing, empty or stale (stale after a SIGKILL; a stop once took a node
+# whose file did not name it for one not running, and left it running), by
+# looking for the node's beam among the processes.
+node_pid() {
+    local f pid p
+    f="$(node_dir "$1")/pid"
+    if [ -s "$f" ]; then
+        pid=$(tr -dc 0-9 <"$f")
+        if [ -n "$pid" ] && is_node_beam "$pid" "$1"; then echo "$pid"; return 0; fi
+    fi
+    for p in /proc/[0-9]*; do
+        pid=${p#/proc/}
+        [ "$(cat "$p/comm" 2>/dev/null)" = beam.smp ] && [ -r "$p/environ" ] || continue
+        if is_node_beam "$pid" "$1"; then echo "$pid"; return 0; fi
+    done
+    return 1
 }
 gone() { ! proc_alive "$1" && ! port_open "$2"; } # pid, port
 # Up: its beam is alive and its AMQP listener (opened late in boot) accepts.
@@ -220,7 +233,13 @@ cmd_start() {
 
 stop_one() { # index: graceful stop, SIGKILL after 60 s
     local i=$1 pid
-    pid=$(node_pid "$i") || { say "${NODES[$i]} not running"; return 0; }
+    if ! pid=$(node_pid "$i"); then
+        # Never "stopped" while it still answers: the caller means to
+        # take the node away.
+        ! port_open "${PORTS[$i]}" || die "${NODES[$i]} answers on port ${PORTS[$i]} but its process was not found"
+        say "${NODES[$i]} not running"
+        return 0
+    fi
     say "stopping ${NODES[$i]} (pid $pid)"
     # In the background: the wait below bounds it.
     ctl "$i" -q stop >/dev/null 2>&1 9>&- &
