@@ -24,16 +24,25 @@ pub(crate) fn payload() -> Value {
 }
 
 /// A connection to `url`, or to the first that answers of several
-/// comma-separated URLs (a cluster).
+/// comma-separated URLs (a cluster), each try bounded: an unbounded
+/// connect once held a quorum run for good (no socket open, every thread
+/// parked), where [`attempt`] can retry a failed one.
 pub(crate) async fn connect(url: &str) -> Result<Connection> {
+    const TIMEOUT: Duration = Duration::from_secs(10);
     let mut last = None;
     for u in outbox::redact::split_urls(url) {
-        match Connection::connect(u, ConnectionProperties::default()).await {
-            Ok(c) => return Ok(c),
-            Err(e) => last = Some(e),
+        match tokio::time::timeout(
+            TIMEOUT,
+            Connection::connect(u, ConnectionProperties::default()),
+        )
+        .await
+        {
+            Ok(Ok(c)) => return Ok(c),
+            Ok(Err(e)) => last = Some(anyhow::Error::from(e)),
+            Err(_) => last = Some(anyhow::anyhow!("no AMQP connection within {TIMEOUT:?}")),
         }
     }
-    Err(last.map_or_else(|| anyhow::anyhow!("no AMQP URL"), Into::into))
+    Err(last.unwrap_or_else(|| anyhow::anyhow!("no AMQP URL")))
 }
 
 /// Whether the queues the harness declares are quorum queues (the quorum
