@@ -37,8 +37,8 @@ pub(crate) enum Relayer {
 /// A running [`Relayer`].
 enum Running {
     Binary(std::process::Child),
-    Minimal(CancellationToken, std::thread::JoinHandle<Result<u64>>),
-    MinimalWal(std::thread::JoinHandle<Result<()>>),
+    /// A hand-written path on its own runtime, told to stop by its token.
+    HandWritten(CancellationToken, std::thread::JoinHandle<Result<()>>),
 }
 
 impl Running {
@@ -52,41 +52,45 @@ impl Running {
         total: usize,
     ) -> Result<Self> {
         let owned = |s: &str| s.to_owned();
-        Ok(match relayer {
-            Relayer::Binary => Running::Binary(spawn_relay(database_url, url, schema, exchange)?),
-            Relayer::Minimal(tuning) => {
-                let stop = CancellationToken::new();
-                let handle = crate::minimal::follow(
-                    pool.clone(),
-                    owned(url),
-                    owned(schema),
-                    owned(exchange),
-                    tuning,
-                    stop.clone(),
-                );
-                Running::Minimal(stop, handle)
+        let stop = CancellationToken::new();
+        let handle = match relayer {
+            Relayer::Binary => {
+                return Ok(Running::Binary(spawn_relay(
+                    database_url,
+                    url,
+                    schema,
+                    exchange,
+                )?));
             }
-            Relayer::MinimalWal(tuning) => Running::MinimalWal(crate::minimal_wal::follow(
+            Relayer::Minimal(tuning) => crate::minimal::follow(
+                pool.clone(),
+                owned(url),
+                owned(schema),
+                owned(exchange),
+                tuning,
+                stop.clone(),
+            ),
+            Relayer::MinimalWal(tuning) => crate::minimal_wal::follow(
                 owned(database_url),
                 owned(url),
                 owned(schema),
                 owned(exchange),
                 total,
                 tuning,
-            )),
-        })
+                stop.clone(),
+            ),
+        };
+        Ok(Running::HandWritten(stop, handle))
     }
 
-    /// Stops it once every event is on the queue (the hand-written
-    /// reader stops by itself at its count).
+    /// Stops it (the run has seen every event on the queue, or failed).
     async fn stop(self) -> Result<()> {
         match self {
             Running::Binary(mut child) => stop_child(&mut child),
-            Running::Minimal(stop, handle) => {
+            Running::HandWritten(stop, handle) => {
                 stop.cancel();
-                join(handle).await.map(drop)
+                join(handle).await
             }
-            Running::MinimalWal(handle) => join(handle).await,
         }
     }
 }

@@ -203,9 +203,10 @@ async fn read(
 }
 
 /// The log's latency ceiling: the hand-written reader following the
-/// schema's slot with `tuning` until it has published `n` events, on its
-/// own runtime (two workers, as the relay process has), so it does not
-/// share the harness's threads.
+/// schema's slot with `tuning` until it has published `n` events or
+/// `stop` (a run that failed must not wait for events that never come),
+/// on its own runtime (two workers, as the relay process has), so it does
+/// not share the harness's threads.
 pub(crate) fn follow(
     database_url: String,
     url: String,
@@ -213,6 +214,7 @@ pub(crate) fn follow(
     exchange: String,
     n: usize,
     tuning: ReaderTuning,
+    stop: tokio_util::sync::CancellationToken,
 ) -> std::thread::JoinHandle<Result<()>> {
     on_own_runtime(async move {
         let conn = connect(&url).await?;
@@ -221,7 +223,10 @@ pub(crate) fn follow(
         let ident = outbox::Ident::new("schema", &schema)?;
         let slot = outbox::wal_slot_name(&ident);
         let prefix = outbox::wal_message_prefix(&ident);
-        read(&database_url, &slot, &prefix, ch, &exchange, n, tuning).await?;
+        tokio::select! {
+            read = read(&database_url, &slot, &prefix, ch, &exchange, n, tuning) => read?,
+            _ = stop.cancelled() => {}
+        }
         let _ = conn.close(200, "done".into()).await;
         Ok(())
     })
