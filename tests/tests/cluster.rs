@@ -69,6 +69,40 @@ async fn publishing_resumed(relay: &Relay, before: u64, since: Instant, what: &s
     since.elapsed()
 }
 
+/// What each fault did, printed as it happens (with the time since the
+/// test began, so a test stopped by nextest's timeout shows where it was)
+/// and again as a summary at the end.
+struct Report {
+    began: Instant,
+    lines: Vec<String>,
+}
+
+impl Report {
+    fn new() -> Self {
+        Self {
+            began: Instant::now(),
+            lines: Vec::new(),
+        }
+    }
+
+    /// A fault's outcome: printed now and in the summary.
+    fn push(&mut self, line: String) {
+        self.step(&line);
+        self.lines.push(line);
+    }
+
+    /// A step reached: printed now only.
+    fn step(&self, what: impl std::fmt::Display) {
+        println!("[{:6.1} s] {what}", self.began.elapsed().as_secs_f64());
+    }
+
+    fn print(&self) {
+        for line in &self.lines {
+            println!("{line}");
+        }
+    }
+}
+
 /// Index of the node whose `host:port` is `node`.
 fn node_index(node: &str) -> usize {
     let port: u16 = node.rsplit(':').next().unwrap().parse().unwrap();
@@ -88,9 +122,10 @@ async fn cluster_node_failures_lose_nothing() {
     // 50 events per transaction, 100 ms apart: a little under 500/s.
     let producer =
         w.db.produce_until(stop_producing.clone(), 50, Duration::from_millis(100));
-    let mut report = Vec::new();
+    let mut report = Report::new();
 
     // (a) The node the relay is connected to.
+    report.step("10,000 events committed, relay and consumers started");
     relay_in_flight(&w, "killing the relay's node").await;
     let node = node_index(&relay.health().broker_node().expect("connected"));
     let killed = Instant::now();
@@ -128,6 +163,7 @@ async fn cluster_node_failures_lose_nothing() {
         t.as_secs_f64()
     ));
     w.cluster().start(node).await.unwrap();
+    report.step(format!("node {node} running again"));
 
     // (b) The node leading the work queue.
     relay_in_flight(&w, "killing the queue's leader").await;
@@ -145,6 +181,7 @@ async fn cluster_node_failures_lose_nothing() {
         t.as_secs_f64()
     ));
     w.cluster().start(leader).await.unwrap();
+    report.step(format!("node {leader} running again"));
 
     // (c) Every node restarted, one after another.
     for n in 0..3 {
@@ -152,6 +189,7 @@ async fn cluster_node_failures_lose_nothing() {
         let before = relay.published();
         let since = Instant::now();
         w.cluster().stop(n).await.unwrap();
+        report.step(format!("node {n} stopped"));
         let t = publishing_resumed(&relay, before, since, "a node stopped").await;
         w.cluster().start(n).await.unwrap();
         report.push(format!(
@@ -181,12 +219,17 @@ async fn cluster_node_failures_lose_nothing() {
 
     stop_producing.cancel();
     ids.extend(producer.await.unwrap());
+    report.step(format!(
+        "{} events committed; waiting for the outbox to empty",
+        ids.len()
+    ));
     assert!(ids.len() >= 20_000, "only {} events", ids.len());
     wait_until(DEADLINE, "the outbox to empty", || async {
         w.db.count("outbox").await == 0
     })
     .await;
     relay_running.stop().await;
+    report.step("the outbox empty; judging");
     let dups = w
         .judge(
             consumers,
@@ -195,9 +238,7 @@ async fn cluster_node_failures_lose_nothing() {
         )
         .await
         .wire_duplicates;
-    for line in &report {
-        println!("{line}");
-    }
+    report.print();
     println!("wire duplicates over all faults: {dups}");
     w.cleanup().await;
 }

@@ -135,11 +135,14 @@ async fn one_batch(
         tx.commit().await?;
         return Ok(0);
     }
-    let mut confirms = Vec::with_capacity(rows.len());
-    for r in &rows {
-        anyhow::ensure!(r.5 == "{}", "the minimal loop publishes no event headers");
-        let key = wire::default_routing_key(&r.1, &r.3);
-        confirms.push(
+    anyhow::ensure!(
+        rows.iter().all(|r| r.5 == "{}"),
+        "the minimal loop publishes no event headers"
+    );
+    let publishes = rows
+        .iter()
+        .map(|r| {
+            let key = wire::default_routing_key(&r.1, &r.3);
             ch.basic_publish(
                 exchange.into(),
                 key.as_str().into(),
@@ -147,9 +150,9 @@ async fn one_batch(
                 r.4.as_bytes(),
                 contract_properties(r.0, &r.1, &r.2, &r.3, r.6),
             )
-            .await?,
-        );
-    }
+        })
+        .collect();
+    let confirms = queue_all(publishes).await?;
     for c in confirms {
         let c = c.await?;
         anyhow::ensure!(c == Confirmation::Ack(None), "not acked: {c:?}");

@@ -152,16 +152,16 @@ async fn read(
 ) -> Result<()> {
     let mut client = ReplicationClient::connect(source(database_url, slot)?).await?;
     let mut wire: VecDeque<OnWire> = VecDeque::new();
-    let mut batch = OnWire {
-        confirms: Vec::new(),
-        end: None,
-    };
+    // The batch being read: its messages' contents, published together
+    // when it is full or nothing more is ready.
+    let mut contents = Vec::with_capacity(tuning.batch);
+    let mut end = None;
     let mut sent = 0;
-    while sent < n || !batch.confirms.is_empty() {
+    while sent < n || !contents.is_empty() {
         // What is ready, without waiting; when nothing is, send the batch.
-        let event = if batch.confirms.len() >= tuning.batch {
+        let event = if contents.len() >= tuning.batch {
             None
-        } else if batch.confirms.is_empty() {
+        } else if contents.is_empty() {
             Some(client.recv().await?.context("the stream ended")?)
         } else {
             match client.recv().now_or_never() {
@@ -173,10 +173,10 @@ async fn read(
             Some(ReplicationEvent::Message {
                 prefix: p, content, ..
             }) if p == prefix => {
-                batch.confirms.push(publish(&ch, exchange, &content).await?);
+                contents.push(content);
                 sent += 1;
             }
-            Some(ReplicationEvent::Commit { end_lsn, .. }) => batch.end = Some(end_lsn),
+            Some(ReplicationEvent::Commit { end_lsn, .. }) => end = Some(end_lsn),
             Some(_) => {}
             None => {
                 if wire.len() >= tuning.window
@@ -184,14 +184,13 @@ async fn read(
                 {
                     settle(&client, oldest).await?;
                 }
-                let full = std::mem::replace(
-                    &mut batch,
-                    OnWire {
-                        confirms: Vec::new(),
-                        end: None,
-                    },
-                );
-                wire.push_back(full);
+                let publishes = contents.iter().map(|c| publish(&ch, exchange, c)).collect();
+                let confirms = queue_all(publishes).await?;
+                contents.clear();
+                wire.push_back(OnWire {
+                    confirms,
+                    end: end.take(),
+                });
             }
         }
     }

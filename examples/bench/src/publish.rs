@@ -90,26 +90,36 @@ pub(crate) async fn publish(
                 ..Default::default()
             };
             let mut pending = VecDeque::with_capacity(window);
+            // Published a group at a time (half the window), so a group's
+            // writes are awaited together while the rest of the window is
+            // on the wire.
+            let group = window.div_ceil(2);
             start.wait().await;
-            for _ in 0..share {
-                if pending.len() >= window
+            let mut left = share;
+            while left > 0 {
+                let g = group.min(left);
+                while pending.len() + g > window
                     && let Some(oldest) = pending.pop_front()
                 {
                     check(oldest).await?;
                 }
-                let props = props
-                    .clone()
-                    .with_message_id(uuid::Uuid::now_v7().to_string().into());
-                pending.push_back(
-                    ch.basic_publish(
-                        exchange.as_str().into(),
-                        routing_key.as_str().into(),
-                        opts,
-                        &body,
-                        props,
-                    )
-                    .await?,
-                );
+                let publishes = (0..g)
+                    .map(|_| {
+                        let props = props
+                            .clone()
+                            .with_message_id(uuid::Uuid::now_v7().to_string().into());
+                        ch.basic_publish(
+                            exchange.as_str().into(),
+                            routing_key.as_str().into(),
+                            opts,
+                            &body,
+                            props,
+                        )
+                    })
+                    .collect();
+                let confirms = queue_all(publishes).await?;
+                pending.extend(confirms);
+                left -= g;
             }
             for confirm in pending {
                 check(confirm).await?;

@@ -245,21 +245,22 @@ pub async fn declare_tap_queue(
 /// (ready messages, consumers) of `queue`, from a passive declare on a
 /// channel of its own; (u32::MAX, 0) while the queue cannot be read.
 pub async fn depth(conn: &Connection, queue: &str) -> (u32, u32) {
-    let Ok(ch) = conn.create_channel().await else {
+    // Each broker call bounded: a call on a connection whose node died
+    // may never return; the caller's wait asks again.
+    let t = Duration::from_secs(5);
+    let Ok(Ok(ch)) = tokio::time::timeout(t, conn.create_channel()).await else {
         return (u32::MAX, 0);
     };
     let passive = QueueDeclareOptions {
         passive: true,
         ..Default::default()
     };
-    let got = match ch
-        .queue_declare(queue.into(), passive, FieldTable::default())
-        .await
-    {
-        Ok(q) => (q.message_count(), q.consumer_count()),
-        Err(_) => (u32::MAX, 0),
+    let declare = ch.queue_declare(queue.into(), passive, FieldTable::default());
+    let got = match tokio::time::timeout(t, declare).await {
+        Ok(Ok(q)) => (q.message_count(), q.consumer_count()),
+        _ => (u32::MAX, 0),
     };
-    let _ = ch.close(200, "ok".into()).await;
+    let _ = tokio::time::timeout(t, ch.close(200, "ok".into())).await;
     got
 }
 

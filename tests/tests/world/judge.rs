@@ -14,7 +14,7 @@
 //! - the outbox is empty.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use e2e::settled_depth;
 use sqlx::AssertSqlSafe;
@@ -60,6 +60,9 @@ impl From<&Vec<String>> for Committed {
         Self::new(ids.clone())
     }
 }
+
+/// Rounds of consumers [`World::quiet`] starts before it gives up.
+const QUIET_ROUNDS: u32 = 5;
 
 /// What the oracle saw once everything was quiet.
 pub(crate) struct Verdict {
@@ -108,7 +111,13 @@ impl World {
         let queues: Vec<String> = self.queues.iter().cloned().chain(retries).collect();
         let conn = self.nodes.connect().await;
         let mut consumers = consumers;
-        loop {
+        for round in 1.. {
+            // Fresh consumers take what a requeue left; a queue that keeps
+            // something back round after round is a finding, not a wait.
+            assert!(
+                round <= QUIET_ROUNDS,
+                "{scenario}: messages still in the queues after {QUIET_ROUNDS} rounds of consumers"
+            );
             let end = Instant::now() + deadline;
             e2e::wait_until(
                 deadline,
@@ -132,7 +141,7 @@ impl World {
             }
             consumers = self.consumers().await;
         }
-        let _ = conn.close(200, "ok".into()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), conn.close(200, "ok".into())).await;
         self.wire.drain(deadline).await;
         if let Some((seqs, _)) = &self.wire_seqs {
             seqs.drain(deadline).await;

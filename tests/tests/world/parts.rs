@@ -16,6 +16,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::World;
 
+/// How long an in-process relay or consumer may take to stop.
+const STOP_DEADLINE: Duration = Duration::from_secs(120);
+
 /// A component running in-process until `stop`.
 pub(crate) struct Running<E> {
     stop: CancellationToken,
@@ -31,10 +34,16 @@ impl<E: std::fmt::Debug> Running<E> {
         Self { stop, task }
     }
 
-    /// Stops it and checks it ended cleanly.
+    /// Stops it and checks it ended cleanly, within [`STOP_DEADLINE`]: a
+    /// shutdown that hangs fails here, with the logs, not at the test
+    /// runner's timeout.
     pub(crate) async fn stop(self) {
         self.stop.cancel();
-        self.task.await.unwrap().unwrap();
+        tokio::time::timeout(STOP_DEADLINE, self.task)
+            .await
+            .unwrap_or_else(|_| panic!("not stopped {STOP_DEADLINE:?} after its shutdown"))
+            .unwrap()
+            .unwrap();
     }
 }
 
