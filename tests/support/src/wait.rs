@@ -34,3 +34,31 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A check that never returns (a broker call on a dead connection)
+    /// fails the wait; before the bound it hung the test for ever.
+    #[tokio::test]
+    #[should_panic(expected = "the last check did not return")]
+    async fn a_check_that_never_returns_fails_the_wait() {
+        wait_until(Duration::from_millis(100), "a hung check", || {
+            std::future::pending::<bool>()
+        })
+        .await;
+    }
+
+    /// A check that answers in time still ends the wait.
+    #[tokio::test]
+    async fn a_check_that_answers_ends_the_wait() {
+        let mut calls = 0;
+        wait_until(Duration::from_secs(5), "the third call", || {
+            calls += 1;
+            std::future::ready(calls == 3)
+        })
+        .await;
+        assert_eq!(calls, 3);
+    }
+}
