@@ -189,9 +189,21 @@ async fn http_front(capture: Capture) {
     .await;
     relay_stop.cancel();
     relay_task.await.unwrap().unwrap();
-    wait_until(DEADLINE, "the consumer's queue empty", || async {
-        e2e::depth(&conn, &broker.queue).await.0 == 0
-    })
+    // Empty of ready messages is not enough: the consumer may still hold
+    // a prefetched batch unacknowledged, which its stop hands back to the
+    // queue (seen: 9 left). Every placed order's effect applied is.
+    let effects = format!("SELECT count(*) FROM \"{consumer_schema}\".effects");
+    wait_until(
+        DEADLINE,
+        "every effect applied, the queue empty",
+        || async {
+            let applied: i64 = sqlx::query_scalar(AssertSqlSafe(effects.clone()))
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+            applied as usize >= placed.len() && e2e::depth(&conn, &broker.queue).await.0 == 0
+        },
+    )
     .await;
     consumer_stop.cancel();
     consumer.await.unwrap().unwrap();
