@@ -126,6 +126,21 @@ impl Publisher {
             };
             handed.push((i, handed_now));
         }
+        self.written(handed, send_by, receipts).await
+    }
+
+    /// Awaits, in order, the writes of the publishes [`Publisher::send_all`]
+    /// handed to the channel; records the receipt of each one not written.
+    /// Returns the confirms to await, with the events' indexes.
+    async fn written<F>(
+        &self,
+        handed: Vec<(usize, Handed<F>)>,
+        send_by: Instant,
+        receipts: &mut [Option<Receipt>],
+    ) -> Result<Vec<(usize, PublisherConfirm)>>
+    where
+        F: Future<Output = lapin::Result<PublisherConfirm>>,
+    {
         let mut pending = Vec::with_capacity(handed.len());
         for (i, handed) in handed {
             let written = match handed {
