@@ -307,7 +307,7 @@ pub(crate) async fn time_queue_fill(
 }
 
 /// Hands every publish's frames to lapin's IO loop before awaiting any
-/// of their writes, in the iterator's order; returns their confirms.
+/// of their writes, in the order given; returns their confirms.
 /// `basic_publish` resolves only once the IO loop has written the frames,
 /// so awaiting each in turn costs a hand-off between the two tasks per
 /// message (the relay queues a batch the same way): every hand-written
