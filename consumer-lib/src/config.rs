@@ -100,9 +100,13 @@ pub struct ConsumerConfig {
     /// Schema holding the inbox tables (see [`migrate`](crate::migrate)).
     pub schema: String,
     /// AMQP prefetch (unacknowledged deliveries in flight). At least
-    /// `batch_size`. Default 256.
+    /// `batch_size`. Default 512: twice the batch, so the next batch is
+    /// already buffered while one commits.
     pub prefetch: u16,
-    /// Most deliveries processed in one database transaction. Default 128.
+    /// Most deliveries processed in one database transaction. Default 256
+    /// (per batch: one inbox statement, the handler's work and one commit,
+    /// so a larger batch spreads the commit over more events; see
+    /// `docs/BENCHMARKS.md`, "Consumer").
     pub batch_size: usize,
     /// Longest wait for a batch to fill once its first delivery arrived.
     /// Default 2 ms: a batch takes every delivery already buffered (up to
@@ -182,8 +186,8 @@ impl ConsumerConfig {
             queue: queue.into(),
             consumer_name: consumer_name.into(),
             schema: "public".to_owned(),
-            prefetch: 256,
-            batch_size: 128,
+            prefetch: 512,
+            batch_size: 256,
             batch_max_wait: Duration::from_millis(2),
             max_retries: 5,
             retry_delay: Duration::from_secs(1),
@@ -297,8 +301,8 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         assert!(cfg().validate().is_ok());
-        assert_eq!(cfg().prefetch, 256);
-        assert_eq!(cfg().batch_size, 128);
+        assert_eq!(cfg().prefetch, 512);
+        assert_eq!(cfg().batch_size, 256);
     }
 
     #[test]
