@@ -568,22 +568,18 @@ async fn measured(
     .await
 }
 
-/// The fastest of `tunings` over `plan.sweep_n` messages each, and its rate.
+/// The fastest of `tunings` over `plan.sweep_n` messages each, and its
+/// rate ([`sweep_best`]).
 async fn best_of(
     pool: &PgPool,
     url: &str,
     plan: &Plan,
     tunings: &[Contender],
 ) -> Result<(Contender, f64)> {
-    let mut best = (tunings[0], 0.0);
-    for &who in tunings {
-        let rate = measured(pool, url, plan.sweep_n, who, plan.preload).await?;
-        eprintln!("bench:   sweep {who}: {rate:.0}/s");
-        if rate > best.1 {
-            best = (who, rate);
-        }
-    }
-    Ok(best)
+    sweep_best("sweep", tunings, |who| {
+        measured(pool, url, plan.sweep_n, who, plan.preload)
+    })
+    .await
 }
 
 /// Sweeps the baselines' tunings, then runs `rounds` rounds of the four

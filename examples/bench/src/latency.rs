@@ -44,7 +44,6 @@ enum Running {
 impl Running {
     fn start(
         relayer: Relayer,
-        pool: &PgPool,
         database_url: &str,
         url: &str,
         schema: &str,
@@ -63,7 +62,7 @@ impl Running {
                 )?));
             }
             Relayer::Minimal(tuning) => crate::minimal::follow(
-                pool.clone(),
+                owned(database_url),
                 owned(url),
                 owned(schema),
                 owned(exchange),
@@ -219,7 +218,7 @@ pub(crate) async fn latency(
         async move { consumer.run(stop).await }
     });
     let total = ((warm + secs) * rate) as usize;
-    let relay = Running::start(relayer, pool, database_url, url, &schema, &name, total)?;
+    let relay = Running::start(relayer, database_url, url, &schema, &name, total)?;
     let result = offer(pool, &schema, rate, warm, secs, &published, &effects).await;
     stop.cancel();
     relay.stop().await?;

@@ -793,18 +793,14 @@ async fn quorum_section(
 /// The raw confirmed publisher's tunings, each over `sweep_n` messages
 /// into a fresh queue at `url`; the fastest and its rate.
 async fn publish_sweep(url: &str, sizes: &Sizes) -> Result<(PublishTuning, f64)> {
-    let mut best = (PUBLISH_SWEEP[0], 0.0);
-    for t in PUBLISH_SWEEP {
+    common::sweep_best("raw publisher", &PUBLISH_SWEEP, |t| async move {
         let (rate, _) = attempt("raw publish sweep", || {
             publish::raw_publish_rate(url, sizes.sweep_n, t)
         })
         .await?;
-        eprintln!("bench:   {t}: {rate:.0}/s");
-        if rate > best.1 {
-            best = (t, rate);
-        }
-    }
-    Ok(best)
+        Ok(rate)
+    })
+    .await
 }
 
 /// What [`drain_rounds`] measured.

@@ -8,8 +8,6 @@
 //! size) is swept and the best kept. A relay faster than this means the
 //! ceiling is wrong.
 
-use std::time::Instant;
-
 use anyhow::Result;
 use chrono::{DateTime, Utc};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -191,9 +189,12 @@ async fn drain_loop(
 /// (`LISTEN` on the schema's channel, one listener for all) or the
 /// relay's default poll interval, until `stop`. On its own runtime (two
 /// workers, as the relay process has), so it does not share the
-/// harness's threads.
+/// harness's threads, with its own connections: a connection opened on
+/// this runtime dies with it, so it must not go back to the harness's
+/// pool (one that did failed the next run with "a Tokio 1.x context was
+/// found, but it is being shutdown").
 pub(crate) fn follow(
-    pool: PgPool,
+    database_url: String,
     url: String,
     schema: String,
     exchange: String,
@@ -201,6 +202,10 @@ pub(crate) fn follow(
     stop: tokio_util::sync::CancellationToken,
 ) -> std::thread::JoinHandle<Result<()>> {
     on_own_runtime(async move {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(tuning.loops as u32 + 1)
+            .connect(&database_url)
+            .await?;
         let (wake, _) = tokio::sync::watch::channel(0u64);
         let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
         let ident = outbox::Ident::new("schema", &schema)?;
@@ -243,6 +248,7 @@ pub(crate) fn follow(
         }
         listen.abort();
         let _ = conn.close(200, "done".into()).await;
+        pool.close().await;
         Ok(())
     })
 }
@@ -295,19 +301,10 @@ pub(crate) async fn drain_rate(
     Ok(((n as u64 - warm) as f64 / secs, cpu))
 }
 
-/// Each of [`LOOP_SWEEP`] once on a backlog of `n`; the fastest.
+/// The fastest of [`LOOP_SWEEP`] on backlogs of `n` ([`sweep_best`]).
 pub(crate) async fn sweep(pool: &PgPool, url: &str, n: usize) -> Result<(LoopTuning, f64)> {
-    let mut best = (LOOP_SWEEP[0], 0.0);
-    for tuning in LOOP_SWEEP {
-        let started = Instant::now();
-        let (rate, _) = drain_rate(pool, url, n, tuning).await?;
-        eprintln!(
-            "bench:   minimal loop {tuning}: {rate:.0}/s ({:.1} s)",
-            started.elapsed().as_secs_f64()
-        );
-        if rate > best.1 {
-            best = (tuning, rate);
-        }
-    }
-    Ok(best)
+    sweep_best("minimal loop", &LOOP_SWEEP, |tuning| async move {
+        Ok(drain_rate(pool, url, n, tuning).await?.0)
+    })
+    .await
 }

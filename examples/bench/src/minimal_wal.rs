@@ -273,20 +273,15 @@ pub(crate) async fn drain_rate(
     Ok(((n as u64 - warm) as f64 / secs, cpu))
 }
 
-/// Each of [`READER_SWEEP`] once on a backlog of `n`; the fastest.
+/// The fastest of [`READER_SWEEP`] on backlogs of `n` ([`sweep_best`]).
 pub(crate) async fn sweep(
     pool: &PgPool,
     database_url: &str,
     url: &str,
     n: usize,
 ) -> Result<(ReaderTuning, f64)> {
-    let mut best = (READER_SWEEP[0], 0.0);
-    for tuning in READER_SWEEP {
-        let (rate, _) = drain_rate(pool, database_url, url, n, tuning).await?;
-        eprintln!("bench:   minimal WAL reader {tuning}: {rate:.0}/s");
-        if rate > best.1 {
-            best = (tuning, rate);
-        }
-    }
-    Ok(best)
+    sweep_best("minimal WAL reader", &READER_SWEEP, |tuning| async move {
+        Ok(drain_rate(pool, database_url, url, n, tuning).await?.0)
+    })
+    .await
 }
