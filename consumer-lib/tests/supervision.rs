@@ -219,9 +219,16 @@ async fn refusals_end_run_with_an_error_instead_of_retrying() {
 /// Two nodes (proxies to the test broker): a consumer whose session fails
 /// starts the next one with the node after it, even when the node it left
 /// still answers; a working session stays where it is (the relay's rule
-/// too, through the same seam: relay-bin/tests/broker_nodes.rs).
+/// too, through the same seam: relay-bin/tests/broker_nodes.rs). The
+/// `outbox_consumer_broker_connected` gauge follows the node in use.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_failed_session_the_consumer_moves_to_the_next_node() {
+    // This process's metrics, as a service exporting them would see them
+    // (nextest runs each test in a process of its own).
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .unwrap();
+    let connected = |node: &str| connected_gauge(&metrics.render(), node);
     let mut env = Env::new().await;
     let upstream = "127.0.0.1:5672".parse().unwrap();
     let (first, second) = (
@@ -252,11 +259,17 @@ async fn after_a_failed_session_the_consumer_moves_to_the_next_node() {
     })
     .await;
     let node = |url: &str| outbox::redact::host_port(url);
-    let (used, other, other_url) = if c.consumer.broker_node() == Some(node(&first_url)) {
-        (&first, &second, &second_url)
+    let (used, other, used_url, other_url) = if c.consumer.broker_node() == Some(node(&first_url)) {
+        (&first, &second, &first_url, &second_url)
     } else {
-        (&second, &first, &first_url)
+        (&second, &first, &second_url, &first_url)
     };
+    assert_eq!(connected(&node(used_url)), Some(1.0), "the node in use");
+    assert_ne!(
+        connected(&node(other_url)),
+        Some(1.0),
+        "the node not in use"
+    );
     // The node in use drops the connection: the consumer moves to the
     // other one and stays there once the first answers again.
     let sessions = c.consumer.stats().connections;
@@ -267,6 +280,8 @@ async fn after_a_failed_session_the_consumer_moves_to_the_next_node() {
     .await;
     used.set(e2e::Mode::Pass);
     assert_eq!(c.consumer.broker_node(), Some(node(other_url)));
+    assert_eq!(connected(&node(other_url)), Some(1.0), "the gauge moved");
+    assert_eq!(connected(&node(used_url)), Some(0.0), "the node left");
     let on_other = other.connections();
     env.publish(Some(&id()), "{}").await;
     wait_until("processed on the other node", || async {
@@ -278,4 +293,13 @@ async fn after_a_failed_session_the_consumer_moves_to_the_next_node() {
     first.stop();
     second.stop();
     env.teardown().await;
+}
+
+/// The value of `outbox_consumer_broker_connected` for `node` on a
+/// Prometheus page, if the page has it.
+fn connected_gauge(page: &str, node: &str) -> Option<f64> {
+    let label = format!("node=\"{node}\"");
+    page.lines()
+        .filter(|l| l.starts_with("outbox_consumer_broker_connected{") && l.contains(&label))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
 }

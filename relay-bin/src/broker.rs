@@ -13,18 +13,16 @@ use lapin::{Connection, ConnectionProperties, ExchangeKind};
 
 use crate::config::RelayConfig;
 use crate::error::Result;
-use crate::health::{Health, lock};
 use outbox_core::amqp::{Nodes, bounded};
 
 /// The broker's nodes (which one the next connection tries first, which
 /// one is in use) and what each connection declares.
 pub(crate) struct Broker {
-    nodes: Nodes,
+    /// Shared with [`Health`](crate::Health), which shows the node in use.
+    nodes: Arc<Nodes>,
     timeout: Duration,
     /// The exchange to declare on each connection, and its kind.
     declare: Option<(String, String)>,
-    /// Where the node in use is shown.
-    health: Arc<Health>,
 }
 
 impl std::fmt::Debug for Broker {
@@ -36,20 +34,25 @@ impl std::fmt::Debug for Broker {
 }
 
 impl Broker {
-    pub(crate) fn new(config: &RelayConfig, health: Arc<Health>) -> Self {
+    /// The nodes of `config.amqp_url`, for [`new`](Self::new) and
+    /// [`Health`](crate::Health).
+    pub(crate) fn nodes(config: &RelayConfig) -> Arc<Nodes> {
+        Arc::new(Nodes::new(
+            config.amqp_urls(),
+            config.broker_timeout,
+            "outbox_relay_broker_connected",
+            vec![],
+        ))
+    }
+
+    pub(crate) fn new(config: &RelayConfig, nodes: Arc<Nodes>) -> Self {
         Self {
-            nodes: Nodes::new(
-                config.amqp_urls(),
-                config.broker_timeout,
-                "outbox_relay_broker_connected",
-                vec![],
-            ),
+            nodes,
             timeout: config.broker_timeout,
             declare: config
                 .declare_exchange
                 .clone()
                 .map(|kind| (config.default_exchange.clone(), kind)),
-            health,
         }
     }
 
@@ -61,7 +64,6 @@ impl Broker {
         let props = ConnectionProperties::default().with_connection_name("outbox-relay".into());
         let (conn, i) = self.nodes.connect(props).await?;
         let node = self.nodes.current().unwrap_or_default();
-        *lock(&self.health.node) = Some(node.clone());
         tracing::info!(broker = %node, "connected to the broker");
         let conn = Arc::new(conn);
         if let Some((name, kind)) = &self.declare

@@ -2,22 +2,33 @@
 //! its HTTP endpoints.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use outbox_core::amqp::Nodes;
 
 /// Liveness and readiness, for `/healthz` and `/readyz`.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Health {
     pub(crate) broker: AtomicBool,
     pub(crate) database: AtomicBool,
-    /// `host:port` of the broker node in use (or last used).
-    pub(crate) node: Mutex<Option<String>>,
+    /// The broker's nodes, shared with the connections' seam
+    /// ([`Broker`](crate::broker::Broker)): which one is in use.
+    nodes: Arc<Nodes>,
 }
 
 impl Health {
+    pub(crate) fn new(nodes: Arc<Nodes>) -> Self {
+        Self {
+            broker: AtomicBool::new(false),
+            database: AtomicBool::new(false),
+            nodes,
+        }
+    }
+
     /// `host:port` of the broker node the relay is connected to, or was
     /// last connected to.
     pub fn broker_node(&self) -> Option<String> {
-        lock(&self.node).clone()
+        self.nodes.current()
     }
 
     /// Connected to the broker and the last database operation succeeded.

@@ -6,7 +6,6 @@
 
 use tokio_util::sync::CancellationToken;
 
-use crate::health::lock;
 use crate::relay::Relay;
 use crate::wake::sleep_or_cancel;
 
@@ -14,7 +13,7 @@ impl Relay {
     /// One round, if one is due.
     pub(crate) async fn maintenance_round(&self) {
         let inner = &self.inner;
-        let node = lock(&inner.health.node).clone();
+        let node = inner.health.broker_node();
         if inner.leases.round(&inner.pool, node).await {
             inner.stats.write(&inner.pool).await;
         }

@@ -159,7 +159,8 @@ impl Relay {
         };
         let (wake, _) = watch::channel(0);
         let id = Uuid::new_v4();
-        let health = Arc::new(Health::default());
+        let nodes = crate::broker::Broker::nodes(&config);
+        let health = Arc::new(Health::new(nodes.clone()));
         let settle_sql = crate::settle::Statements::new(&schema);
         Ok(Self {
             inner: Arc::new(Inner {
@@ -175,7 +176,7 @@ impl Relay {
                     config.retry_max,
                 ),
                 settle_sql,
-                broker: Arc::new(crate::broker::Broker::new(&config, health.clone())),
+                broker: Arc::new(crate::broker::Broker::new(&config, nodes)),
                 health,
                 schema,
                 config,

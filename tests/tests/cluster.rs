@@ -167,12 +167,7 @@ async fn cluster_node_failures_lose_nothing() {
 
     // (b) The node leading the work queue.
     relay_in_flight(&w, "killing the queue's leader").await;
-    let leader = w
-        .cluster()
-        .leader(&w.broker.queue)
-        .await
-        .unwrap()
-        .expect("a leader");
+    let leader = w.queue_leader().await;
     let before = relay.published();
     w.cluster().kill(leader).await.unwrap();
     let t = publishing_resumed(&relay, before, Instant::now(), "the leader was killed").await;
@@ -284,12 +279,7 @@ async fn cluster_retries_survive_a_full_work_queue_and_a_leader_kill() {
         w.depth_of(&retry_queue).await == 500 && tokio::time::Instant::now() < all_expired_by,
         "a retry expired before the work queue was full"
     );
-    let leader = w
-        .cluster()
-        .leader(&w.broker.queue)
-        .await
-        .unwrap()
-        .expect("a leader");
+    let leader = w.queue_leader().await;
     w.cluster().kill(leader).await.unwrap();
     // Every retry's TTL (a clock) runs out while the leader is down and
     // the queue is full.

@@ -13,9 +13,9 @@ use std::time::Duration;
 use e2e::{Collector, TestBroker, TestDb, amqp_url, database_url, settled_depth, wait_until};
 use lapin::types::FieldTable;
 use outbox::Capture;
-use outbox_consumer::{Consumer, ConsumerConfig, Event, Handler, Outcome};
+use outbox_consumer::{Consumer, ConsumerConfig};
 use outbox_relay::{Relay, RelayConfig, WalCapture};
-use sqlx::{AssertSqlSafe, PgConnection};
+use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -24,23 +24,6 @@ const DEADLINE: Duration = Duration::from_secs(120);
 async fn post_order(addr: SocketAddr, key: &str, body: &str) -> (u16, bool, String) {
     let reply = e2e::post_json(addr, "/orders", key, body).await;
     (reply.status, reply.replayed, reply.body)
-}
-
-struct Effect {
-    insert: String,
-}
-
-impl Handler for Effect {
-    async fn handle(&self, conn: &mut PgConnection, event: &Event) -> Outcome {
-        match sqlx::query(AssertSqlSafe(self.insert.clone()))
-            .bind(event.id())
-            .execute(conn)
-            .await
-        {
-            Ok(_) => Outcome::Ack,
-            Err(e) => e.into(),
-        }
-    }
 }
 
 async fn http_front(capture: Capture) {
@@ -80,9 +63,9 @@ async fn http_front(capture: Capture) {
         let mut config = ConsumerConfig::new(amqp_url(), &broker.queue, "front");
         config.schema = consumer_schema.clone();
         config.declare_retry_queues = false;
-        let insert = format!("INSERT INTO \"{consumer_schema}\".effects (event_id) VALUES ($1)");
         let pool = e2e::pool(&format!("c-{}", db.schema), 4).await;
-        let consumer = Consumer::new(config, pool, Effect { insert }).unwrap();
+        let effect = e2e::RecordEffect::new(&consumer_schema);
+        let consumer = Consumer::new(config, pool, effect).unwrap();
         let stop = CancellationToken::new();
         let s = stop.clone();
         (stop, tokio::spawn(async move { consumer.run(s).await }))

@@ -8,32 +8,9 @@
 //! stop it gracefully.
 
 use anyhow::{Context, Result};
-use outbox_consumer::{Consumer, ConsumerConfig, Event, Handler, Outcome};
+use outbox_consumer::{Consumer, ConsumerConfig};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
-
-struct Effect {
-    insert: String,
-    /// `RETRY_FIRST_MS` set: every event's first attempt asks for a retry.
-    retry_first: bool,
-}
-
-impl Handler for Effect {
-    async fn handle(&self, conn: &mut PgConnection, event: &Event) -> Outcome {
-        if self.retry_first && event.retry_count() == 0 {
-            return Outcome::retry("the first attempt asks for a retry (RETRY_FIRST_MS)");
-        }
-        match sqlx::query(AssertSqlSafe(self.insert.clone()))
-            .bind(event.id())
-            .execute(conn)
-            .await
-        {
-            Ok(_) => Outcome::Ack,
-            Err(e) => Outcome::Retry(e.to_string()),
-        }
-    }
-}
 
 fn env(name: &str) -> Result<String> {
     std::env::var(name).with_context(|| format!("{name} is not set"))
@@ -73,22 +50,12 @@ async fn main() -> Result<()> {
     config.schema = schema.to_string();
     config.declare_retry_queues = false;
     config.max_reconnect_delay = std::time::Duration::from_millis(500);
-    let insert = format!("INSERT INTO \"{schema}\".effects (event_id) VALUES ($1)");
-    let retry_first = match std::env::var("RETRY_FIRST_MS") {
-        Ok(ms) => {
-            config.retry_delay = std::time::Duration::from_millis(ms.parse()?);
-            true
-        }
-        Err(_) => false,
-    };
-    let consumer = Consumer::new(
-        config,
-        pool,
-        Effect {
-            insert,
-            retry_first,
-        },
-    )?;
+    let mut effect = e2e::RecordEffect::new(&schema);
+    if let Ok(ms) = std::env::var("RETRY_FIRST_MS") {
+        config.retry_delay = std::time::Duration::from_millis(ms.parse()?);
+        effect = effect.retry_first();
+    }
+    let consumer = Consumer::new(config, pool, effect)?;
     let report = consumer.clone();
     let printer = tokio::spawn(async move {
         let mut last = None;

@@ -220,6 +220,16 @@ impl World {
         self.nodes.cluster().expect("a cluster world")
     }
 
+    /// The node leading the world's work queue (a quorum queue on the
+    /// cluster).
+    pub(crate) async fn queue_leader(&self) -> usize {
+        self.cluster()
+            .leader(&self.broker.queue)
+            .await
+            .unwrap()
+            .expect("the work queue has a leader")
+    }
+
     /// Each aggregate's sequence numbers on the wire
     /// ([`Options::wire_order`]).
     pub(crate) fn wire_seqs(&self) -> &SeqLog {

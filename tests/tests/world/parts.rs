@@ -9,9 +9,8 @@ use std::time::Duration;
 use e2e::{KillOnDrop, database_url, suffix};
 use nix::sys::signal::Signal;
 use outbox::Capture;
-use outbox_consumer::{Consumer, ConsumerConfig, Event, Handler, Outcome};
+use outbox_consumer::{Consumer, ConsumerConfig};
 use outbox_relay::{Relay, RelayConfig, WalCapture};
-use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
 
 use super::World;
@@ -129,26 +128,6 @@ impl Counts {
     }
 }
 
-/// The effect: one row per application in `<consumer schema>.effects`
-/// (no unique key, so a double application shows), numbered in the order
-/// applied.
-struct Effect {
-    insert: String,
-}
-
-impl Handler for Effect {
-    async fn handle(&self, conn: &mut PgConnection, event: &Event) -> Outcome {
-        match sqlx::query(AssertSqlSafe(self.insert.clone()))
-            .bind(event.id())
-            .execute(conn)
-            .await
-        {
-            Ok(_) => Outcome::Ack,
-            Err(e) => Outcome::Retry(e.to_string()),
-        }
-    }
-}
-
 impl World {
     pub(crate) fn relay_config(&self, amqp: String) -> RelayConfig {
         let mut c = RelayConfig::default();
@@ -226,11 +205,8 @@ impl World {
             config.max_retry_delay = Duration::from_millis(500);
             config.max_deferrals = 1_000;
         }
-        let insert = format!(
-            "INSERT INTO \"{}\".effects (event_id) VALUES ($1)",
-            self.consumer_schema
-        );
-        let consumer = Consumer::new(config, pool, Effect { insert }).unwrap();
+        let effect = e2e::RecordEffect::new(&self.consumer_schema);
+        let consumer = Consumer::new(config, pool, effect).unwrap();
         Running::spawn(|stop| tokio::spawn(async move { consumer.run(stop).await }))
     }
 
