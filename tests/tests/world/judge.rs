@@ -80,8 +80,10 @@ impl World {
         committed: impl Into<Committed>,
         scenario: &str,
     ) -> Verdict {
-        self.quiet(consumers.into(), scenario).await;
-        self.verdict(&committed.into(), scenario).await
+        let committed = committed.into();
+        self.quiet(consumers.into(), committed.ids.len(), scenario)
+            .await;
+        self.verdict(&committed, scenario).await
     }
 
     /// Quiet before judging: retries still on their way back (on the
@@ -89,8 +91,13 @@ impl World {
     /// work queue) drain; the consumers empty their queues and stop
     /// cleanly (again, with fresh ones, while a requeue leaves anything
     /// behind, ready or held by a quorum queue); the wire watchers empty
-    /// theirs.
-    async fn quiet(&self, consumers: Consumers, scenario: &str) {
+    /// theirs. Consumers are stopped only once they have applied as many
+    /// events as were `committed` (or the deadline passed: the verdict
+    /// then names what is missing): a queue's ready count reaches 0 as soon
+    /// as the consumers have prefetched the rest, and a consumer stopped
+    /// then hands its window back, so under load a round could end with
+    /// little applied, round after round.
+    async fn quiet(&self, consumers: Consumers, committed: usize, scenario: &str) {
         let deadline = self.deadline;
         let retries = self.retry_queues();
         if let Some(cluster) = self.nodes.cluster() {
@@ -119,6 +126,7 @@ impl World {
                 "{scenario}: messages still in the queues after {QUIET_ROUNDS} rounds of consumers"
             );
             let end = Instant::now() + deadline;
+            self.applied_at_least(committed, end).await;
             e2e::wait_until(
                 deadline,
                 &format!("{scenario}: the queues to empty"),
@@ -145,6 +153,25 @@ impl World {
         self.wire.drain(deadline).await;
         if let Some((seqs, _)) = &self.wire_seqs {
             seqs.drain(deadline).await;
+        }
+    }
+
+    /// Waits until the effects hold `n` distinct events or `end`, and
+    /// returns either way (a lost event is the verdict's to name).
+    async fn applied_at_least(&self, n: usize, end: Instant) {
+        let count = format!(
+            "SELECT count(DISTINCT event_id) FROM \"{}\".effects",
+            self.consumer_schema
+        );
+        while Instant::now() < end {
+            let read =
+                sqlx::query_scalar::<_, i64>(AssertSqlSafe(count.clone())).fetch_one(&self.db.pool);
+            if let Ok(Ok(applied)) = tokio::time::timeout(Duration::from_secs(5), read).await
+                && applied >= n as i64
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
