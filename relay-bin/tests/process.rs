@@ -117,6 +117,69 @@ async fn relay_sigkilled_inside_batches_again_and_again_loses_nothing() {
     broker.cleanup().await;
 }
 
+/// Every database connection of the relay reset while it works, five
+/// times (a restarted database, a dropped link): the pool pings a
+/// connection only after it sat idle for 2 s, so batches take dead ones;
+/// each such batch fails and is retried like any database error, the dead
+/// connection is dropped, and every event is still delivered once the
+/// database answers again.
+#[tokio::test]
+async fn database_connections_reset_under_the_relay_lose_nothing() {
+    let db = TestDb::producer("proc_pg_reset").await;
+    let broker = TestBroker::new("pg_reset", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let url = url::Url::parse(&database_url()).unwrap();
+    let upstream = format!(
+        "{}:{}",
+        url.host_str().unwrap_or("127.0.0.1"),
+        url.port().unwrap_or(5432)
+    );
+    let proxy = e2e::Proxy::start(upstream.parse().unwrap()).await;
+    let mut relay = KillOnDrop(
+        relay_cmd(&db, &broker)
+            .env("DATABASE_URL", proxy.url(&database_url()))
+            .env("OUTBOX_BATCH_SIZE", "50")
+            .spawn()
+            .unwrap(),
+    );
+    let mut ids = Vec::new();
+    for round in 1..=5 {
+        ids.extend(db.produce(500, 50, Duration::ZERO).await);
+        let before = collector.distinct();
+        wait_until(Duration::from_secs(60), "the relay publishing", || async {
+            collector.distinct() > before
+        })
+        .await;
+        let opened = proxy.connections();
+        proxy.set(e2e::Mode::Reset);
+        wait_until(
+            Duration::from_secs(30),
+            "every connection reset",
+            || async { proxy.open() == 0 },
+        )
+        .await;
+        proxy.set(e2e::Mode::Pass);
+        wait_until(
+            Duration::from_secs(60),
+            &format!("round {round}: the relay connecting again"),
+            || async { proxy.connections() > opened },
+        )
+        .await;
+    }
+    ids.extend(db.produce(500, 50, Duration::ZERO).await);
+    assert_all_delivered(
+        &db,
+        &mut relay,
+        &collector,
+        &ids,
+        "every database connection of the relay reset 5 times",
+    )
+    .await;
+    proxy.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
 #[tokio::test]
 async fn sigterm_finishes_the_batch_in_flight_and_exits_zero() {
     let db = TestDb::producer("proc_term").await;

@@ -48,5 +48,26 @@ pub(super) async fn connect_db(url: &str, max: u32, slow: Duration) -> Result<Pg
     Ok(PgPoolOptions::new()
         .max_connections(max)
         .acquire_timeout(Duration::from_secs(10))
+        // A round trip (a ping) before each batch only where a connection
+        // sat idle long enough to have gone stale (a restarted database,
+        // a dropped link): sqlx's default pings on every acquire, which put
+        // one more round trip between a wake-up and the publish of every
+        // batch. A connection that died in between fails its batch, which
+        // is retried like any database error, and is not returned to the
+        // pool.
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for >= PING_IF_IDLE {
+                    conn.ping().await?;
+                }
+                Ok(true)
+            })
+        })
         .connect_lazy_with(options))
 }
+
+/// How long a pooled connection may sit idle before it is pinged at its
+/// next acquire: over the default poll interval (500 ms), so neither a busy
+/// nor an idle relay pings on every batch.
+const PING_IF_IDLE: Duration = Duration::from_secs(2);

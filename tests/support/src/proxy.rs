@@ -37,6 +37,8 @@ pub struct Proxy {
     pub addr: SocketAddr,
     mode: watch::Sender<Mode>,
     connections: Arc<AtomicU64>,
+    /// Connections being forwarded now.
+    open: Arc<AtomicU64>,
     cuts: Arc<AtomicU64>,
     task: Arc<Mutex<Option<tokio::task::JoinHandle<()>>>>,
 }
@@ -48,16 +50,19 @@ impl Proxy {
         let addr = listener.local_addr().expect("proxy addr");
         let (mode, _) = watch::channel(Mode::Pass);
         let connections = Arc::new(AtomicU64::new(0));
+        let open = Arc::new(AtomicU64::new(0));
         let cuts = Arc::new(AtomicU64::new(0));
         let task = tokio::spawn({
             let mode = mode.clone();
             let connections = connections.clone();
+            let open = open.clone();
             let cuts = cuts.clone();
             async move {
                 while let Ok((client, _)) = listener.accept().await {
                     connections.fetch_add(1, Ordering::Relaxed);
                     let rx = mode.subscribe();
                     let cuts = cuts.clone();
+                    let open = open.clone();
                     tokio::spawn(async move {
                         if *rx.borrow() == Mode::Reset {
                             reset(client);
@@ -68,7 +73,9 @@ impl Proxy {
                         };
                         let _ = client.set_nodelay(true);
                         let _ = server.set_nodelay(true);
+                        open.fetch_add(1, Ordering::Relaxed);
                         pipe(client, server, rx, &cuts).await;
+                        open.fetch_sub(1, Ordering::Relaxed);
                     });
                 }
             }
@@ -77,6 +84,7 @@ impl Proxy {
             addr,
             mode,
             connections,
+            open,
             cuts,
             task: Arc::new(Mutex::new(Some(task))),
         }
@@ -90,6 +98,12 @@ impl Proxy {
     /// Connections accepted so far.
     pub fn connections(&self) -> u64 {
         self.connections.load(Ordering::Relaxed)
+    }
+
+    /// Connections being forwarded now (a [`Mode::Reset`] has closed
+    /// every one once this is 0).
+    pub fn open(&self) -> u64 {
+        self.open.load(Ordering::Relaxed)
     }
 
     /// Connections closed by [`Mode::CutAfter`] so far.
