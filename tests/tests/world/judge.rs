@@ -159,14 +159,9 @@ impl World {
     /// Waits until the effects hold `n` distinct events or `end`, and
     /// returns either way (a lost event is the verdict's to name).
     async fn applied_at_least(&self, n: usize, end: Instant) {
-        let count = format!(
-            "SELECT count(DISTINCT event_id) FROM \"{}\".effects",
-            self.consumer_schema
-        );
         while Instant::now() < end {
-            let read =
-                sqlx::query_scalar::<_, i64>(AssertSqlSafe(count.clone())).fetch_one(&self.db.pool);
-            if let Ok(Ok(applied)) = tokio::time::timeout(Duration::from_secs(5), read).await
+            if let Ok((_, applied)) =
+                tokio::time::timeout(Duration::from_secs(5), self.effects()).await
                 && applied >= n as i64
             {
                 return;
