@@ -55,7 +55,7 @@
 //! says; the files follow the stages (`docs/ARCHITECTURE.md` draws them):
 //! `supervisor.rs` (workers and the maintenance round), `broker.rs`
 //! (connections with failover), `worker.rs` (one batch), `claim/`
-//! (unordered and ordered claims), `lease.rs`, `publish/`, `settle.rs`,
+//! (ordered and unordered events, claimed in one statement), `lease.rs`, `publish/`, `settle.rs`,
 //! `quarantine.rs`, `stats.rs`, `wal/` (the log's reader and its set-up);
 //! each stage's SQL is in `.sql` files beside it (`sql.rs`); and, with the
 //! binary, `admin/` (what `outbox-relay status`, `dead-letters` and

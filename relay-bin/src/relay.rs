@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use lapin::Connection;
 use outbox::Ident;
-use sqlx::PgPool;
+use sqlx::pool::PoolConnection;
+use sqlx::{PgPool, Postgres};
 use tokio::sync::watch;
 use uuid::Uuid;
 
@@ -95,8 +96,9 @@ pub(crate) struct Inner {
 }
 
 /// What one worker holds while it runs (and what `Relay::run_once`
-/// takes): its broker connection and confirm-mode channel, its share of
-/// the partitions, and its claim state (cursors over ordered aggregates).
+/// takes): its broker connection and confirm-mode channel, its database
+/// connection, its share of the partitions, and its claim state (cursors
+/// over ordered aggregates).
 #[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
 pub struct WorkerSession {
     pub(crate) conn: Arc<Connection>,
@@ -105,6 +107,9 @@ pub struct WorkerSession {
     pub(crate) claim: ClaimState,
     /// The ids of the batch being published (for a panic report).
     pub(crate) in_flight: Vec<Uuid>,
+    /// The database connection its batches run on, held between batches
+    /// ([`crate::worker`] says why), and when it was taken from the pool.
+    pub(crate) db: Option<(PoolConnection<Postgres>, std::time::Instant)>,
 }
 
 impl std::fmt::Debug for WorkerSession {
@@ -127,6 +132,7 @@ impl WorkerSession {
             publisher,
             claim: ClaimState::new(worker, workers),
             in_flight: Vec::new(),
+            db: None,
         }
     }
 

@@ -1,6 +1,15 @@
 //! A worker: its own channel, claiming batches until told to stop. One
 //! batch (`Relay::run_once`) is claim → publish → settle in one database
 //! transaction.
+//!
+//! A worker holds its database connection from one batch to the next
+//! while it finds work, as the hand-written loop the bench measures it
+//! against does: taking it from the pool for each batch cost sqlx's test of
+//! every connection given back (a ping: a round trip, and a statement for
+//! PostgreSQL, per batch). It gives the connection back when a claim finds
+//! nothing (an idle relay holds no connection of a pool it may share),
+//! after a failed batch (the pool tests it and drops a dead one), and
+//! after [`HOLD_AT_MOST`], so the pool's lifetime limits still apply.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -8,6 +17,8 @@ use std::sync::atomic::Ordering;
 
 use futures_util::FutureExt;
 use lapin::Connection;
+use sqlx::pool::PoolConnection;
+use sqlx::{PgConnection, PgPool, Postgres};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
@@ -27,9 +38,14 @@ impl Relay {
     /// The maintenance round (leases, stats) runs first if it is due, as
     /// it does beside a running relay's workers.
     #[cfg(feature = "testing")]
+    ///
+    /// The session's database connection goes back to the pool after the
+    /// batch, so a test's own statements never wait for it.
     pub async fn run_once(&self, session: &mut WorkerSession) -> Result<BatchReport> {
         self.maintenance_round().await;
-        self.batch(session).await
+        let report = self.batch(session).await;
+        session.db = None;
+        report
     }
 
     /// One batch: claim, publish, settle.
@@ -47,7 +63,8 @@ impl Relay {
         // relay's fsyncs off the producers' commit path.
         // Only this batch's ids may be blamed for a panic in it.
         session.in_flight.clear();
-        let mut tx = inner.pool.begin_with(inner.begin.clone()).await?;
+        let conn = held(&mut session.db, &inner.pool).await?;
+        let mut tx = sqlx::Connection::begin_with(conn, inner.begin.clone()).await?;
         let events = inner
             .claims
             .claim(&mut tx, inner.leases.held(), &mut session.claim)
@@ -152,6 +169,8 @@ impl Relay {
                         // landed meanwhile): claim again at once.
                         continue;
                     }
+                    // An idle worker holds no database connection.
+                    session.db = None;
                     self.idle(&mut session, &mut wake, &stop).await?;
                 }
                 Err(e) if e.is_broker() || !session.publisher.is_open() => {
@@ -178,6 +197,11 @@ impl Relay {
         session: &mut WorkerSession,
     ) -> Result<Option<Result<BatchReport>>> {
         let batch = AssertUnwindSafe(self.batch(session)).catch_unwind().await;
+        if !matches!(batch, Ok(Ok(_))) {
+            // Its connection may be dead or mid-transaction: the pool
+            // tests it (and rolls back what a panic left) before reuse.
+            session.db = None;
+        }
         match batch {
             Ok(batch) => Ok(Some(batch)),
             Err(panic) => {
@@ -217,4 +241,27 @@ impl Relay {
         }
         Ok(())
     }
+}
+
+/// How long a worker holds one database connection before it gives it back
+/// to the pool and takes one again.
+pub(crate) const HOLD_AT_MOST: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The worker's database connection: the one it holds, or (none held, or
+/// held for [`HOLD_AT_MOST`]) one from the pool, then held.
+async fn held<'a>(
+    db: &'a mut Option<(PoolConnection<Postgres>, std::time::Instant)>,
+    pool: &PgPool,
+) -> Result<&'a mut PgConnection> {
+    if db
+        .as_ref()
+        .is_some_and(|(_, since)| since.elapsed() >= HOLD_AT_MOST)
+    {
+        *db = None;
+    }
+    let conn = match db.take() {
+        Some(conn) => conn,
+        None => (pool.acquire().await?, std::time::Instant::now()),
+    };
+    Ok(&mut db.insert(conn).0)
 }

@@ -1,10 +1,10 @@
 //! The claim stage: a worker locks one batch of due events in its
-//! transaction (`FOR UPDATE SKIP LOCKED`, so relays share the outbox),
-//! ordered chains of its partitions first ([`ordered`]), then unordered
-//! events ([`unordered`]).
+//! transaction (`FOR UPDATE SKIP LOCKED`, so relays share the outbox) in
+//! one statement (`batch.sql`, one round trip): ordered chains of its
+//! partitions first ([`ordered`] plans them and reads them back), then
+//! unordered events, the oldest first.
 
 pub(crate) mod ordered;
-pub(crate) mod unordered;
 
 use std::collections::HashMap;
 
@@ -13,16 +13,14 @@ use sqlx::{PgConnection, SqlStr};
 use uuid::Uuid;
 
 use crate::error::Result;
-use crate::message::OutboxEvent;
+use crate::message::{ClaimedRow, OutboxEvent};
 
-/// The claim stage: its statements for one schema, the relay's id (whose
+/// The claim stage: its statement for one schema, the relay's id (whose
 /// leases the ordered claim reads) and the batch size.
 #[derive(Debug, Clone)]
 pub(crate) struct Claims {
-    /// `unordered.sql`.
-    unordered: SqlStr,
-    /// `ordered.sql`.
-    ordered: SqlStr,
+    /// `batch.sql`.
+    batch: SqlStr,
     relay: Uuid,
     batch_size: usize,
 }
@@ -59,8 +57,7 @@ impl ClaimState {
 impl Claims {
     pub(crate) fn new(schema: &Ident, relay: Uuid, batch_size: usize) -> Self {
         Self {
-            unordered: crate::sql::render(include_str!("unordered.sql"), schema),
-            ordered: crate::sql::render(include_str!("ordered.sql"), schema),
+            batch: crate::sql::render(include_str!("batch.sql"), schema),
             relay,
             batch_size,
         }
@@ -68,20 +65,52 @@ impl Claims {
 
     /// Claims one batch in the worker's transaction `conn`, `held`
     /// partitions leased by the relay (`None` before its first lease
-    /// round). Unordered events always get a quarter of the batch at
-    /// least: a large ordered backlog cannot hold them up.
+    /// round): the due chains of the worker's partitions, then unordered
+    /// events in the room they left (a quarter of the batch at least: a
+    /// large ordered backlog cannot hold them up). Moves the worker's
+    /// cursors.
     pub(crate) async fn claim(
         &self,
         conn: &mut PgConnection,
         held: Option<usize>,
         state: &mut ClaimState,
     ) -> Result<Vec<OutboxEvent>> {
-        let batch_size = self.batch_size;
-        let mut events = ordered::claim(self, &mut *conn, held, state).await?;
-        let room = batch_size
-            .saturating_sub(events.len())
-            .max(batch_size.div_ceil(4));
-        events.extend(unordered::claim(&self.unordered, conn, room).await?);
+        let plan = ordered::Plan::new(self.batch_size, held, state);
+        let (parts, (types, ids)): (Vec<i32>, (Vec<&str>, Vec<&str>)) = state
+            .cursors
+            .iter()
+            .map(|(p, (t, a))| (*p, (t.as_str(), a.as_str())))
+            .unzip();
+        let mut rows: Vec<ClaimRow> = sqlx::query_as(self.batch.clone())
+            .bind(self.relay)
+            .bind(state.workers as i32)
+            .bind(state.worker as i32)
+            .bind(plan.per_partition as i32)
+            .bind(&parts)
+            .bind(&types)
+            .bind(&ids)
+            .bind(self.batch_size as i64)
+            .bind(plan.scan_per_partition as i32)
+            .fetch_all(conn)
+            .await?;
+        let first_unordered = rows
+            .iter()
+            .position(|r| r.partition.is_none())
+            .unwrap_or(rows.len());
+        let unordered = rows.split_off(first_unordered);
+        let mut events = plan.read_back(rows, state);
+        events.extend(unordered.into_iter().map(|r| OutboxEvent::from(r.event)));
         Ok(events)
     }
+}
+
+/// A row of `batch.sql`: an event as claimed, with whether it is due (the
+/// chain of an aggregate stops before its first event that is not) and,
+/// for an ordered event, its partition.
+#[derive(sqlx::FromRow)]
+pub(crate) struct ClaimRow {
+    #[sqlx(flatten)]
+    pub(crate) event: ClaimedRow,
+    pub(crate) due: bool,
+    pub(crate) partition: Option<i32>,
 }

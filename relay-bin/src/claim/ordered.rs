@@ -7,65 +7,50 @@
 
 use std::collections::HashMap;
 
-use sqlx::PgConnection;
+use crate::claim::{ClaimRow, ClaimState};
+use crate::message::OutboxEvent;
 
-use crate::claim::{ClaimState, Claims};
-use crate::error::Result;
-use crate::message::{ClaimedRow, OutboxEvent};
-
-/// Claims the due chains of this worker's partitions (`ordered.sql`) and
-/// moves its cursors.
-pub(crate) async fn claim(
-    claims: &Claims,
-    conn: &mut PgConnection,
-    held: Option<usize>,
-    session: &mut ClaimState,
-) -> Result<Vec<OutboxEvent>> {
-    let batch_size = claims.batch_size;
-    // Heads per partition: the batch spread over this worker's share of
-    // the relay's partitions.
-    let held = held.map_or(64, |n| n.max(1));
-    let share = held.div_ceil(session.workers).max(1);
-    let per_partition = batch_size.div_ceil(share * session.chain_hint).max(1);
-    // Aggregates looked at per partition, due or not: bounds the walk
-    // when many heads are backing off.
-    let scan_per_partition = (per_partition * 4).max(64);
-    let (parts, (types, ids)): (Vec<i32>, (Vec<&str>, Vec<&str>)) = session
-        .cursors
-        .iter()
-        .map(|(p, (t, a))| (*p, (t.as_str(), a.as_str())))
-        .unzip();
-    let ordered: Vec<OrderedRow> = sqlx::query_as(claims.ordered.clone())
-        .bind(claims.relay)
-        .bind(session.workers as i32)
-        .bind(session.worker as i32)
-        .bind(per_partition as i32)
-        .bind(&parts)
-        .bind(&types)
-        .bind(&ids)
-        .bind(batch_size as i64)
-        .bind(scan_per_partition as i32)
-        .fetch_all(conn)
-        .await?;
-    let claimed = chains(&ordered);
-    advance_cursors(
-        &mut session.cursors,
-        &claimed,
-        per_partition,
-        scan_per_partition,
-    );
-    session.chain_hint = next_chain_hint(session.chain_hint, &claimed, batch_size);
-    Ok(due_chains(ordered))
+/// How one claim reads this worker's partitions, planned from the batch,
+/// the partitions held and the chains the last claims saw.
+pub(crate) struct Plan {
+    batch_size: usize,
+    /// Due heads per partition: the batch spread over this worker's share
+    /// of the relay's partitions.
+    pub(crate) per_partition: usize,
+    /// Aggregates looked at per partition, due or not: bounds the walk
+    /// when many heads are backing off.
+    pub(crate) scan_per_partition: usize,
 }
 
-/// An ordered event as claimed, with whether it is due (the chain of an
-/// aggregate stops before its first event that is not).
-#[derive(sqlx::FromRow)]
-struct OrderedRow {
-    #[sqlx(flatten)]
-    event: ClaimedRow,
-    due: bool,
-    partition: i32,
+impl Plan {
+    pub(crate) fn new(batch_size: usize, held: Option<usize>, session: &ClaimState) -> Self {
+        let held = held.map_or(64, |n| n.max(1));
+        let share = held.div_ceil(session.workers).max(1);
+        let per_partition = batch_size.div_ceil(share * session.chain_hint).max(1);
+        Self {
+            batch_size,
+            per_partition,
+            scan_per_partition: (per_partition * 4).max(64),
+        }
+    }
+
+    /// The ordered rows of a claim (in chain order) read back: moves the
+    /// worker's cursors and chain hint, and returns the events to publish.
+    pub(crate) fn read_back(
+        &self,
+        rows: Vec<ClaimRow>,
+        session: &mut ClaimState,
+    ) -> Vec<OutboxEvent> {
+        let claimed = chains(&rows);
+        advance_cursors(
+            &mut session.cursors,
+            &claimed,
+            self.per_partition,
+            self.scan_per_partition,
+        );
+        session.chain_hint = next_chain_hint(session.chain_hint, &claimed, self.batch_size);
+        due_chains(rows)
+    }
 }
 
 /// A chain: one aggregate's share of an ordered claim, its head and the
@@ -80,7 +65,7 @@ struct Chain<'a> {
 }
 
 /// The claim's rows grouped by aggregate, in claim order.
-fn chains(rows: &[OrderedRow]) -> Vec<Chain<'_>> {
+fn chains(rows: &[ClaimRow]) -> Vec<Chain<'_>> {
     let mut chains: Vec<Chain<'_>> = Vec::new();
     for r in rows {
         let key = (
@@ -90,7 +75,7 @@ fn chains(rows: &[OrderedRow]) -> Vec<Chain<'_>> {
         match chains.last_mut() {
             Some(chain) if chain.key == key => chain.len += usize::from(r.due),
             _ => chains.push(Chain {
-                partition: r.partition,
+                partition: r.partition.unwrap_or_default(),
                 key,
                 due: r.due,
                 len: usize::from(r.due),
@@ -147,11 +132,11 @@ fn next_chain_hint(hint: usize, chains: &[Chain<'_>], batch: usize) -> usize {
 /// sequence) up to its first event that is not due yet. A head being
 /// retried goes alone: the events behind it are not sent again and again
 /// while it keeps failing.
-fn due_chains(rows: Vec<OrderedRow>) -> Vec<OutboxEvent> {
+fn due_chains(rows: Vec<ClaimRow>) -> Vec<OutboxEvent> {
     let mut out: Vec<OutboxEvent> = Vec::with_capacity(rows.len());
     let mut stopped: Option<(String, String)> = None;
     let mut current: Option<(String, String)> = None;
-    for OrderedRow { event, due, .. } in rows {
+    for ClaimRow { event, due, .. } in rows {
         let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
         if stopped.as_ref() == Some(&key) {
             continue;

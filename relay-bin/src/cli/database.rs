@@ -48,13 +48,14 @@ pub(super) async fn connect_db(url: &str, max: u32, slow: Duration) -> Result<Pg
     Ok(PgPoolOptions::new()
         .max_connections(max)
         .acquire_timeout(Duration::from_secs(10))
-        // A round trip (a ping) before each batch only where a connection
-        // sat idle long enough to have gone stale (a restarted database,
-        // a dropped link): sqlx's default pings on every acquire, which put
-        // one more round trip between a wake-up and the publish of every
-        // batch. A connection that died in between fails its batch, which
-        // is retried like any database error, and is not returned to the
-        // pool.
+        // A round trip (a ping) at an acquire only where a connection sat
+        // idle long enough to have gone stale (a restarted database, a
+        // dropped link): sqlx's default pings on every acquire, which put
+        // one more round trip between a wake-up and the publish of a batch
+        // (workers now hold their connection from batch to batch while they
+        // find work). A connection that died
+        // in between fails its batch, which is retried like any database
+        // error, and is not returned to the pool.
         .test_before_acquire(false)
         .before_acquire(|conn, meta| {
             Box::pin(async move {

@@ -1,0 +1,50 @@
+-- One batch, claimed in one statement (one round trip to the database).
+--
+-- First, ordered events of the partitions this relay leases ($1 relay id)
+-- and this worker serves (partition % $2 = $3): the due heads of up to $4
+-- aggregates per partition, in key order after the worker's cursor ($5
+-- partitions, $6 types, $7 ids), looking at $9 aggregates per partition at
+-- most, and the events after each due head, at most about $8 in all. Heads
+-- not due come back alone with `due` false (they only move the cursor).
+-- The lease rows are held FOR KEY SHARE until the transaction ends, so no
+-- lease changes owner under a batch in flight (renewals go through).
+-- While the outbox holds no ordered event at all (one probe of a partial
+-- index, evaluated once), no partition is looked at and no lease locked:
+-- walking every partition's heads cost a millisecond a claim for nothing.
+--
+-- Then due unordered events, oldest first, skipping rows other relays
+-- hold: the room the ordered rows left in the batch of $8, and a quarter
+-- of it at least, so a large ordered backlog cannot hold them up.
+--
+-- Rows come back ordered ones first (`ord` set, in chain order), then
+-- unordered ones (`ord` and `partition` null).
+WITH parts AS (
+    SELECT partition FROM {schema}.outbox_leases
+    WHERE owner = $1 AND expires_at > now() AND partition % $2 = $3
+      AND EXISTS (SELECT 1 FROM {schema}.outbox o WHERE o.aggregate_seq IS NOT NULL)
+    FOR KEY SHARE),
+cursor AS (SELECT * FROM unnest($5::int[], $6::text[], $7::text[]) AS c(partition, t, a)),
+heads AS MATERIALIZED (
+    SELECT parts.partition, h.*, row_number() OVER () AS ord
+    FROM parts LEFT JOIN cursor USING (partition)
+    CROSS JOIN LATERAL {schema}.outbox_heads(
+        parts.partition, coalesce(cursor.t, ''), coalesce(cursor.a, ''), $4, $9) h),
+chain AS (SELECT greatest(1, $8 / greatest(count(*) FILTER (WHERE due), 1)) AS n FROM heads),
+ordered AS MATERIALIZED (
+    SELECT r.*, heads.due AND r.available_at <= now() AS due, heads.partition, heads.ord
+    FROM heads CROSS JOIN chain CROSS JOIN LATERAL (
+        SELECT {claimed_columns}, available_at FROM {schema}.outbox x
+        WHERE x.aggregate_type = heads.aggregate_type AND x.aggregate_id = heads.aggregate_id
+          AND x.aggregate_seq >= heads.aggregate_seq
+        ORDER BY x.aggregate_seq
+        LIMIT CASE WHEN heads.due THEN chain.n ELSE 1 END) r),
+unordered AS (
+    SELECT {claimed_columns}, available_at FROM {schema}.outbox
+    WHERE available_at <= now() AND aggregate_seq IS NULL
+    ORDER BY available_at, id
+    LIMIT greatest($8 - (SELECT count(*) FROM ordered WHERE due), ($8 + 3) / 4)
+    FOR UPDATE SKIP LOCKED)
+SELECT * FROM ordered
+UNION ALL
+SELECT *, true, NULL::int, NULL::bigint FROM unordered
+ORDER BY ord NULLS LAST, aggregate_seq, available_at, id
