@@ -3,10 +3,10 @@
 //! database connection and confirm-mode channel: `BEGIN`, claim the oldest
 //! due rows with `FOR UPDATE SKIP LOCKED`, publish each as the message of
 //! the contract (docs/AMQP_MESSAGE.md) with every confirm pipelined behind
-//! the whole batch, `DELETE` the claimed ids, `COMMIT`. Nothing else: no
-//! leases, no stats, no retries, no supervision. Its tuning (loops, batch
-//! size) is swept and the best kept. A relay faster than this means the
-//! ceiling is wrong.
+//! the whole batch, `DELETE` the claimed ids, `COMMIT` (asynchronous, as
+//! the relay's). Nothing else: no leases, no stats, no retries, no
+//! supervision. Its tuning (loops, batch size) is swept and the best kept.
+//! A relay faster than this means the ceiling is wrong.
 
 use anyhow::Result;
 use chrono::{DateTime, Utc};
@@ -110,6 +110,9 @@ pub(crate) fn contract_properties(
         .with_headers(headers)
 }
 
+/// The loop's `BEGIN`, in the same round trip as the relay's.
+const ASYNC_COMMIT: &str = "BEGIN; SET LOCAL synchronous_commit = off";
+
 /// One batch on `conn`: `BEGIN`, claim up to `batch` due rows, publish
 /// each with every confirm awaited after the whole batch, `DELETE` them,
 /// `COMMIT`. Returns how many it published.
@@ -124,7 +127,10 @@ async fn one_batch(
         mandatory: true,
         ..Default::default()
     };
-    let mut tx = sqlx::Connection::begin(conn).await?;
+    // The relay's design commits its batches without waiting for the WAL
+    // flush (a lost commit only publishes again): so does its ceiling. A
+    // plain BEGIN let the relay beat this loop (1.04 [1.02-1.08]).
+    let mut tx = sqlx::Connection::begin_with(conn, ASYNC_COMMIT).await?;
     let rows: Vec<Row> = sqlx::query_as(claim.clone())
         .bind(batch as i64)
         .fetch_all(&mut *tx)

@@ -81,7 +81,7 @@ impl Claims {
             .iter()
             .map(|(p, (t, a))| (*p, (t.as_str(), a.as_str())))
             .unzip();
-        let mut rows: Vec<ClaimRow> = sqlx::query_as(self.batch.clone())
+        let rows: Vec<ClaimRow> = sqlx::query_as(self.batch.clone())
             .bind(self.relay)
             .bind(state.workers as i32)
             .bind(state.worker as i32)
@@ -93,12 +93,12 @@ impl Claims {
             .bind(plan.scan_per_partition as i32)
             .fetch_all(conn)
             .await?;
-        let first_unordered = rows
-            .iter()
-            .position(|r| r.partition.is_none())
-            .unwrap_or(rows.len());
-        let unordered = rows.split_off(first_unordered);
-        let mut events = plan.read_back(rows, state);
+        let (mut ordered, unordered): (Vec<ClaimRow>, Vec<ClaimRow>) =
+            rows.into_iter().partition(|r| r.partition.is_some());
+        // Chain order: heads in the order the claim walked them, each
+        // aggregate's events in sequence (`batch.sql` sorts nothing).
+        ordered.sort_by_key(|r| (r.ord, r.event.aggregate_seq));
+        let mut events = plan.read_back(ordered, state);
         events.extend(unordered.into_iter().map(|r| OutboxEvent::from(r.event)));
         Ok(events)
     }
@@ -106,11 +106,12 @@ impl Claims {
 
 /// A row of `batch.sql`: an event as claimed, with whether it is due (the
 /// chain of an aggregate stops before its first event that is not) and,
-/// for an ordered event, its partition.
+/// for an ordered event, its partition and its head's place in the claim.
 #[derive(sqlx::FromRow)]
 pub(crate) struct ClaimRow {
     #[sqlx(flatten)]
     pub(crate) event: ClaimedRow,
     pub(crate) due: bool,
     pub(crate) partition: Option<i32>,
+    pub(crate) ord: Option<i64>,
 }
