@@ -37,10 +37,10 @@ impl Relay {
     ///
     /// The maintenance round (leases, stats) runs first if it is due, as
     /// it does beside a running relay's workers.
-    #[cfg(feature = "testing")]
     ///
     /// The session's database connection goes back to the pool after the
     /// batch, so a test's own statements never wait for it.
+    #[cfg(feature = "testing")]
     pub async fn run_once(&self, session: &mut WorkerSession) -> Result<BatchReport> {
         self.maintenance_round().await;
         let report = self.batch(session).await;
