@@ -55,8 +55,9 @@
 //! says; the files follow the stages (`docs/ARCHITECTURE.md` draws them):
 //! `supervisor.rs` (workers and the maintenance round), `broker.rs`
 //! (connections with failover), `worker.rs` (one batch), `claim/`
-//! (ordered and unordered events, claimed in one statement), `lease.rs`, `publish/`, `settle.rs`,
-//! `quarantine.rs`, `stats.rs`, `wal/` (the log's reader and its set-up);
+//! (ordered and unordered events, claimed in one statement), `lease.rs`,
+//! `publish/`, `settle.rs`, `quarantine.rs`, `stats.rs`, `wal/` (the log's
+//! reader and its set-up);
 //! each stage's SQL is in `.sql` files beside it (`sql.rs`); and, with the
 //! binary, `admin/` (what `outbox-relay status`, `dead-letters` and
 //! `blocked` do, and what the console shows), `cli/`, `console/` and

@@ -53,9 +53,9 @@ pub(super) async fn connect_db(url: &str, max: u32, slow: Duration) -> Result<Pg
         // dropped link): sqlx's default pings on every acquire, which put
         // one more round trip between a wake-up and the publish of a batch
         // (workers now hold their connection from batch to batch while they
-        // find work). A connection that died
-        // in between fails its batch, which is retried like any database
-        // error, and is not returned to the pool.
+        // find work). A connection that died in between fails its batch,
+        // which is retried like any database error, and is not returned to
+        // the pool.
         .test_before_acquire(false)
         .before_acquire(|conn, meta| {
             Box::pin(async move {
