@@ -702,3 +702,40 @@ async fn gauges_are_exact_on_a_small_outbox_and_agree_with_status() {
     assert!(g.oldest_due_age_s >= 0.0);
     db.cleanup().await;
 }
+
+/// A busy worker holds its database connection from batch to batch; an
+/// idle relay gives them back to the pool (which a host service may share
+/// with it): only its LISTEN session stays checked out.
+#[tokio::test]
+async fn an_idle_relay_holds_no_pooled_connection_but_its_listener() {
+    let db = TestDb::producer("relay_idle_pool").await;
+    let broker = TestBroker::new("idle_pool", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with((*db.pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let in_use = || pool.size() as usize - pool.num_idle();
+    let relay = TestRelay::new(&db, &broker)
+        .with(|c| c.batch_size = 50)
+        .pool(pool.clone())
+        .start()
+        .await;
+    let ids = db.produce(2_000, 100, Duration::ZERO).await;
+    wait_until(Duration::from_secs(60), "every event published", || async {
+        collector.distinct() >= ids.len()
+    })
+    .await;
+    wait_until(
+        Duration::from_secs(30),
+        "the idle relay's workers to give their connections back",
+        || async { in_use() <= 1 },
+    )
+    .await;
+    relay.stop().await;
+    collector.stop();
+    pool.close().await;
+    db.cleanup().await;
+    broker.cleanup().await;
+}
