@@ -301,6 +301,16 @@ impl Held {
         self.messages.iter().map(|m| m.tag).max()
     }
 
+    /// The tag one `basic.nack(multiple)` gives back every message still
+    /// held with, once those at `settled` were acked: the highest tag not
+    /// settled. Not the last tag when that one was acked: RabbitMQ refuses
+    /// a tag it no longer holds ("unknown delivery tag") and closes the
+    /// channel, and that close crossing the console's own poisoned the
+    /// connection every page shared (the browse after a renewal failed).
+    fn requeue_tag(&self, settled: &[usize]) -> Option<u64> {
+        requeue_tag(self.messages.iter().map(|m| m.tag), settled)
+    }
+
     /// Gives every held message back, in place; renews the queue instead
     /// when it is held whole and a message is near the delivery limit.
     /// Returns whether it renewed.
@@ -315,19 +325,25 @@ impl Held {
             self.settle(&all, Some(&queue)).await?;
             return Ok(true);
         }
-        self.requeue_rest().await?;
+        self.requeue_rest(&[]).await?;
         close(&self.ch, self.timeout).await;
         Ok(false)
     }
 
-    async fn requeue_rest(&self) -> Result<()> {
-        if let Some(last) = self.last_tag() {
+    /// Gives back every held message not at `settled`, then makes sure the
+    /// broker took the acks and the nack: they have no reply of their own,
+    /// so a `basic.qos` behind them on the channel fails with the channel's
+    /// error if the broker refused one.
+    async fn requeue_rest(&self, settled: &[usize]) -> Result<()> {
+        if let Some(tag) = self.requeue_tag(settled) {
             let nack = BasicNackOptions {
                 multiple: true,
                 requeue: true,
             };
-            bounded("basic.nack", self.timeout, self.ch.basic_nack(last, nack)).await?;
+            bounded("basic.nack", self.timeout, self.ch.basic_nack(tag, nack)).await?;
         }
+        let check = self.ch.basic_qos(0, BasicQosOptions::default());
+        bounded("basic.qos (settlement check)", self.timeout, check).await?;
         Ok(())
     }
 
@@ -343,7 +359,7 @@ impl Held {
                 (m.fresh_properties(), m.body.as_slice())
             });
             if let Err(e) = publish(&self.ch, queue, copies, self.timeout).await {
-                let _ = self.requeue_rest().await;
+                let _ = self.requeue_rest(&[]).await;
                 close(&self.ch, self.timeout).await;
                 return Err(e);
             }
@@ -363,10 +379,19 @@ impl Held {
             });
             futures_util::future::try_join_all(acks).await?;
         }
-        self.requeue_rest().await?;
+        self.requeue_rest(chosen).await?;
         close(&self.ch, self.timeout).await;
         Ok(chosen.len())
     }
+}
+
+/// The highest of `tags` whose index is not in `settled`.
+fn requeue_tag(tags: impl Iterator<Item = u64>, settled: &[usize]) -> Option<u64> {
+    let settled: std::collections::HashSet<usize> = settled.iter().copied().collect();
+    tags.enumerate()
+        .filter(|(i, _)| !settled.contains(i))
+        .map(|(_, t)| t)
+        .max()
 }
 
 /// Publishes each (properties, body) to `queue` through the default
@@ -408,4 +433,20 @@ pub(crate) async fn publish<'a>(
         }
     }
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::requeue_tag;
+
+    #[test]
+    fn the_nack_gives_back_up_to_the_highest_tag_still_held() {
+        let tags = || [4_u64, 5, 6, 7].into_iter();
+        assert_eq!(requeue_tag(tags(), &[]), Some(7), "nothing settled");
+        assert_eq!(requeue_tag(tags(), &[1]), Some(7), "a middle one acked");
+        assert_eq!(requeue_tag(tags(), &[3]), Some(6), "the last one acked");
+        assert_eq!(requeue_tag(tags(), &[2, 3]), Some(5));
+        assert_eq!(requeue_tag(tags(), &[0, 1, 2, 3]), None, "all acked");
+        assert_eq!(requeue_tag(std::iter::empty(), &[]), None);
+    }
 }
