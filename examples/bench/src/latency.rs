@@ -32,6 +32,10 @@ pub(crate) enum Relayer {
     Minimal(LoopTuning),
     /// The log's hand-written reader ([`crate::minimal_wal::follow`]).
     MinimalWal(ReaderTuning),
+    /// The relay's code (table capture, default settings, the binary's
+    /// pool settings) on a runtime of its own in this process
+    /// (`--latency-relay-in-process`).
+    InProcess,
 }
 
 /// A running [`Relayer`].
@@ -69,6 +73,13 @@ impl Running {
                 tuning,
                 stop.clone(),
             ),
+            Relayer::InProcess => in_process(
+                owned(database_url),
+                owned(url),
+                owned(schema),
+                owned(exchange),
+                stop.clone(),
+            ),
             Relayer::MinimalWal(tuning) => crate::minimal_wal::follow(
                 owned(database_url),
                 owned(url),
@@ -92,6 +103,33 @@ impl Running {
             }
         }
     }
+}
+
+/// The relay's code with its defaults on a runtime of its own (two
+/// workers, as the binary's on two cores), on a pool set up as the
+/// binary's (at most 4 connections, no ping at each acquire), until `stop`.
+fn in_process(
+    database_url: String,
+    url: String,
+    schema: String,
+    exchange: String,
+    stop: CancellationToken,
+) -> std::thread::JoinHandle<Result<()>> {
+    on_own_runtime(async move {
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .test_before_acquire(false)
+            .connect(&database_url)
+            .await?;
+        let mut c = outbox_relay::RelayConfig::default();
+        c.amqp_url = url.into();
+        c.schema = schema;
+        c.default_exchange = exchange;
+        c.declare_exchange = None;
+        let relay = outbox_relay::Relay::new(pool, c).await?;
+        relay.run(stop).await?;
+        Ok(())
+    })
 }
 
 type Stamps = Arc<Mutex<HashMap<String, Instant>>>;

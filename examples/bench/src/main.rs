@@ -65,6 +65,12 @@ struct Args {
     /// wal-growth, wal-write, wal-latency); all by default.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// The table's latency section runs the relay's code on a runtime of
+    /// its own (two workers) in this process instead of the relay binary:
+    /// tells what the relay's code costs from what its being a process of
+    /// its own costs, against the same hand-written path.
+    #[arg(long)]
+    latency_relay_in_process: bool,
     /// Internal: run a consumer for the memory measurement (queue, count).
     #[arg(long, num_args = 2, hide = true)]
     child_consumer: Option<Vec<String>>,
@@ -107,6 +113,8 @@ struct Sizes {
     latency_secs: f64,
     memory_n: usize,
     console: console::Seed,
+    /// `--latency-relay-in-process`.
+    latency_in_process: bool,
 }
 
 #[tokio::main]
@@ -149,6 +157,7 @@ async fn main() -> Result<()> {
                 dead_letters: 2_000,
                 requests: 3,
             },
+            latency_in_process: args.latency_relay_in_process,
         }
     } else {
         Sizes {
@@ -171,11 +180,18 @@ async fn main() -> Result<()> {
                 dead_letters: 200_000,
                 requests: 40,
             },
+            latency_in_process: args.latency_relay_in_process,
         }
     };
     let _ = common::DATABASE_URL.set(args.database_url.clone());
     let mut r = Report::default();
     r.tuning("load_average_at_start", load_average());
+    if sizes.latency_in_process {
+        r.tuning(
+            "latency_relay",
+            "the relay's code in the bench process".to_owned(),
+        );
+    }
     let run = |section: &str| args.only.is_empty() || args.only.iter().any(|o| o == section);
     let url = args.amqp_url.as_str();
     // The consumer section preloads with the publisher's best tuning.
@@ -1320,6 +1336,10 @@ async fn latency_section(
         for k in 0..2 {
             let i = (k + run) % 2;
             let (relayer, name) = match i {
+                0 if sizes.latency_in_process && prefix.is_empty() => (
+                    latency::Relayer::InProcess,
+                    "the relay's code in this process",
+                ),
                 0 => (latency::Relayer::Binary, "the relay"),
                 _ => (design, "the hand-written path"),
             };
