@@ -121,12 +121,8 @@ fn in_process(
             .test_before_acquire(false)
             .connect(&database_url)
             .await?;
-        let mut c = outbox_relay::RelayConfig::default();
-        c.amqp_url = url.into();
-        c.schema = schema;
-        c.default_exchange = exchange;
-        c.declare_exchange = None;
-        let relay = outbox_relay::Relay::new(pool, c).await?;
+        let config = crate::relay::relay_config(&url, &schema, &exchange);
+        let relay = outbox_relay::Relay::new(pool, config).await?;
         relay.run(stop).await?;
         Ok(())
     })

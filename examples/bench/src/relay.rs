@@ -18,7 +18,9 @@ use crate::common::*;
 /// Nothing reached the queue for this long: the drain is broken.
 const STALL: Duration = Duration::from_secs(60);
 
-fn relay_config(url: &str, schema: &str, exchange: &str) -> RelayConfig {
+/// The relay's default settings on `schema`, publishing to `exchange`
+/// (declared by the bench), with the log's capture when the bench runs it.
+pub(crate) fn relay_config(url: &str, schema: &str, exchange: &str) -> RelayConfig {
     let mut c = RelayConfig::default();
     c.amqp_url = url.to_owned().into();
     c.schema = schema.to_owned();
