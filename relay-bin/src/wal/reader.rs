@@ -27,6 +27,11 @@ use crate::wal::slot::{self, refusal, slot_busy, slot_row, wal_error};
 use outbox_core::backoff::Backoff;
 use outbox_core::outage::Outage;
 
+/// The longest a busy reader waits before it reports a delivered position
+/// to the slot. A status update is one small message with no answer, so
+/// fifty a second cost PostgreSQL nothing it would notice.
+const FEEDBACK: Duration = Duration::from_millis(20);
+
 /// How a replication session ended, when not by an error.
 pub(super) enum ReadEnd {
     Shutdown,
@@ -201,14 +206,18 @@ impl WalReader {
             .map_err(|e| Error::Config(ConfigError::Url(e)))?;
         source.slot = self.slot.clone();
         source.publication = self.slot.clone().into();
-        // Report four times a second, and at least four times per sender
-        // timeout, so a live reader is never taken for a dead one.
+        // An idle reader reports four times a second, and at least four
+        // times per sender timeout, so a live reader is never taken for a
+        // dead one.
         let every =
             (wal.sender_timeout / 4).clamp(Duration::from_millis(100), Duration::from_millis(250));
         Ok(source
             .with_start_lsn(confirmed)
             .with_ack_lsn(confirmed)
-            .with_status_interval(every)
+            // A busy one reports what was delivered within FEEDBACK: what a
+            // new session reads again after a reset is the window on the
+            // wire and FEEDBACK's worth of events, not `every`'s.
+            .with_status_interval(FEEDBACK.min(every))
             .with_wakeup_interval(every)
             // Two batches ahead of the reader, beside those on the wire.
             .with_buffer_size((cfg.batch_size * 2).max(256))
