@@ -253,10 +253,20 @@ pub(crate) async fn latency(
     });
     let total = ((warm + secs) * rate) as usize;
     let relay = Running::start(relayer, database_url, url, &schema, &name, total)?;
-    let result = offer(pool, &schema, rate, warm, secs, &published, &effects).await;
+    // Every wait bounded: a run that hangs (seen once, in the hand-written
+    // path's run, for 600 s) fails, and `attempt` runs it again.
+    let offered = offer(pool, &schema, rate, warm, secs, &published, &effects);
+    let result = tokio::time::timeout(Duration::from_secs_f64(warm + secs + 90.0), offered)
+        .await
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("the run did not end within its time")));
     stop.cancel();
-    relay.stop().await?;
-    consumer_task.await??;
+    let stopping = Duration::from_secs(30);
+    tokio::time::timeout(stopping, relay.stop())
+        .await
+        .context("the relayer did not stop within 30 s")??;
+    tokio::time::timeout(stopping, consumer_task)
+        .await
+        .context("the consumer did not stop within 30 s")???;
     raw_task.abort();
     listen_task.abort();
     let (run, total) = result?;
