@@ -442,3 +442,52 @@ async fn unordered_events_are_not_held_up_by_an_ordered_backlog() {
     db.cleanup().await;
     broker.cleanup().await;
 }
+
+/// An aggregate whose head is being retried sends its head alone, and
+/// the batch's room goes to unordered events: the claim counts what it
+/// sends, not the chain it read behind that head (stop 36's single claim
+/// counted the chain, so one failing head capped unordered events at a
+/// quarter of every batch).
+#[tokio::test]
+async fn a_retried_head_leaves_the_rest_of_the_batch_to_unordered_events() {
+    let db = TestDb::producer("ord_retry_room").await;
+    let broker = TestBroker::new("ord_retry_room", FieldTable::default()).await;
+    let log = SeqLog::start(&broker.queue);
+    let s = &db.schema;
+    // One aggregate of 100 events, its head failed once and due again;
+    // 50 unordered events behind it.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq)
+         SELECT 'account', 'a-1', 'Changed', '{{}}', i FROM generate_series(1, 100) i;
+         UPDATE \"{s}\".outbox SET attempts = 1, last_error = 'nacked' WHERE aggregate_seq = 1;
+         INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'cart', 'c-' || i, 'Changed', '{{}}' FROM generate_series(1, 50) i;"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let relay = ordered_relay(&db, &broker)
+        .with(|c| c.batch_size = 20)
+        .build()
+        .await;
+    let mut session = relay.connect().await.unwrap();
+    let first = relay.run_once(&mut session).await.unwrap();
+    assert_eq!(
+        first.claimed, 20,
+        "the retried head alone and 19 unordered events"
+    );
+    wait_until(DEADLINE, "the first batch on the wire", || async {
+        log.len() >= 20
+    })
+    .await;
+    let entries = log.entries();
+    let ordered: Vec<i64> = entries
+        .iter()
+        .filter(|(a, _)| a == "a-1")
+        .map(|(_, seq)| *seq)
+        .collect();
+    assert_eq!(ordered, vec![1], "the retried head went alone");
+    session.close(Duration::from_secs(5)).await;
+    db.cleanup().await;
+    broker.cleanup().await;
+}

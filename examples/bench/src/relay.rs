@@ -326,12 +326,22 @@ pub(crate) fn relay_binary() -> Result<std::path::PathBuf> {
     Ok(bin)
 }
 
-/// SIGTERM, then wait (the relay finishes its batch and exits).
+/// SIGTERM, then wait (the relay finishes its batch and exits); after
+/// 60 s, SIGKILL and an error, so a relay that does not stop cannot hang
+/// the bench.
 pub(crate) fn stop_child(child: &mut Child) -> Result<()> {
     let _ = Command::new("kill")
         .arg("-TERM")
         .arg(child.id().to_string())
         .status();
-    child.wait()?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while child.try_wait()?.is_none() {
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            child.wait()?;
+            anyhow::bail!("the relay did not stop within 60 s of SIGTERM; killed");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     Ok(())
 }

@@ -13,8 +13,10 @@
 -- walking every partition's heads cost a millisecond a claim for nothing.
 --
 -- Then due unordered events, oldest first, skipping rows other relays
--- hold: the room the ordered rows left in the batch of $8, and a quarter
--- of it at least, so a large ordered backlog cannot hold them up.
+-- hold: the room the ordered events sent left in the batch of $8 (a head
+-- being retried is sent alone, so the chain read behind it takes no
+-- room), and a quarter of it at least, so a large ordered backlog cannot
+-- hold them up.
 --
 -- Ordered rows carry their head's place in the claim (`ord`) and their
 -- partition; unordered ones carry neither. Nothing is sorted here (a sort
@@ -47,5 +49,11 @@ SELECT * FROM (
     FROM {schema}.outbox
     WHERE available_at <= now() AND aggregate_seq IS NULL
     ORDER BY available_at, id
-    LIMIT greatest($8 - (SELECT count(*) FROM ordered WHERE due), ($8 + 3) / 4)
+    LIMIT greatest($8 - (
+        -- What the relay sends of the chains: a head being retried goes
+        -- alone, whatever was read behind it.
+        SELECT count(*) FROM ordered o
+        JOIN heads h ON h.ord = o.ord
+        JOIN ordered head ON head.id = h.id
+        WHERE o.due AND (o.id = h.id OR head.attempts = 0)), ($8 + 3) / 4)
     FOR UPDATE SKIP LOCKED) unordered

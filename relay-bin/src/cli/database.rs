@@ -54,8 +54,8 @@ pub(super) async fn connect_db(url: &str, max: u32, slow: Duration) -> Result<Pg
         // one more round trip between a wake-up and the publish of a batch
         // (workers now hold their connection from batch to batch while they
         // find work). A connection that died in between fails its batch,
-        // which is retried like any database error, and is not returned to
-        // the pool.
+        // which is retried like any database error; the worker gives it
+        // back, and the pool's test of a returned connection drops it.
         .test_before_acquire(false)
         .before_acquire(|conn, meta| {
             Box::pin(async move {
