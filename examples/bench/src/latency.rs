@@ -266,6 +266,10 @@ pub(crate) async fn latency(
         .await
         .unwrap_or_else(|_| Err(anyhow::anyhow!("the run did not end within its time")));
     stop.cancel();
+    // The recorders first: a stop that fails below must not keep the
+    // listener's connection of the bench's pool.
+    raw_task.abort();
+    listen_task.abort();
     let stopping = Duration::from_secs(30);
     tokio::time::timeout(stopping, relay.stop())
         .await
@@ -273,8 +277,6 @@ pub(crate) async fn latency(
     tokio::time::timeout(stopping, consumer_task)
         .await
         .context("the consumer did not stop within 30 s")???;
-    raw_task.abort();
-    listen_task.abort();
     let (run, total) = result?;
     let effect_rows: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM \"{consumer_schema}\".effects"

@@ -325,8 +325,12 @@ pub(crate) async fn act(
         .filter_map(|&i| held.messages[i].message_id.clone())
         .collect();
     let copy_to = (action == Action::Replay).then_some(filter.queue.as_str());
-    let done = held.settle(&chosen, copy_to).await?;
-    audit(&who, action, &filter, &reason, expected, done, &ids);
+    // Audited whether or not it ends well: a settlement that fails late
+    // (its check timed out, say) may have copied or acked messages already.
+    let settled = held.settle(&chosen, copy_to).await;
+    let touched = settled.as_ref().map_err(ToString::to_string).copied();
+    audit(&who, action, &filter, &reason, expected, touched, &ids);
+    let done = settled?;
     let verb = if action == Action::Replay {
         "Replayed"
     } else {
@@ -349,7 +353,7 @@ fn audit(
     filter: &Filter,
     reason: &str,
     expected: usize,
-    done: usize,
+    touched: std::result::Result<usize, String>,
     ids: &[String],
 ) {
     let action = if action == Action::Replay {
@@ -357,10 +361,18 @@ fn audit(
     } else {
         "purge consumer dead letters"
     };
-    tracing::info!(
-        target: "outbox_console_audit",
-        who = %who.who, peer = %who.peer, action, queue = %filter.queue, selection = %filter.describe(),
-        reason = ?reason, confirmed = expected, touched = done, ids = ?ids,
-        "console: {action}"
-    );
+    match touched {
+        Ok(done) => tracing::info!(
+            target: "outbox_console_audit",
+            who = %who.who, peer = %who.peer, action, queue = %filter.queue, selection = %filter.describe(),
+            reason = ?reason, confirmed = expected, touched = done, ids = ?ids,
+            "console: {action}"
+        ),
+        Err(error) => tracing::warn!(
+            target: "outbox_console_audit",
+            who = %who.who, peer = %who.peer, action, queue = %filter.queue, selection = %filter.describe(),
+            reason = ?reason, confirmed = expected, error = %error, ids = ?ids,
+            "console: {action} failed part way (copies may have been published, messages may have been settled): look at the queues"
+        ),
+    }
 }
