@@ -276,7 +276,7 @@ impl Collector {
         self.tap.drain(timeout, || async { 0 }).await;
     }
 
-    /// [`Collector::drain`] for a queue a passive declare does not count
+    /// [`Collector::drain`] for a queue a passive declare may not count
     /// whole (a quorum queue on a cluster whose nodes were killed): it
     /// drains again until `uncounted` also reports none left.
     pub async fn drain_counting<F, Fut>(&self, timeout: Duration, uncounted: F)

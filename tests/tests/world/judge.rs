@@ -150,9 +150,9 @@ impl World {
             consumers = self.consumers().await;
         }
         let _ = tokio::time::timeout(Duration::from_secs(5), conn.close(200, "ok".into())).await;
-        // On the cluster a passive declare leaves out what a quorum queue
-        // still holds checked out (to a tap of a killed node, say): the
-        // wire counter drains until the cluster counts none either.
+        // On the cluster a passive declare may leave out what a quorum
+        // queue still holds checked out (to a tap of a killed node, say):
+        // the wire counter drains until the cluster counts none either.
         let wire_queue = [self.wire_queue.clone()];
         self.wire
             .drain_counting(deadline, || self.nodes.uncounted(&wire_queue))
@@ -179,10 +179,11 @@ impl World {
     /// Distinct events the wire counter saw. Should some be missing, it
     /// says which and where the wire queue stands, and drains it again
     /// (three times at most): a later arrival means its drain ended early,
-    /// none means the queue never held them. Twice (CI, and 1 run of 5
-    /// here) events every consumer applied were missing from this count,
-    /// with no message left that a passive declare or `rabbitmqctl`
-    /// counted; these lines are there to tell the next run's cause.
+    /// none means the queue never held them. Events every consumer
+    /// applied were missing from this count once in CI and in 2 of 27 runs
+    /// of `cluster_matrix_table_rust_unordered` on one machine, with no
+    /// message left that `rabbitmqctl` counted (cause not found); these
+    /// lines are there to tell the next run's cause.
     async fn wire_distinct(&self, ids: &[String], scenario: &str) -> usize {
         let mut seen = self.wire.distinct();
         if seen >= ids.len() {
