@@ -31,11 +31,21 @@ use outbox_core::outage::Outage;
 /// transaction (publishing, then the confirms) plus a margin: a relay
 /// frozen longer loses its session, its row locks and its partitions'
 /// lease locks, so other relays can go on.
+///
+/// Sequential scans are off for the batch's statements, which all have
+/// an index made for them. PostgreSQL plans a prepared statement once for
+/// all after five runs, with the table's size at that moment: a relay that
+/// started on an empty outbox kept a plan that read the whole heap, dead
+/// rows included, on every claim (twice: the probe for ordered events and
+/// the unordered claim) until autovacuum next visited the table. With JIT also
+/// off, a statement that has no index path costs a disabled plan's price
+/// without being compiled for it.
 fn begin_async_commit(config: &RelayConfig) -> sqlx::SqlStr {
     let idle = config.publish_phase() + std::time::Duration::from_secs(5);
     sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(format!(
         "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL statement_timeout = '30s'; \
-         SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
+         SET LOCAL idle_in_transaction_session_timeout = '{}ms'; \
+         SET LOCAL enable_seqscan = off; SET LOCAL jit = off",
         idle.as_millis()
     )))
 }
@@ -223,6 +233,17 @@ impl Relay {
     #[cfg(feature = "testing")]
     pub async fn connect(&self) -> Result<WorkerSession> {
         self.open_session().await
+    }
+
+    /// Testing only (feature `testing`): the statement that opens every
+    /// batch's transaction and the claim's text, with `$1..$9` as
+    /// `claim/batch.sql` documents them (for tests of the claim's plan).
+    #[cfg(feature = "testing")]
+    pub fn batch_statements(&self) -> (String, String) {
+        (
+            self.inner.begin.as_str().to_owned(),
+            self.inner.claims.sql().to_owned(),
+        )
     }
 
     async fn open_session(&self) -> Result<WorkerSession> {

@@ -739,3 +739,72 @@ async fn an_idle_relay_holds_no_pooled_connection_but_its_listener() {
     db.cleanup().await;
     broker.cleanup().await;
 }
+
+/// PostgreSQL plans a prepared statement once for all after five runs,
+/// with the table's size at that moment. A relay that started on an empty
+/// outbox kept a claim plan that read the whole heap, dead rows included,
+/// on every claim, until autovacuum next visited the table. Under the
+/// relay's own `BEGIN`, the claim planned on an empty outbox reads a
+/// churned one through its indexes (seen failing without
+/// `enable_seqscan = off`: a sequential scan in the ordered events' probe
+/// and in the unordered claim).
+#[tokio::test]
+async fn a_claim_planned_on_an_empty_outbox_reads_it_through_its_indexes() {
+    let db = TestDb::producer("relay_claim_plan").await;
+    let broker = TestBroker::new("claim_plan", FieldTable::default()).await;
+    let relay = TestRelay::new(&db, &broker).build().await;
+    let (begin, claim) = relay.batch_statements();
+    let s = &db.schema;
+    let run = |sql: String| sqlx::raw_sql(sqlx::AssertSqlSafe(sql));
+    let mut conn = db.pool.acquire().await.unwrap();
+    run(format!(
+        "PREPARE claim (uuid, int4, int4, int4, int4[], text[], text[], int8, int4) AS {claim}"
+    ))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let args = format!(
+        "('{}', 1, 0, 125, '{{}}', '{{}}', '{{}}', 500, 1000)",
+        relay.id()
+    );
+    // Five custom plans, then the generic one, all on the empty outbox.
+    for _ in 0..7 {
+        run(format!("{begin}; EXECUTE claim {args}; ROLLBACK"))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+    }
+    // The churn of a busy outbox between two analyzes: 3,000 events
+    // written and delivered, one left.
+    run(format!(
+        "INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'order', i::text, 'Placed', jsonb_build_object('pad', repeat('x', 400))
+         FROM generate_series(1, 3000) i;
+         DELETE FROM \"{s}\".outbox;
+         INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('order', 'last', 'Placed', '{{}}');"
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    run(begin).execute(&mut *conn).await.unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) EXECUTE claim {args}"
+    )))
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    run("ROLLBACK".to_owned())
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let plan = plan.join("\n");
+    assert!(plan.contains("outbox_due_idx"), "{plan}");
+    assert!(
+        !plan.contains("Seq Scan"),
+        "the claim scans the heap:\n{plan}"
+    );
+    drop(conn);
+    db.cleanup().await;
+    broker.cleanup().await;
+}

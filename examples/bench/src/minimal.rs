@@ -111,7 +111,11 @@ pub(crate) fn contract_properties(
 }
 
 /// The loop's `BEGIN`, in the same round trip as the relay's.
-const ASYNC_COMMIT: &str = "BEGIN; SET LOCAL synchronous_commit = off";
+/// Sequential scans off, as in the relay's: a plan made while the table
+/// was empty (the latency runs start on one) otherwise reads the whole
+/// heap, dead rows included, on every claim.
+const ASYNC_COMMIT: &str =
+    "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL enable_seqscan = off";
 
 /// One batch on `conn`: `BEGIN`, claim up to `batch` due rows, publish
 /// each with every confirm awaited after the whole batch, `DELETE` them,

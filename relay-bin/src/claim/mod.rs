@@ -69,6 +69,12 @@ impl Claims {
     /// events in the room they left (a quarter of the batch at least: a
     /// large ordered backlog cannot hold them up). Moves the worker's
     /// cursors.
+    /// The claim's text (`batch.sql`, rendered).
+    #[cfg(feature = "testing")]
+    pub(crate) fn sql(&self) -> &str {
+        self.batch.as_str()
+    }
+
     pub(crate) async fn claim(
         &self,
         conn: &mut PgConnection,
