@@ -32,14 +32,17 @@ use outbox_core::outage::Outage;
 /// frozen longer loses its session, its row locks and its partitions'
 /// lease locks, so other relays can go on.
 ///
-/// Sequential scans are off for the batch's statements, which all have
-/// an index made for them. PostgreSQL plans a prepared statement once for
-/// all after five runs, with the table's size at that moment: a relay that
-/// started on an empty outbox kept a plan that read the whole heap, dead
-/// rows included, on every claim (twice: the probe for ordered events and
-/// the unordered claim) until autovacuum next visited the table. With JIT also
-/// off, a statement that has no index path costs a disabled plan's price
-/// without being compiled for it.
+/// Sequential scans are off for the batch's statements, which find their
+/// rows through the outbox's indexes. After five runs PostgreSQL may switch
+/// a prepared statement to one generic plan, made with the table's size at
+/// that moment: a relay that started on an empty outbox kept a plan that
+/// read the whole heap, dead rows included, on every claim (twice: the
+/// probe for ordered events and the unordered claim), until something
+/// invalidated it (an autovacuum or analyze, which may find the table
+/// empty again). JIT is off for an embedding service's own pool (the
+/// binary's connections already turn it off): up to PostgreSQL 17, a
+/// statement left without an index path costs a disabled plan's price and
+/// would be compiled for it.
 fn begin_async_commit(config: &RelayConfig) -> sqlx::SqlStr {
     let idle = config.publish_phase() + std::time::Duration::from_secs(5);
     sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(format!(

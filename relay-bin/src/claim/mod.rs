@@ -63,18 +63,18 @@ impl Claims {
         }
     }
 
-    /// Claims one batch in the worker's transaction `conn`, `held`
-    /// partitions leased by the relay (`None` before its first lease
-    /// round): the due chains of the worker's partitions, then unordered
-    /// events in the room they left (a quarter of the batch at least: a
-    /// large ordered backlog cannot hold them up). Moves the worker's
-    /// cursors.
     /// The claim's text (`batch.sql`, rendered).
     #[cfg(feature = "testing")]
     pub(crate) fn sql(&self) -> &str {
         self.batch.as_str()
     }
 
+    /// Claims one batch in the worker's transaction `conn`, `held`
+    /// partitions leased by the relay (`None` before its first lease
+    /// round): the due chains of the worker's partitions, then unordered
+    /// events in the room they left (a quarter of the batch at least: a
+    /// large ordered backlog cannot hold them up). Moves the worker's
+    /// cursors.
     pub(crate) async fn claim(
         &self,
         conn: &mut PgConnection,
