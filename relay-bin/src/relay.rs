@@ -149,6 +149,14 @@ impl WorkerSession {
         }
     }
 
+    /// Testing only (feature `testing`): the session's next claim is the
+    /// full one (`claim/batch.sql`: its last claim's probe found ordered
+    /// events, or it made none yet), not the unordered events' alone.
+    #[cfg(feature = "testing")]
+    pub fn claims_ordered(&self) -> bool {
+        self.claim.ordered_waiting
+    }
+
     /// Closes the connection (bounded by `timeout`).
     pub async fn close(self, timeout: std::time::Duration) {
         self.publisher.close().await;
@@ -239,13 +247,17 @@ impl Relay {
     }
 
     /// Testing only (feature `testing`): the statement that opens every
-    /// batch's transaction and the claim's text, with `$1..$9` as
-    /// `claim/batch.sql` documents them (for tests of the claim's plan).
+    /// batch's transaction and the two claims' texts: the full claim, with
+    /// `$1..$9` as `claim/batch.sql` documents them, and the claim while no
+    /// ordered event waits, with `$1` as `claim/unordered.sql` documents it
+    /// (for tests of the claims' plans).
     #[cfg(feature = "testing")]
-    pub fn batch_statements(&self) -> (String, String) {
+    pub fn batch_statements(&self) -> (String, String, String) {
+        let (batch, unordered) = self.inner.claims.sql();
         (
             self.inner.begin.as_str().to_owned(),
-            self.inner.claims.sql().to_owned(),
+            batch.to_owned(),
+            unordered.to_owned(),
         )
     }
 

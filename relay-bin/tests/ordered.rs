@@ -491,3 +491,71 @@ async fn a_retried_head_leaves_the_rest_of_the_batch_to_unordered_events() {
     db.cleanup().await;
     broker.cleanup().await;
 }
+
+/// `unordered` unordered events (`c-<from>`...) and a chain of `ordered`
+/// events of aggregate `aggregate`, in one transaction.
+async fn write(db: &TestDb, from: i32, unordered: i32, aggregate: &str, ordered: i64) {
+    let s = &db.schema;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'cart', 'c-' || i, 'Changed', '{{}}' FROM generate_series({from}, {from} + {unordered} - 1) i;
+         INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq)
+         SELECT 'account', '{aggregate}', 'Changed', '{{}}', i FROM generate_series(1, {ordered}) i;"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
+
+/// While no ordered event waits, a worker claims the unordered events
+/// alone; the probe that claim carries sends it back to the full claim: in
+/// the same batch when nothing else was claimed, in the next one
+/// otherwise. Once the full claim's probe finds no ordered event left, the
+/// worker goes back to the unordered claim. (Seen failing without the
+/// claim again in the same batch: the chain waited for the next claim.)
+#[tokio::test]
+async fn a_worker_switches_claims_as_ordered_events_come_and_go() {
+    let db = TestDb::producer("ord_switch").await;
+    let broker = TestBroker::new("ord_switch", FieldTable::default()).await;
+    let log = SeqLog::start(&broker.queue);
+    let relay = ordered_relay(&db, &broker)
+        .with(|c| c.batch_size = 10)
+        .build()
+        .await;
+    let mut session = relay.connect().await.unwrap();
+    assert!(
+        session.claims_ordered(),
+        "a worker starts on the full claim"
+    );
+    write(&db, 1, 2, "none", 0).await;
+    assert_eq!(relay.run_once(&mut session).await.unwrap().claimed, 2);
+    assert!(
+        !session.claims_ordered(),
+        "no ordered event: unordered claim"
+    );
+    // Only ordered events: the unordered claim finds nothing but its
+    // probe finds them, and the full claim takes them in the same batch.
+    write(&db, 0, 0, "a-1", 3).await;
+    assert_eq!(relay.run_once(&mut session).await.unwrap().claimed, 3);
+    assert!(session.claims_ordered(), "the chain was there when claimed");
+    assert_eq!(relay.run_once(&mut session).await.unwrap().claimed, 0);
+    assert!(!session.claims_ordered(), "the chain delivered");
+    // Both: the unordered events go first, the chain in the next batch.
+    write(&db, 3, 2, "a-2", 2).await;
+    assert_eq!(relay.run_once(&mut session).await.unwrap().claimed, 2);
+    assert!(session.claims_ordered(), "the probe saw the chain");
+    assert_eq!(relay.run_once(&mut session).await.unwrap().claimed, 2);
+    wait_until(DEADLINE, "9 events on the wire", || async {
+        log.len() >= 9
+    })
+    .await;
+    assert_eq!(log.seqs_of("a-1"), vec![1, 2, 3]);
+    assert_eq!(log.seqs_of("a-2"), vec![1, 2]);
+    for c in 1..=4 {
+        assert_eq!(log.seqs_of(&format!("c-{c}")), vec![0], "c-{c}");
+    }
+    assert_eq!(db.count("outbox").await, 0);
+    session.close(Duration::from_secs(5)).await;
+    db.cleanup().await;
+    broker.cleanup().await;
+}

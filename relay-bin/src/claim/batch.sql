@@ -8,9 +8,11 @@
 -- not due come back alone with `due` false (they only move the cursor).
 -- The lease rows are held FOR KEY SHARE until the transaction ends, so no
 -- lease changes owner under a batch in flight (renewals go through).
--- While the outbox holds no ordered event at all (one probe of a partial
--- index, evaluated once), no partition is looked at and no lease locked:
--- walking every partition's heads cost a millisecond a claim for nothing.
+-- While the outbox holds no ordered event at all (`probe`: one look into a
+-- partial index, evaluated once), no partition is looked at and no lease
+-- locked: walking every partition's heads cost a millisecond a claim for
+-- nothing. (A worker that knows none is waiting claims with
+-- `unordered.sql` instead, which plans none of this.)
 --
 -- Then due unordered events, oldest first, skipping rows other relays
 -- hold: the room the ordered events sent left in the batch of $8 (a head
@@ -22,10 +24,15 @@
 -- partition; unordered ones carry neither. Nothing is sorted here (a sort
 -- of the whole batch cost PostgreSQL more than the round trip it saved):
 -- the relay puts the ordered rows in chain order, (`ord`, `aggregate_seq`).
-WITH parts AS (
+-- Every row carries the probe's answer (`ordered_waiting`), and one row
+-- comes back even when nothing is claimed (then with null event columns),
+-- so the worker learns when to go back to `unordered.sql`.
+WITH probe AS MATERIALIZED (
+    SELECT EXISTS (SELECT 1 FROM {schema}.outbox o WHERE o.aggregate_seq IS NOT NULL) AS ordered_waiting),
+parts AS (
     SELECT partition FROM {schema}.outbox_leases
     WHERE owner = $1 AND expires_at > now() AND partition % $2 = $3
-      AND EXISTS (SELECT 1 FROM {schema}.outbox o WHERE o.aggregate_seq IS NOT NULL)
+      AND (SELECT ordered_waiting FROM probe)
     FOR KEY SHARE),
 cursor AS (SELECT * FROM unnest($5::int[], $6::text[], $7::text[]) AS c(partition, t, a)),
 heads AS MATERIALIZED (
@@ -41,10 +48,11 @@ ordered AS MATERIALIZED (
         WHERE x.aggregate_type = heads.aggregate_type AND x.aggregate_id = heads.aggregate_id
           AND x.aggregate_seq >= heads.aggregate_seq
         ORDER BY x.aggregate_seq
-        LIMIT CASE WHEN heads.due THEN chain.n ELSE 1 END) r)
-SELECT * FROM ordered
-UNION ALL
-SELECT * FROM (
+        LIMIT CASE WHEN heads.due THEN chain.n ELSE 1 END) r),
+claimed AS (
+  SELECT * FROM ordered
+  UNION ALL
+  SELECT * FROM (
     SELECT {claimed_columns}, available_at, true AS due, NULL::int AS partition, NULL::bigint AS ord
     FROM {schema}.outbox
     WHERE available_at <= now() AND aggregate_seq IS NULL
@@ -56,4 +64,5 @@ SELECT * FROM (
         JOIN heads h ON h.ord = o.ord
         JOIN ordered head ON head.id = h.id
         WHERE o.due AND (o.id = h.id OR head.attempts = 0)), ($8 + 3) / 4)
-    FOR UPDATE SKIP LOCKED) unordered
+    FOR UPDATE SKIP LOCKED) unordered)
+SELECT probe.ordered_waiting, claimed.* FROM probe LEFT JOIN claimed ON true
