@@ -262,17 +262,31 @@ pub(crate) async fn wait_outbox_empty(pool: &PgPool, schema: &str, limit: Durati
 /// from its own counter, so following a drain this way costs the database
 /// nothing (the old harness ran `count(*)` over the backlog every 5 ms).
 pub(crate) async fn queue_depth(ch: &Channel, queue: &str) -> Result<u64> {
-    let q = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-    Ok(u64::from(q.message_count()))
+    Ok(u64::from(passive_declare(ch, queue).await?.message_count()))
+}
+
+/// `queue` as the broker counts it now (it must exist).
+async fn passive_declare(ch: &Channel, queue: &str) -> Result<lapin::Queue> {
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    Ok(ch
+        .queue_declare(queue.into(), options, FieldTable::default())
+        .await?)
+}
+
+/// Waits (10 s at most) until `queue` has a consumer.
+pub(crate) async fn consumed(ch: &Channel, queue: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while passive_declare(ch, queue).await?.consumer_count() == 0 {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "no consumer on {queue} within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
 }
 
 /// When `queue` held `from` and then `to` messages, polled every 20 ms;
@@ -481,37 +495,72 @@ pub(crate) fn peak_rss_mib(pid: u32) -> Option<f64> {
 /// CPU seconds (user + system) used so far by the processes whose command
 /// name starts with `comm` (`postgres`, `beam.smp`), or by `pid` itself.
 pub(crate) fn cpu_seconds(comm: Option<&str>, pid: Option<u32>) -> f64 {
-    let ticks = 100.0; // USER_HZ on Linux
-    let mut total = 0.0;
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return f64::NAN;
     };
-    for entry in dir.flatten() {
-        let name = entry.file_name();
-        let Some(p) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
-            continue;
-        };
-        if pid.is_some_and(|want| want != p) {
-            continue;
-        }
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
-            continue;
-        };
-        // Fields after the parenthesised command name; it may hold spaces.
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        if let Some(c) = comm
-            && !stat[open + 1..close].starts_with(c)
-        {
-            continue;
-        }
-        let rest: Vec<&str> = stat[close + 2..].split_whitespace().collect();
-        let utime: f64 = rest.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0);
-        let stime: f64 = rest.get(12).and_then(|v| v.parse().ok()).unwrap_or(0.0);
-        total += (utime + stime) / ticks;
+    let pids = dir.flatten().filter_map(|entry| {
+        let p = entry.file_name().to_str()?.parse::<u32>().ok()?;
+        pid.is_none_or(|want| want == p).then_some(p)
+    });
+    pids.filter_map(|p| stat_cpu(&format!("/proc/{p}/stat"), comm))
+        .sum()
+}
+
+/// CPU seconds used so far by this process's threads named `name` (a
+/// thread's CPU is lost once it has ended).
+pub(crate) fn thread_cpu_seconds(name: &str) -> f64 {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return f64::NAN;
+    };
+    dir.flatten()
+        .filter_map(|t| stat_cpu(&format!("{}/stat", t.path().display()), Some(name)))
+        .sum()
+}
+
+/// This process's threads named `name`, by id.
+pub(crate) fn threads_named(name: &str) -> std::collections::HashSet<String> {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return Default::default();
+    };
+    dir.flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim_end() == name)
+        })
+        .filter_map(|t| t.file_name().into_string().ok())
+        .collect()
+}
+
+/// Connects to the broker for a contender on [`on_own_runtime`] and
+/// renames the IO thread lapin starts for it to [`CONTENDER_THREAD`], so
+/// [`thread_cpu_seconds`] counts it as the relay process's own is
+/// counted. The caller makes sure no other connection of this process
+/// opens meanwhile (a latency run starts its contender once its
+/// consumers are up).
+pub(crate) async fn connect_contender(url: &str) -> Result<Connection> {
+    const IO_THREAD: &str = "lapin-io-loop";
+    let before = threads_named(IO_THREAD);
+    let conn = connect(url).await?;
+    for tid in threads_named(IO_THREAD).difference(&before) {
+        // Best effort: a thread left unnamed only goes uncounted.
+        let _ = std::fs::write(format!("/proc/self/task/{tid}/comm"), CONTENDER_THREAD);
     }
-    total
+    Ok(conn)
+}
+
+/// User + system CPU seconds in the `stat` file at `path`, if it exists
+/// and its command name starts with `comm` (when given).
+fn stat_cpu(path: &str, comm: Option<&str>) -> Option<f64> {
+    let ticks = 100.0; // USER_HZ on Linux
+    let stat = std::fs::read_to_string(path).ok()?;
+    // Fields after the parenthesised command name; it may hold spaces.
+    let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+    if comm.is_some_and(|c| !stat[open + 1..close].starts_with(c)) {
+        return None;
+    }
+    let rest: Vec<&str> = stat.get(close + 2..)?.split_whitespace().collect();
+    let utime: f64 = rest.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    let stime: f64 = rest.get(12).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    Some((utime + stime) / ticks)
 }
 
 /// CPU use of the broker, the database and one more process over a span.
@@ -543,19 +592,30 @@ impl CpuSpan {
     }
 }
 
+/// The name of every thread [`on_own_runtime`] starts, so its CPU can be
+/// told from the harness's ([`thread_cpu_seconds`]).
+pub(crate) const CONTENDER_THREAD: &str = "bench-contender";
+
 /// Runs `work` in a thread of its own on a runtime of its own (two
 /// workers, as the relay process has), so a hand-written contender does
-/// not share the harness's threads.
+/// not share the harness's threads. Its threads are named
+/// [`CONTENDER_THREAD`].
 pub(crate) fn on_own_runtime<T: Send + 'static>(
     work: impl std::future::Future<Output = Result<T>> + Send + 'static,
 ) -> std::thread::JoinHandle<Result<T>> {
-    std::thread::spawn(move || {
+    let run = move || {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
+            .thread_name(CONTENDER_THREAD)
             .enable_all()
             .build()?
             .block_on(work)
-    })
+    };
+    std::thread::Builder::new()
+        .name(CONTENDER_THREAD.to_owned())
+        .spawn(run)
+        // As `std::thread::spawn`, which panics when the OS refuses a thread.
+        .expect("the OS refused a thread")
 }
 
 #[cfg(test)]
@@ -563,6 +623,22 @@ mod tests {
     use super::*;
     use std::cell::RefCell;
     use std::collections::HashMap;
+
+    /// User and system time are read after the command name, which may
+    /// hold spaces and parentheses; a filter on the name applies.
+    #[test]
+    fn a_stat_file_is_read_past_its_command_name() {
+        let path = std::env::temp_dir().join(format!("bench-stat-{}", std::process::id()));
+        // utime 250 and stime 50 ticks: fields 14 and 15 of the line.
+        let line = "42 (tokio (rt) 1) S 1 2 3 4 5 6 7 8 9 10 250 50 7 7 20 0";
+        std::fs::write(&path, line).expect("write");
+        let path = path.to_str().expect("path");
+        assert_eq!(stat_cpu(path, None), Some(3.0));
+        assert_eq!(stat_cpu(path, Some("tokio")), Some(3.0));
+        assert_eq!(stat_cpu(path, Some("postgres")), None);
+        std::fs::remove_file(path).expect("remove");
+        assert_eq!(stat_cpu(path, None), None);
+    }
 
     /// A tuning left out of the shortlist cannot win on its one run
     /// against shortlisted ones whose reruns came back slower.

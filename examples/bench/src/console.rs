@@ -457,7 +457,8 @@ async fn seed_consumer(pool: &PgPool, schema: &str, archived: i64) -> Result<()>
         sqlx::raw_sql(AssertSqlSafe(sql)).execute(pool).await?;
     }
     let queue = consumer_queue(schema);
-    let topology = outbox_consumer::TopologyConfig::new(&queue, "bench.console", "order.*");
+    // The exchange is the queue's name, so the section deletes it too.
+    let topology = outbox_consumer::TopologyConfig::new(&queue, &queue, "order.*");
     outbox_consumer::declare_topology_at(bench_amqp_url(), &topology).await?;
     let conn = lapin::Connection::connect(&bench_amqp_url(), Default::default()).await?;
     let ch = conn.create_channel().await?;
@@ -483,6 +484,7 @@ async fn seed_consumer(pool: &PgPool, schema: &str, archived: i64) -> Result<()>
     Ok(())
 }
 
+/// The consumer's queues and its exchange.
 async fn delete_consumer_queues(schema: &str) -> Result<()> {
     let conn = lapin::Connection::connect(&bench_amqp_url(), Default::default()).await?;
     let ch = conn.create_channel().await?;
@@ -491,6 +493,8 @@ async fn delete_consumer_queues(schema: &str) -> Result<()> {
         ch.queue_delete(name.as_str().into(), Default::default())
             .await?;
     }
+    ch.exchange_delete(q.as_str().into(), Default::default())
+        .await?;
     conn.close(200, "done".into()).await?;
     Ok(())
 }

@@ -93,6 +93,23 @@ impl Running {
         Ok(Running::HandWritten(stop, handle))
     }
 
+    /// CPU seconds so far: this relayer's (the relay process, or the
+    /// threads of the hand-written path's runtime with its broker
+    /// connection's IO thread; for the relay's code in this process, its
+    /// runtime's threads without its IO thread), PostgreSQL's and the
+    /// broker's (all of their processes).
+    fn cpu(&self) -> Cpu {
+        let relayer = match self {
+            Running::Binary(child) => cpu_seconds(None, Some(child.id())),
+            Running::HandWritten(..) => thread_cpu_seconds(CONTENDER_THREAD),
+        };
+        Cpu {
+            relayer,
+            database: cpu_seconds(Some("postgres"), None),
+            broker: cpu_seconds(Some("beam.smp"), None),
+        }
+    }
+
     /// Stops it (the run has seen every event on the queue, or failed).
     async fn stop(self) -> Result<()> {
         match self {
@@ -128,6 +145,35 @@ fn in_process(
         relay.run(stop).await?;
         Ok(())
     })
+}
+
+/// CPU seconds of one run's parts ([`Running::cpu`]).
+#[derive(Debug, Clone, Copy)]
+struct Cpu {
+    relayer: f64,
+    database: f64,
+    broker: f64,
+}
+
+impl Cpu {
+    /// Milliseconds per event since `start`, named for the report.
+    fn per_event(self, start: Cpu, events: usize) -> [(&'static str, f64); 3] {
+        let ms = |now: f64, then: f64| (now - then) * 1e3 / events as f64;
+        [
+            (
+                "latency_cpu_relayer_ms_per_event",
+                ms(self.relayer, start.relayer),
+            ),
+            (
+                "latency_cpu_database_ms_per_event",
+                ms(self.database, start.database),
+            ),
+            (
+                "latency_cpu_broker_ms_per_event",
+                ms(self.broker, start.broker),
+            ),
+        ]
+    }
 }
 
 type Stamps = Arc<Mutex<HashMap<String, Instant>>>;
@@ -166,6 +212,11 @@ pub(crate) struct LatencyRun {
     pub(crate) achieved_per_s: f64,
     /// (name, samples) for publish/effect latency from schedule/commit.
     pub(crate) samples: Vec<(&'static str, Vec<f64>)>,
+    /// CPU milliseconds per event of the relayer, PostgreSQL and the
+    /// broker, from the first event offered to the last one applied
+    /// (PostgreSQL's and the broker's include the producers' and the
+    /// consumer's work, the same for every relayer).
+    pub(crate) cpu_ms_per_event: [(&'static str, f64); 3],
 }
 
 /// Waits for a hand-written relayer's thread to end, without a blocking
@@ -257,11 +308,23 @@ pub(crate) async fn latency(
         let stop = stop.clone();
         async move { consumer.run(stop).await }
     });
+    // The consumer's connection is open before the relayer starts, so the
+    // one a hand-written relayer opens is told apart (its CPU is counted).
+    let consuming = consumed(&ch, &effect_queue).await;
+    if let Err(e) = consuming {
+        stop.cancel();
+        raw_task.abort();
+        listen_task.abort();
+        let _ = tokio::time::timeout(Duration::from_secs(30), consumer_task).await;
+        return Err(e);
+    }
     let total = ((warm + secs) * rate) as usize;
     let relay = Running::start(relayer, database_url, url, &schema, &name, total)?;
     // Every wait bounded: a run that hangs (seen once, in the hand-written
     // path's run, for 600 s) fails, and `attempt` runs it again.
-    let offered = offer(pool, &schema, rate, warm, secs, &published, &effects);
+    let offered = offer(
+        pool, &schema, rate, warm, secs, &published, &effects, &relay,
+    );
     let result = tokio::time::timeout(Duration::from_secs_f64(warm + secs + 90.0), offered)
         .await
         .unwrap_or_else(|_| Err(anyhow::anyhow!("the run did not end within its time")));
@@ -300,7 +363,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// The producer side of [`latency`]: sends, waits for every arrival,
-/// computes the figures; also returns how many events were sent.
+/// computes the figures (with the CPU `relay` and the services used
+/// meanwhile); also returns how many events were sent.
+#[allow(clippy::too_many_arguments)]
 async fn offer(
     pool: &PgPool,
     schema: &str,
@@ -309,6 +374,7 @@ async fn offer(
     secs: f64,
     published: &Stamps,
     effects: &Stamps,
+    relay: &Running,
 ) -> Result<(LatencyRun, usize)> {
     // Its own pool, large enough that an open-loop burst waits on the
     // database rather than on the pool.
@@ -329,6 +395,7 @@ async fn offer(
     let total = ((warm + secs) * rate) as usize;
     let skip = (warm * rate) as usize;
     let body = payload();
+    let cpu = relay.cpu();
     let t0 = Instant::now() + Duration::from_millis(10);
     let mut tasks = Vec::with_capacity(total);
     for i in 0..total {
@@ -357,6 +424,7 @@ async fn offer(
     {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let cpu_ms_per_event = relay.cpu().per_event(cpu, total);
     let (published, effects) = (lock(published).clone(), lock(effects).clone());
     anyhow::ensure!(
         published.len() >= total && effects.len() >= total,
@@ -401,6 +469,7 @@ async fn offer(
             offered_per_s: rate,
             achieved_per_s: achieved,
             samples,
+            cpu_ms_per_event,
         },
         total,
     ))

@@ -229,7 +229,7 @@ pub(crate) fn follow(
                 }
             }
         });
-        let conn = connect(&url).await?;
+        let conn = connect_contender(&url).await?;
         let mut loops = Vec::new();
         for _ in 0..tuning.loops {
             let ch = conn.create_channel().await?;

@@ -202,8 +202,9 @@ async fn read(
 }
 
 /// The log's latency ceiling: the hand-written reader following the
-/// schema's slot with `tuning` until it has published `n` events or
-/// `stop` (a run that failed must not wait for events that never come),
+/// schema's slot with `tuning` until it has published `n` events, then
+/// idle until `stop` (which also ends a run that failed: it must not wait
+/// for events that never come),
 /// on its own runtime (two workers, as the relay process has), so it does
 /// not share the harness's threads.
 pub(crate) fn follow(
@@ -216,14 +217,19 @@ pub(crate) fn follow(
     stop: tokio_util::sync::CancellationToken,
 ) -> std::thread::JoinHandle<Result<()>> {
     on_own_runtime(async move {
-        let conn = connect(&url).await?;
+        let conn = connect_contender(&url).await?;
         let ch = conn.create_channel().await?;
         ch.confirm_select(ConfirmSelectOptions::default()).await?;
         let ident = outbox::Ident::new("schema", &schema)?;
         let slot = outbox::wal_slot_name(&ident);
         let prefix = outbox::wal_message_prefix(&ident);
         tokio::select! {
-            read = read(&database_url, &slot, &prefix, ch, &exchange, n, tuning) => read?,
+            read = read(&database_url, &slot, &prefix, ch, &exchange, n, tuning) => {
+                read?;
+                // Running until told to stop, as the relay does: a latency
+                // run reads its CPU once every event has arrived.
+                stop.cancelled().await;
+            }
             _ = stop.cancelled() => {}
         }
         let _ = conn.close(200, "done".into()).await;
