@@ -71,6 +71,11 @@ struct Args {
     /// its own costs, against the same hand-written path.
     #[arg(long)]
     latency_relay_in_process: bool,
+    /// Events per second the latency sections offer. At 1,000 two cores
+    /// are nearly saturated; a lower rate shows the relayers with room to
+    /// spare.
+    #[arg(long, default_value_t = 1000.0)]
+    latency_rate: f64,
     /// Internal: run a consumer for the memory measurement (queue, count).
     #[arg(long, num_args = 2, hide = true)]
     child_consumer: Option<Vec<String>>,
@@ -115,11 +120,18 @@ struct Sizes {
     console: console::Seed,
     /// `--latency-relay-in-process`.
     latency_in_process: bool,
+    /// `--latency-rate`.
+    latency_rate: f64,
 }
 
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
+    anyhow::ensure!(
+        args.latency_rate.is_finite() && args.latency_rate >= 1.0,
+        "--latency-rate must be at least 1 event/s, not {}",
+        args.latency_rate
+    );
     for o in &args.only {
         anyhow::ensure!(
             SECTIONS.contains(&o.as_str()),
@@ -158,6 +170,7 @@ async fn main() -> Result<()> {
                 requests: 3,
             },
             latency_in_process: args.latency_relay_in_process,
+            latency_rate: args.latency_rate,
         }
     } else {
         Sizes {
@@ -181,6 +194,7 @@ async fn main() -> Result<()> {
                 requests: 40,
             },
             latency_in_process: args.latency_relay_in_process,
+            latency_rate: args.latency_rate,
         }
     };
     let _ = common::DATABASE_URL.set(args.database_url.clone());
@@ -1354,7 +1368,8 @@ async fn latency_section(
                 _ => (design, "the hand-written path"),
             };
             eprintln!(
-                "bench: {prefix}latency, open loop at 1,000 events/s, run {}: {name}",
+                "bench: {prefix}latency, open loop at {} events/s, run {}: {name}",
+                sizes.latency_rate,
                 run + 1
             );
             let res = attempt("latency", || {
@@ -1363,7 +1378,7 @@ async fn latency_section(
                     database_url,
                     url,
                     relayer,
-                    1000.0,
+                    sizes.latency_rate,
                     sizes.latency_warm,
                     sizes.latency_secs,
                 )
