@@ -68,7 +68,8 @@ struct Args {
     /// The table's latency section runs the relay's code on a runtime of
     /// its own (two workers) in this process instead of the relay binary:
     /// tells what the relay's code costs from what its being a process of
-    /// its own costs, against the same hand-written path.
+    /// its own costs, against the same hand-written path. Its CPU figures
+    /// then leave out the relay's broker IO thread.
     #[arg(long)]
     latency_relay_in_process: bool,
     /// Events per second the latency sections offer. At 1,000 two cores
@@ -1306,16 +1307,16 @@ async fn write_causes_section(r: &mut Report, pool: &sqlx::PgPool, sizes: &Sizes
     Ok(())
 }
 
-/// Latency at 1,000 events/s offered open-loop: the relay binary and the
+/// Latency at `--latency-rate` events/s (1,000 by default) offered
+/// open-loop: the relay binary and the
 /// design's hand-written path (the table's `LISTEN`-claim-publish-delete
 /// loop, or the log's minimal reader; each with the relay's default batch
 /// of 500: at this rate batches are a few events, so the tuning does not
 /// matter), alternating in each run. Ours over the hand-written path, per
 /// run, at p50 and p99 of the publish latency (commit to arrival on the
 /// queue; the consumer side is the same code for both). Also the CPU per
-/// event each spends, with PostgreSQL's, over the same span: at this rate
-/// two cores are nearly saturated, so latency is mostly queueing and the
-/// CPU says what adds to the queue.
+/// event each spends, with PostgreSQL's, over the same span: unlike the
+/// latency ratios, it holds still from run to run on a noisy machine.
 async fn latency_section(
     r: &mut Report,
     pool: &sqlx::PgPool,
