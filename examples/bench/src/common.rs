@@ -514,11 +514,9 @@ pub(crate) fn cpu_seconds(comm: Option<&str>, pid: Option<u32>) -> f64 {
 /// CPU seconds used so far by this process's threads named `name` (a
 /// thread's CPU is lost once it has ended).
 pub(crate) fn thread_cpu_seconds(name: &str) -> f64 {
-    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
-        return f64::NAN;
-    };
-    dir.flatten()
-        .filter_map(|t| stat_cpu(&format!("{}/stat", t.path().display()), Some(name), false))
+    threads_named(name)
+        .iter()
+        .filter_map(|tid| stat_cpu(&format!("/proc/self/task/{tid}/stat"), None, false))
         .sum()
 }
 
@@ -671,6 +669,27 @@ mod tests {
         assert_eq!(stat_cpu(path, Some("postgres"), false), None);
         std::fs::remove_file(path).expect("remove");
         assert_eq!(stat_cpu(path, None, false), None);
+    }
+
+    /// A named thread is found by its name, and the CPU it spins is
+    /// counted for it (and not for another name).
+    #[test]
+    fn a_named_threads_cpu_is_counted() {
+        const NAME: &str = "bench-cpu-test";
+        let spinner = std::thread::Builder::new().name(NAME.to_owned()).spawn(|| {
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            let mut x = 0u64;
+            while thread_cpu_seconds(NAME) < 0.05 && std::time::Instant::now() < deadline {
+                for i in 0..100_000u64 {
+                    x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(i));
+                }
+            }
+            (threads_named(NAME).len(), thread_cpu_seconds(NAME))
+        });
+        let (found, cpu) = spinner.expect("thread").join().expect("join");
+        assert_eq!(found, 1);
+        assert!(cpu >= 0.05, "{cpu} s counted");
+        assert_eq!(thread_cpu_seconds("bench-no-such"), 0.0);
     }
 
     /// A tuning left out of the shortlist cannot win on its one run
