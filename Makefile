@@ -71,7 +71,7 @@ profile: services ## a CPU profile of the relay draining a backlog: target/profi
 
 bench-smoke: cluster ## the benchmark with tiny counts (CI runs this so it cannot rot)
 	$(CARGO) build -q -p relay-bin -p bench
-	$(TARGET_DIR)/debug/bench --smoke --out target/bench/smoke.json
+	$(TARGET_DIR)/debug/bench --smoke --latency-stages --out target/bench/smoke.json
 
 dist: ## the relay as shipped: stripped target/dist/outbox-relay, its .debug file and a tarball (profile dist)
 	./scripts/dist.sh

@@ -63,14 +63,22 @@ impl Relay {
         // relay's fsyncs off the producers' commit path.
         // Only this batch's ids may be blamed for a panic in it.
         session.in_flight.clear();
+        let start = std::time::Instant::now();
         let conn = held(&mut session.db, &inner.pool).await?;
         let mut tx = sqlx::Connection::begin_with(conn, inner.begin.clone()).await?;
+        let begun = start.elapsed();
         let events = inner
             .claims
             .claim(&mut tx, inner.leases.held(), &mut session.claim)
             .await?;
+        let claimed = start.elapsed();
         if events.is_empty() {
             tx.commit().await?;
+            trace_stages(
+                start,
+                &[],
+                [begun, claimed, claimed, claimed, start.elapsed()],
+            );
             return Ok(BatchReport::default());
         }
         let events = inner.quarantine.isolate(events);
@@ -84,9 +92,9 @@ impl Relay {
         // for other workers.
         let on_panic = inner.quarantine.mark_on_panic(session.in_flight.clone());
         let deadline = tokio::time::Instant::now() + cfg.publish_phase();
-        let receipts = session
+        let sent = session
             .publisher
-            .publish_batch(
+            .send_batch(
                 &events,
                 &cfg.default_exchange,
                 cfg.max_payload_bytes,
@@ -94,8 +102,17 @@ impl Relay {
                 deadline,
             )
             .await?;
+        let handed = start.elapsed();
+        let receipts = sent.receipts().await?;
+        let confirmed = start.elapsed();
         let settled = settle(&mut tx, &inner.settle_sql, cfg, &events, &receipts).await?;
         tx.commit().await?;
+        let committed = start.elapsed();
+        trace_stages(
+            start,
+            &events,
+            [begun, claimed, handed, confirmed, committed],
+        );
         // Settled: a panic from here on is not this batch's.
         drop(on_panic);
         inner.quarantine.clear(&session.in_flight);
@@ -241,6 +258,42 @@ impl Relay {
         }
         Ok(())
     }
+}
+
+/// One batch's stages, traced at `TRACE` on the target
+/// `outbox_relay::stages` (off unless asked for, e.g.
+/// `RUST_LOG=warn,outbox_relay::stages=trace`): when it started
+/// (microseconds since the Unix epoch), when its `BEGIN` and its claim
+/// returned, its messages were handed to the broker connection, its
+/// confirms were in and it committed (microseconds after its start), and
+/// the ids it moved (none for an empty claim). The bench's
+/// `--latency-stages` lines these up with each event's commit and arrival
+/// to show where an event's latency goes.
+fn trace_stages(start: std::time::Instant, events: &[OutboxEvent], at: [std::time::Duration; 5]) {
+    if !tracing::enabled!(target: "outbox_relay::stages", tracing::Level::TRACE) {
+        return;
+    }
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .saturating_sub(start.elapsed());
+    let us = |d: std::time::Duration| d.as_micros() as u64;
+    let ids = events
+        .iter()
+        .map(|e| e.id.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    tracing::trace!(
+        target: "outbox_relay::stages",
+        start_us = us(since_epoch),
+        begun_us = us(at[0]),
+        claimed_us = us(at[1]),
+        handed_us = us(at[2]),
+        confirmed_us = us(at[3]),
+        committed_us = us(at[4]),
+        ids,
+        "batch"
+    );
 }
 
 /// How long a worker holds one database connection before it gives it back

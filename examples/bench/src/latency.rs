@@ -22,6 +22,7 @@ use crate::common::*;
 use crate::minimal::LoopTuning;
 use crate::minimal_wal::ReaderTuning;
 use crate::relay::{spawn_relay, stop_child};
+use crate::stages::{self, Batch, Clock, Seen, StageLog};
 
 /// What moves the events from the outbox to the broker in a latency run.
 #[derive(Debug, Clone, Copy)]
@@ -30,6 +31,9 @@ pub(crate) enum Relayer {
     Binary,
     /// The table's hand-written loop ([`crate::minimal::follow`]).
     Minimal(LoopTuning),
+    /// The same loop ([`TABLE_LOOPS`]) in a process of its own: this
+    /// binary again, with `--child-relayer` (`--latency-hand-written-apart`).
+    MinimalApart,
     /// The log's hand-written reader ([`crate::minimal_wal::follow`]).
     MinimalWal(ReaderTuning),
     /// The relay's code (table capture, default settings, the binary's
@@ -40,9 +44,15 @@ pub(crate) enum Relayer {
 
 /// A running [`Relayer`].
 enum Running {
-    Binary(std::process::Child),
-    /// A hand-written path on its own runtime, told to stop by its token.
-    HandWritten(CancellationToken, std::thread::JoinHandle<Result<()>>),
+    /// With the file its stage trace goes to (`--latency-stages`).
+    Binary(std::process::Child, Option<std::path::PathBuf>),
+    /// A hand-written path on its own runtime, told to stop by its token,
+    /// with the log its batches' stages go to (the table's loop only).
+    HandWritten(
+        CancellationToken,
+        std::thread::JoinHandle<Result<()>>,
+        Option<StageLog>,
+    ),
 }
 
 impl Running {
@@ -53,17 +63,24 @@ impl Running {
         schema: &str,
         exchange: &str,
         total: usize,
+        stages: bool,
     ) -> Result<Self> {
         let owned = |s: &str| s.to_owned();
         let stop = CancellationToken::new();
+        let log: Option<StageLog> = stages.then(StageLog::default);
         let handle = match relayer {
             Relayer::Binary => {
-                return Ok(Running::Binary(spawn_relay(
-                    database_url,
-                    url,
-                    schema,
-                    exchange,
-                )?));
+                let trace = stages
+                    .then(|| std::env::temp_dir().join(format!("bench-stages-{}.log", suffix())));
+                let child = spawn_relay(database_url, url, schema, exchange, trace.as_deref())?;
+                return Ok(Running::Binary(child, trace));
+            }
+            Relayer::MinimalApart => {
+                let trace = stages
+                    .then(|| std::env::temp_dir().join(format!("bench-stages-{}.log", suffix())));
+                let child =
+                    spawn_hand_written(database_url, url, schema, exchange, trace.as_deref())?;
+                return Ok(Running::Binary(child, trace));
             }
             Relayer::Minimal(tuning) => crate::minimal::follow(
                 owned(database_url),
@@ -71,15 +88,19 @@ impl Running {
                 owned(schema),
                 owned(exchange),
                 tuning,
+                log.clone(),
                 stop.clone(),
             ),
-            Relayer::InProcess => in_process(
-                owned(database_url),
-                owned(url),
-                owned(schema),
-                owned(exchange),
-                stop.clone(),
-            ),
+            Relayer::InProcess => {
+                stages::trace_in_process_to(log.clone());
+                in_process(
+                    owned(database_url),
+                    owned(url),
+                    owned(schema),
+                    owned(exchange),
+                    stop.clone(),
+                )
+            }
             Relayer::MinimalWal(tuning) => crate::minimal_wal::follow(
                 owned(database_url),
                 owned(url),
@@ -90,7 +111,7 @@ impl Running {
                 stop.clone(),
             ),
         };
-        Ok(Running::HandWritten(stop, handle))
+        Ok(Running::HandWritten(stop, handle, log))
     }
 
     /// CPU seconds so far: this relayer's (the relay process, or the
@@ -100,7 +121,7 @@ impl Running {
     /// broker's (all of their processes).
     fn cpu(&self) -> Cpu {
         let relayer = match self {
-            Running::Binary(child) => cpu_seconds(None, Some(child.id())),
+            Running::Binary(child, _) => cpu_seconds(None, Some(child.id())),
             Running::HandWritten(..) => thread_cpu_seconds(CONTENDER_THREAD),
         };
         Cpu {
@@ -110,16 +131,102 @@ impl Running {
         }
     }
 
-    /// Stops it (the run has seen every event on the queue, or failed).
-    async fn stop(self) -> Result<()> {
+    /// Stops it (the run has seen every event on the queue, or failed);
+    /// returns its batches' stages if they were recorded.
+    async fn stop(self) -> Result<Option<Vec<Batch>>> {
         match self {
-            Running::Binary(mut child) => stop_child(&mut child),
-            Running::HandWritten(stop, handle) => {
+            Running::Binary(mut child, trace) => {
+                stop_child(&mut child)?;
+                let Some(path) = trace else {
+                    return Ok(None);
+                };
+                let log = std::fs::read_to_string(&path)?;
+                let _ = std::fs::remove_file(&path);
+                stages::parse_relay_trace(&log).map(Some)
+            }
+            Running::HandWritten(stop, handle, log) => {
                 stop.cancel();
-                join(handle).await
+                let joined = join(handle).await;
+                stages::trace_in_process_to(None);
+                joined?;
+                Ok(log.map(|log| std::mem::take(&mut *lock(&log))))
             }
         }
     }
+}
+
+/// The table's hand-written path in the latency sections: two loops (the
+/// relay's two workers on two cores), each with the relay's default batch.
+pub(crate) const TABLE_LOOPS: LoopTuning = LoopTuning {
+    loops: 2,
+    batch: 500,
+};
+
+/// This binary again, running the table's hand-written path on `schema`
+/// into `exchange` until SIGTERM ([`child_relayer`]); with `stage_trace`,
+/// its batches' stages go to that file. The URLs go by environment, not on
+/// the command line, where `ps` would show a password.
+fn spawn_hand_written(
+    database_url: &str,
+    url: &str,
+    schema: &str,
+    exchange: &str,
+    stage_trace: Option<&std::path::Path>,
+) -> Result<std::process::Child> {
+    let mut child = std::process::Command::new(std::env::current_exe()?);
+    child
+        .env("DATABASE_URL", database_url)
+        .env("AMQP_URL", url)
+        .arg("--child-relayer")
+        .arg(schema)
+        .arg(exchange)
+        .stdout(std::process::Stdio::null());
+    if let Some(path) = stage_trace {
+        child
+            .arg("--latency-stages")
+            .stderr(std::fs::File::create(path)?);
+    }
+    child
+        .spawn()
+        .context("starting the hand-written path's process")
+}
+
+/// The child side of [`spawn_hand_written`]: the table's hand-written path
+/// until SIGTERM; then, with `stages`, its batches on stderr as JSON lines
+/// in the relay's trace format (so one reader reads both).
+pub(crate) async fn child_relayer(
+    database_url: String,
+    url: String,
+    schema: String,
+    exchange: String,
+    stages: bool,
+) -> Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let stop = CancellationToken::new();
+    let log = stages.then(StageLog::default);
+    let handle = crate::minimal::follow(
+        database_url,
+        url,
+        schema,
+        exchange,
+        TABLE_LOOPS,
+        log.clone(),
+        stop.clone(),
+    );
+    tokio::select! {
+        _ = term.recv() => {}
+        // It failed: say why at once.
+        _ = wait_until_finished(&handle) => {}
+    }
+    stop.cancel();
+    join(handle).await?;
+    for b in log
+        .map(|log| std::mem::take(&mut *lock(&log)))
+        .unwrap_or_default()
+    {
+        eprintln!("{}", stages::trace_line(&b));
+    }
+    Ok(())
 }
 
 /// The relay's code with its defaults on a runtime of its own (two
@@ -217,22 +324,33 @@ pub(crate) struct LatencyRun {
     /// (PostgreSQL's and the broker's include the producers' and the
     /// consumer's work, the same for every relayer).
     pub(crate) cpu_ms_per_event: [(&'static str, f64); 3],
+    /// Where the counted events' latency went ([`stages::breakdown`]),
+    /// when the relayer's stages were recorded (`--latency-stages`; the
+    /// table's relayers only).
+    pub(crate) stages: Vec<(&'static str, f64)>,
 }
 
 /// Waits for a hand-written relayer's thread to end, without a blocking
 /// task, so a caller's timeout leaves nothing behind that would hold the
 /// runtime's shutdown.
 async fn join<T: Send + 'static>(h: std::thread::JoinHandle<Result<T>>) -> Result<T> {
-    while !h.is_finished() {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until_finished(&h).await;
     h.join()
         .map_err(|_| anyhow::anyhow!("the hand-written relayer panicked"))?
 }
 
+/// Returns once the thread of `h` has ended.
+async fn wait_until_finished<T>(h: &std::thread::JoinHandle<T>) {
+    while !h.is_finished() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Offers `rate` events/s for `warm + secs` seconds with the default
 /// wake-up, moved to the broker by `relayer`; the first `warm` seconds
-/// are not counted.
+/// are not counted. With `stages`, the relayer's batches are recorded and
+/// lined up with the events.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn latency(
     pool: &PgPool,
     database_url: &str,
@@ -241,6 +359,7 @@ pub(crate) async fn latency(
     rate: f64,
     warm: f64,
     secs: f64,
+    stages: bool,
 ) -> Result<LatencyRun> {
     let schema = fresh_schema(pool, "lat").await?;
     let consumer_schema = format!("{schema}_c");
@@ -319,7 +438,7 @@ pub(crate) async fn latency(
         return Err(e);
     }
     let total = ((warm + secs) * rate) as usize;
-    let relay = Running::start(relayer, database_url, url, &schema, &name, total)?;
+    let relay = Running::start(relayer, database_url, url, &schema, &name, total, stages)?;
     // Every wait bounded: a run that hangs (seen once, in the hand-written
     // path's run, for 600 s) fails, and `attempt` runs it again.
     let offered = offer(
@@ -334,13 +453,25 @@ pub(crate) async fn latency(
     raw_task.abort();
     listen_task.abort();
     let stopping = Duration::from_secs(30);
-    tokio::time::timeout(stopping, relay.stop())
+    let batches = tokio::time::timeout(stopping, relay.stop())
         .await
         .context("the relayer did not stop within 30 s")??;
     tokio::time::timeout(stopping, consumer_task)
         .await
         .context("the consumer did not stop within 30 s")???;
-    let (run, total) = result?;
+    let (mut run, total, seen) = result?;
+    if let Some(batches) = batches {
+        // The log's relayers move events without the table's batches (the
+        // relay's table workers only find nothing).
+        let moved = batches.iter().any(|b| !b.ids.is_empty());
+        anyhow::ensure!(
+            moved || capture() == outbox::Capture::Wal,
+            "--latency-stages: the relayer recorded no batch that moved an event"
+        );
+        if moved {
+            run.stages = stages::breakdown(&seen, &batches);
+        }
+    }
     let effect_rows: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM \"{consumer_schema}\".effects"
     )))
@@ -364,7 +495,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// The producer side of [`latency`]: sends, waits for every arrival,
 /// computes the figures (with the CPU `relay` and the services used
-/// meanwhile); also returns how many events were sent.
+/// meanwhile); also returns how many events were sent and when each
+/// counted one was committed and arrived.
 #[allow(clippy::too_many_arguments)]
 async fn offer(
     pool: &PgPool,
@@ -375,7 +507,7 @@ async fn offer(
     published: &Stamps,
     effects: &Stamps,
     relay: &Running,
-) -> Result<(LatencyRun, usize)> {
+) -> Result<(LatencyRun, usize, Vec<Seen>)> {
     // Its own pool, large enough that an open-loop burst waits on the
     // database rather than on the pool.
     let producer_pool = PgPoolOptions::new()
@@ -441,6 +573,8 @@ async fn offer(
         .context("no events counted")?;
     let achieved = counted.len() as f64 / last.duration_since(first).as_secs_f64();
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let clock = Clock::now();
+    let mut seen = Vec::with_capacity(counted.len());
     let mut samples: Vec<(&'static str, Vec<f64>)> = vec![
         ("publish_latency", vec![]),
         ("publish_latency_sched", vec![]),
@@ -450,6 +584,11 @@ async fn offer(
     for s in counted {
         let p = published.get(&s.id).context("event not published")?;
         let e = effects.get(&s.id).context("event not applied")?;
+        seen.push(Seen {
+            id: s.id.clone(),
+            committed_us: clock.unix_us(s.committed),
+            arrived_us: clock.unix_us(*p),
+        });
         samples[0]
             .1
             .push(ms(p.saturating_duration_since(s.committed)));
@@ -470,8 +609,10 @@ async fn offer(
             achieved_per_s: achieved,
             samples,
             cpu_ms_per_event,
+            stages: Vec::new(),
         },
         total,
+        seen,
     ))
 }
 

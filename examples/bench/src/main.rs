@@ -11,6 +11,7 @@ mod minimal;
 mod minimal_wal;
 mod publish;
 mod relay;
+mod stages;
 mod write;
 
 use anyhow::{Context, Result};
@@ -77,9 +78,26 @@ struct Args {
     /// spare.
     #[arg(long, default_value_t = 1000.0)]
     latency_rate: f64,
+    /// The table's latency section also records each relayer's batches
+    /// (the relay traces them on `outbox_relay::stages`) and reports where
+    /// the events' latency went: waiting for a batch, its claim, the
+    /// broker, its confirms, its settle (`*latency_stage_*` figures).
+    #[arg(long)]
+    latency_stages: bool,
+    /// The table's latency section runs its hand-written path in a
+    /// process of its own (this binary again), as the relay binary runs:
+    /// a ceiling of the same shape as the deployed relay, where the
+    /// default one shares the bench's process with the producers and the
+    /// consumers.
+    #[arg(long)]
+    latency_hand_written_apart: bool,
     /// Internal: run a consumer for the memory measurement (queue, count).
     #[arg(long, num_args = 2, hide = true)]
     child_consumer: Option<Vec<String>>,
+    /// Internal: run the table's hand-written path until SIGTERM (schema,
+    /// exchange), for `--latency-hand-written-apart`.
+    #[arg(long, num_args = 2, hide = true)]
+    child_relayer: Option<Vec<String>>,
 }
 
 const SECTIONS: [&str; 14] = [
@@ -123,6 +141,10 @@ struct Sizes {
     latency_in_process: bool,
     /// `--latency-rate`.
     latency_rate: f64,
+    /// `--latency-stages`.
+    latency_stages: bool,
+    /// `--latency-hand-written-apart`.
+    latency_hand_written_apart: bool,
 }
 
 #[tokio::main]
@@ -145,6 +167,17 @@ async fn main() -> Result<()> {
         .connect(&args.database_url)
         .await
         .context("connecting to the database")?;
+    if let Some(child) = &args.child_relayer {
+        pool.close().await;
+        return latency::child_relayer(
+            args.database_url.clone(),
+            args.amqp_url.clone(),
+            child[0].clone(),
+            child[1].clone(),
+            args.latency_stages,
+        )
+        .await;
+    }
     if let Some(child) = &args.child_consumer {
         let n = child[1].parse().context("--child-consumer count")?;
         return consumer::child_consumer(&pool, &args.amqp_url, &child[0], n).await;
@@ -172,6 +205,8 @@ async fn main() -> Result<()> {
             },
             latency_in_process: args.latency_relay_in_process,
             latency_rate: args.latency_rate,
+            latency_stages: args.latency_stages,
+            latency_hand_written_apart: args.latency_hand_written_apart,
         }
     } else {
         Sizes {
@@ -196,11 +231,16 @@ async fn main() -> Result<()> {
             },
             latency_in_process: args.latency_relay_in_process,
             latency_rate: args.latency_rate,
+            latency_stages: args.latency_stages,
+            latency_hand_written_apart: args.latency_hand_written_apart,
         }
     };
     let _ = common::DATABASE_URL.set(args.database_url.clone());
     let mut r = Report::default();
     r.tuning("load_average_at_start", load_average());
+    if sizes.latency_in_process && sizes.latency_stages {
+        stages::catch_in_process()?;
+    }
     if sizes.latency_in_process {
         r.tuning(
             "latency_relay",
@@ -1326,11 +1366,10 @@ async fn latency_section(
     prefix: &str,
     p99_target: &'static str,
 ) -> Result<()> {
-    let design = if prefix.is_empty() {
-        latency::Relayer::Minimal(LoopTuning {
-            loops: 2,
-            batch: 500,
-        })
+    let design = if prefix.is_empty() && sizes.latency_hand_written_apart {
+        latency::Relayer::MinimalApart
+    } else if prefix.is_empty() {
+        latency::Relayer::Minimal(latency::TABLE_LOOPS)
     } else {
         // As many batches on the wire as the relay's reader allows when
         // events trickle in (64): with 4, a reader of one-event batches
@@ -1366,6 +1405,9 @@ async fn latency_section(
                     "the relay's code in this process",
                 ),
                 0 => (latency::Relayer::Binary, "the relay"),
+                _ if sizes.latency_hand_written_apart && prefix.is_empty() => {
+                    (design, "the hand-written path in its own process")
+                }
                 _ => (design, "the hand-written path"),
             };
             eprintln!(
@@ -1382,6 +1424,7 @@ async fn latency_section(
                     sizes.latency_rate,
                     sizes.latency_warm,
                     sizes.latency_secs,
+                    sizes.latency_stages,
                 )
             })
             .await?;
@@ -1399,6 +1442,17 @@ async fn latency_section(
                 push(format!("{prefix}{who}{k}"), v);
             }
             cpu[i] = res.cpu_ms_per_event[0].1 + res.cpu_ms_per_event[1].1;
+            for (k, v) in &res.stages {
+                push(format!("{prefix}{who}latency_{k}"), *v);
+            }
+            if !res.stages.is_empty() {
+                let line: Vec<String> = res
+                    .stages
+                    .iter()
+                    .map(|(k, v)| format!("{} {v:.2}", k.trim_start_matches("stage_")))
+                    .collect();
+                eprintln!("bench:   {name}'s stages: {}", line.join(", "));
+            }
             if i == 0 {
                 offered = res.offered_per_s;
                 achieved.push(res.achieved_per_s);

@@ -19,6 +19,7 @@ use uuid::Uuid;
 
 use crate::common::*;
 use crate::relay::Backlog;
+use crate::stages::{self, StageLog, now_us};
 
 /// How the hand-written loop drains: `loops` concurrent loops, each
 /// claiming up to `batch` rows per transaction.
@@ -119,14 +120,17 @@ const ASYNC_COMMIT: &str =
 
 /// One batch on `conn`: `BEGIN`, claim up to `batch` due rows, publish
 /// each with every confirm awaited after the whole batch, `DELETE` them,
-/// `COMMIT`. Returns how many it published.
+/// `COMMIT`. Returns how many it published. With `stages`, records the
+/// batch's moments there (`--latency-stages`).
 async fn one_batch(
     conn: &mut sqlx::PgConnection,
     ch: &Channel,
     (claim, delete): &(SqlStr, SqlStr),
     exchange: &str,
     batch: usize,
+    stages: Option<&StageLog>,
 ) -> Result<usize> {
+    let start = (std::time::Instant::now(), now_us());
     let opts = BasicPublishOptions {
         mandatory: true,
         ..Default::default()
@@ -135,12 +139,18 @@ async fn one_batch(
     // flush (a lost commit only publishes again): so does its ceiling. A
     // plain BEGIN let the relay beat this loop (1.04 [1.02-1.08]).
     let mut tx = sqlx::Connection::begin_with(conn, ASYNC_COMMIT).await?;
+    let begun = std::time::Instant::now();
     let rows: Vec<Row> = sqlx::query_as(claim.clone())
         .bind(batch as i64)
         .fetch_all(&mut *tx)
         .await?;
+    let claimed = std::time::Instant::now();
     if rows.is_empty() {
         tx.commit().await?;
+        if let Some(log) = stages {
+            let now = std::time::Instant::now();
+            stages::record(log, start, [begun, claimed, claimed, claimed, now], vec![]);
+        }
         return Ok(0);
     }
     anyhow::ensure!(
@@ -161,16 +171,23 @@ async fn one_batch(
         })
         .collect();
     let confirms = queue_all(publishes).await?;
+    let handed = std::time::Instant::now();
     for c in confirms {
         let c = c.await?;
         anyhow::ensure!(c == Confirmation::Ack(None), "not acked: {c:?}");
     }
+    let confirmed = std::time::Instant::now();
     let ids: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
     sqlx::query(delete.clone())
         .bind(&ids)
         .execute(&mut *tx)
         .await?;
     tx.commit().await?;
+    if let Some(log) = stages {
+        let ids = ids.iter().map(Uuid::to_string).collect();
+        let now = std::time::Instant::now();
+        stages::record(log, start, [begun, claimed, handed, confirmed, now], ids);
+    }
     Ok(rows.len())
 }
 
@@ -187,7 +204,7 @@ async fn drain_loop(
     let mut conn = pool.acquire().await?;
     let mut sent = 0;
     loop {
-        match one_batch(&mut conn, &ch, &statements, &exchange, batch).await? {
+        match one_batch(&mut conn, &ch, &statements, &exchange, batch, None).await? {
             0 => return Ok(sent),
             n => sent += n as u64,
         }
@@ -202,13 +219,15 @@ async fn drain_loop(
 /// harness's threads, with its own connections: a connection opened on
 /// this runtime dies with it, so it must not go back to the harness's
 /// pool (one that did failed the next run with "a Tokio 1.x context was
-/// found, but it is being shutdown").
+/// found, but it is being shutdown"). With `stages`, each batch's
+/// moments are recorded there.
 pub(crate) fn follow(
     database_url: String,
     url: String,
     schema: String,
     exchange: String,
     tuning: LoopTuning,
+    stages: Option<StageLog>,
     stop: tokio_util::sync::CancellationToken,
 ) -> std::thread::JoinHandle<Result<()>> {
     on_own_runtime(async move {
@@ -236,12 +255,21 @@ pub(crate) fn follow(
             ch.confirm_select(ConfirmSelectOptions::default()).await?;
             let (pool, schema, exchange) = (pool.clone(), schema.clone(), exchange.clone());
             let (mut woken, stop) = (wake.subscribe(), stop.clone());
+            let stages = stages.clone();
             loops.push(tokio::spawn(async move {
                 let statements = statements(&schema);
                 let mut conn = pool.acquire().await?;
                 while !stop.is_cancelled() {
                     woken.borrow_and_update();
-                    let n = one_batch(&mut conn, &ch, &statements, &exchange, tuning.batch).await?;
+                    let n = one_batch(
+                        &mut conn,
+                        &ch,
+                        &statements,
+                        &exchange,
+                        tuning.batch,
+                        stages.as_ref(),
+                    )
+                    .await?;
                     if n == 0 {
                         tokio::select! {
                             _ = woken.changed() => {}

@@ -272,7 +272,7 @@ pub(crate) async fn drain_process(
     n: usize,
 ) -> Result<(f64, f64, (f64, f64, f64))> {
     let backlog = Backlog::new(pool, url, n, OrderedAggregates::None, 1_000).await?;
-    let mut child = spawn_relay(database_url, url, &backlog.schema, &backlog.name)?;
+    let mut child = spawn_relay(database_url, url, &backlog.schema, &backlog.name, None)?;
     let cpu = CpuSpan::start(child.id());
     let warm = (n / 20) as u64;
     let timed = backlog.time_fill(warm, n as u64).await;
@@ -287,14 +287,17 @@ pub(crate) async fn drain_process(
 }
 
 /// The release `outbox-relay` binary beside this one, on `schema`,
-/// publishing to `exchange`.
+/// publishing to `exchange`; with `stage_trace`, its log goes to that file
+/// as JSON lines, with its batches' stages traced (`--latency-stages`).
 pub(crate) fn spawn_relay(
     database_url: &str,
     url: &str,
     schema: &str,
     exchange: &str,
+    stage_trace: Option<&std::path::Path>,
 ) -> Result<Child> {
-    Command::new(relay_binary()?)
+    let mut relay = Command::new(relay_binary()?);
+    relay
         .env("DATABASE_URL", database_url)
         .env("AMQP_URL", url)
         .env("OUTBOX_SCHEMA", schema)
@@ -310,9 +313,15 @@ pub(crate) fn spawn_relay(
         )
         .env("RUST_LOG", "warn")
         .arg("run")
-        .stdout(Stdio::null())
-        .spawn()
-        .context("starting outbox-relay")
+        .stdout(Stdio::null());
+    if let Some(path) = stage_trace {
+        // Its batches' stages as JSON lines, its warnings among them.
+        relay
+            .env("RUST_LOG", "warn,outbox_relay::stages=trace")
+            .env("OUTBOX_LOG_FORMAT", "json")
+            .stderr(std::fs::File::create(path)?);
+    }
+    relay.spawn().context("starting outbox-relay")
 }
 
 /// The `outbox-relay` binary beside this one (same profile).

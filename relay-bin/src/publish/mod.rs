@@ -16,7 +16,6 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection, ExchangeKind};
 
 use crate::error::{Error, Result};
-use crate::message::OutboxEvent;
 use outbox_core::amqp::bounded;
 
 pub(crate) use receipt::Receipt;
@@ -129,35 +128,6 @@ impl Publisher {
             }
         }
         Ok(refused)
-    }
-
-    /// Publishes every event of the batch, then awaits all confirms at once,
-    /// all before `deadline` (the publish phase's share of the batch
-    /// transaction's idle bound). Returns one outcome per event, in order.
-    /// `Err` means the connection failed: outcomes are unknown, the batch
-    /// must be rolled back (retried without counting an attempt) and the
-    /// publisher replaced. [`Receipt::TimedOut`] also means the publisher
-    /// should be replaced, after the batch is settled; events
-    /// [`Receipt::NotSent`] were never handed to the channel (exchanges
-    /// already checked stay known, so the next batch gets further).
-    pub(crate) async fn publish_batch(
-        &mut self,
-        events: &[OutboxEvent],
-        default_exchange: &str,
-        max_payload_bytes: usize,
-        confirm_timeout: Duration,
-        deadline: Instant,
-    ) -> Result<Vec<Receipt>> {
-        self.send_batch(
-            events,
-            default_exchange,
-            max_payload_bytes,
-            confirm_timeout,
-            deadline,
-        )
-        .await?
-        .receipts()
-        .await
     }
 }
 

@@ -16,10 +16,17 @@ use crate::publish::receipt::receipt_of;
 use crate::publish::{Publisher, Receipt, channel_failure, panic_message, within};
 
 impl Publisher {
-    /// The first half of [`Publisher::publish_batch`]: checks the exchanges
-    /// and hands every publishable event to the channel. The confirms are
-    /// [`SentBatch::receipts`]; meanwhile the channel can take the next
-    /// batch (the log's reader keeps a few on the wire).
+    /// Checks the exchanges and hands every publishable event of the batch
+    /// to the channel, all before `deadline` less the confirm timeout (the
+    /// publish phase's share of the batch transaction's idle bound). The
+    /// confirms are [`SentBatch::receipts`], awaited against `deadline`
+    /// after the whole batch is on its way; meanwhile the channel can take
+    /// the next batch (the log's reader keeps a few on the wire). `Err`
+    /// means the connection failed: outcomes are unknown, the batch must be
+    /// rolled back (retried without counting an attempt) and the publisher
+    /// replaced. Events [`Receipt::NotSent`] were never handed to the
+    /// channel (exchanges already checked stay known, so the next batch
+    /// gets further).
     pub(crate) async fn send_batch(
         &mut self,
         events: &[OutboxEvent],
@@ -235,6 +242,8 @@ impl SentBatch {
     /// Awaits the confirms until the batch's deadline, in order (no extra
     /// round trips: they are all in flight already); returns one receipt
     /// per event, in order. `Err` means the connection failed.
+    /// [`Receipt::TimedOut`] means the publisher should be replaced, after
+    /// the batch is settled.
     pub(crate) async fn receipts(mut self) -> Result<Vec<Receipt>> {
         let pending = std::mem::take(&mut self.pending);
         let sent = !pending.is_empty();
