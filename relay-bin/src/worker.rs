@@ -108,15 +108,15 @@ impl Relay {
         let settled = settle(&mut tx, &inner.settle_sql, cfg, &events, &receipts).await?;
         tx.commit().await?;
         let committed = start.elapsed();
+        // Settled: a panic from here on is not this batch's.
+        drop(on_panic);
+        inner.quarantine.clear(&session.in_flight);
+        session.in_flight.clear();
         trace_stages(
             start,
             &events,
             [begun, claimed, handed, confirmed, committed],
         );
-        // Settled: a panic from here on is not this batch's.
-        drop(on_panic);
-        inner.quarantine.clear(&session.in_flight);
-        session.in_flight.clear();
         self.count(&events, &receipts, &settled);
         session
             .publisher

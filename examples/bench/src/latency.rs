@@ -136,12 +136,22 @@ impl Running {
     async fn stop(self) -> Result<Option<Vec<Batch>>> {
         match self {
             Running::Binary(mut child, trace) => {
-                stop_child(&mut child)?;
+                let stopped = stop_child(&mut child);
                 let Some(path) = trace else {
-                    return Ok(None);
+                    return stopped.map(|()| None);
                 };
-                let log = std::fs::read_to_string(&path)?;
+                let log = std::fs::read_to_string(&path);
                 let _ = std::fs::remove_file(&path);
+                let log = log?;
+                // Its log went to the file: what else it said (warnings,
+                // the error it failed with) is shown here.
+                for line in log
+                    .lines()
+                    .filter(|l| !l.contains(r#""outbox_relay::stages""#))
+                {
+                    eprintln!("bench:   relayer: {line}");
+                }
+                stopped?;
                 stages::parse_relay_trace(&log).map(Some)
             }
             Running::HandWritten(stop, handle, log) => {
