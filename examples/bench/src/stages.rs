@@ -30,8 +30,32 @@ pub(crate) struct Batch {
     pub(crate) ids: Vec<String>,
 }
 
+impl Batch {
+    /// A batch from its trace's fields: `us` reads a moment by its field
+    /// name, `ids` is the comma-separated list.
+    fn from_fields(us: impl Fn(&str) -> Result<i64>, ids: &str) -> Result<Self> {
+        Ok(Batch {
+            start_us: us("start_us")?,
+            begun_us: us("begun_us")?,
+            claimed_us: us("claimed_us")?,
+            handed_us: us("handed_us")?,
+            confirmed_us: us("confirmed_us")?,
+            committed_us: us("committed_us")?,
+            ids: ids
+                .split(',')
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .collect(),
+        })
+    }
+}
+
 /// The batches a hand-written relayer records.
 pub(crate) type StageLog = Arc<Mutex<Vec<Batch>>>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// Microseconds since the Unix epoch, now.
 pub(crate) fn now_us() -> i64 {
@@ -79,9 +103,7 @@ pub(crate) fn record(log: &StageLog, start: (Instant, i64), at: [Instant; 5], id
         committed_us: after(4),
         ids,
     };
-    log.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .push(batch);
+    lock(log).push(batch);
 }
 
 /// The relay's stage trace: the `outbox_relay::stages` lines of its JSON
@@ -100,20 +122,10 @@ pub(crate) fn parse_relay_trace(log: &str) -> Result<Vec<Batch>> {
             f[k].as_i64()
                 .with_context(|| format!("stage trace without {k}: {line}"))
         };
-        let ids = f["ids"].as_str().unwrap_or_default();
-        batches.push(Batch {
-            start_us: us("start_us")?,
-            begun_us: us("begun_us")?,
-            claimed_us: us("claimed_us")?,
-            handed_us: us("handed_us")?,
-            confirmed_us: us("confirmed_us")?,
-            committed_us: us("committed_us")?,
-            ids: ids
-                .split(',')
-                .filter(|s| !s.is_empty())
-                .map(str::to_owned)
-                .collect(),
-        });
+        batches.push(Batch::from_fields(
+            us,
+            f["ids"].as_str().unwrap_or_default(),
+        )?);
     }
     Ok(batches)
 }
@@ -155,9 +167,7 @@ pub(crate) fn catch_in_process() -> Result<()> {
 /// Sends the relay's stage trace in this process to `log` (`None`: drops
 /// it).
 pub(crate) fn trace_in_process_to(log: Option<StageLog>) {
-    *IN_PROCESS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) = log;
+    *lock(&IN_PROCESS) = log;
 }
 
 /// The layer that turns the relay's stage events into [`Batch`]es.
@@ -167,29 +177,13 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Catch {
     fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
         let mut fields = Fields::default();
         event.record(&mut fields);
-        let us = |k: &str| fields.us.get(k).copied().unwrap_or_default();
-        let batch = Batch {
-            start_us: us("start_us"),
-            begun_us: us("begun_us"),
-            claimed_us: us("claimed_us"),
-            handed_us: us("handed_us"),
-            confirmed_us: us("confirmed_us"),
-            committed_us: us("committed_us"),
-            ids: fields
-                .ids
-                .split(',')
-                .filter(|s| !s.is_empty())
-                .map(str::to_owned)
-                .collect(),
+        let us = |k: &str| fields.us.get(k).copied().context(k.to_owned());
+        // An event without the trace's fields (none is sent) is dropped.
+        let Ok(batch) = Batch::from_fields(us, &fields.ids) else {
+            return;
         };
-        let log = IN_PROCESS
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        if let Some(log) = log {
-            log.lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .push(batch);
+        if let Some(log) = lock(&IN_PROCESS).clone() {
+            lock(&log).push(batch);
         }
     }
 }
