@@ -157,9 +157,11 @@ pub(crate) async fn drop_schema(pool: &PgPool, schema: &str) -> Result<()> {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
-        .execute(pool)
-        .await?;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"
+    )))
+    .execute(pool)
+    .await?;
     Ok(())
 }
 

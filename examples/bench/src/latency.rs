@@ -373,129 +373,150 @@ pub(crate) async fn latency(
 ) -> Result<LatencyRun> {
     let schema = fresh_schema(pool, "lat").await?;
     let consumer_schema = format!("{schema}_c");
-    outbox_consumer::migrate(pool, &consumer_schema).await?;
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE TABLE \"{consumer_schema}\".effects (event_id text PRIMARY KEY)"
-    )))
-    .execute(pool)
-    .await?;
-    let conn = connect(url).await?;
     let name = format!("bench.lat.{}", suffix());
-    topology(&conn, &name).await?;
     let effect_queue = format!("{name}.effects");
-    bind_queue(&conn, &name, &effect_queue).await?;
-    let published: Stamps = Arc::default();
-    let effects: Stamps = Arc::default();
-
-    // Publish: a plain consumer notes each arrival.
-    let ch = conn.create_channel().await?;
-    let mut raw = ch
-        .basic_consume(
-            name.as_str().into(),
-            "bench".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
-    let raw_task = tokio::spawn({
-        let published = published.clone();
-        async move {
-            while let Some(Ok(d)) = raw.next().await {
-                let now = Instant::now();
-                if let Some(id) = d.properties.message_id() {
-                    lock(&published).insert(id.to_string(), now);
-                }
-                let _ = d.acker.ack(BasicAckOptions::default()).await;
-            }
+    let conn = match connect(url).await {
+        Ok(conn) => conn,
+        Err(e) => {
+            let _ = drop_schema(pool, &schema).await;
+            return Err(e);
         }
-    });
-    // Effect: the notification that follows the consumer's COMMIT.
-    let channel = format!("bench_effect_{}", suffix());
-    let mut listener = PgListener::connect_with(pool).await?;
-    listener.listen(&channel).await?;
-    let listen_task = tokio::spawn({
-        let effects = effects.clone();
-        async move {
-            while let Ok(n) = listener.recv().await {
-                let now = Instant::now();
-                lock(&effects).insert(n.payload().to_owned(), now);
-            }
-        }
-    });
-    let stop = CancellationToken::new();
-    let mut cfg = ConsumerConfig::new(url, &effect_queue, "bench");
-    cfg.schema = consumer_schema.to_string();
-    cfg.declare_retry_queues = false;
-    let handler = NotifyEffect {
-        insert: format!(
-            "INSERT INTO \"{consumer_schema}\".effects (event_id) SELECT $1::text FROM pg_notify($2, $1)"
-        ),
-        channel,
     };
-    let consumer = Consumer::new(cfg, pool.clone(), handler)?;
-    let consumer_task = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(stop).await }
-    });
-    // The consumer's connection is open before the relayer starts, so the
-    // one a hand-written relayer opens is told apart (its CPU is counted).
-    let consuming = consumed(&ch, &effect_queue).await;
-    if let Err(e) = consuming {
+    let outcome: Result<LatencyRun> = async {
+        outbox_consumer::migrate(pool, &consumer_schema).await?;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "CREATE TABLE \"{consumer_schema}\".effects (event_id text PRIMARY KEY)"
+        )))
+        .execute(pool)
+        .await?;
+        topology(&conn, &name).await?;
+        bind_queue(&conn, &name, &effect_queue).await?;
+        let published: Stamps = Arc::default();
+        let effects: Stamps = Arc::default();
+
+        // Publish: a plain consumer notes each arrival.
+        let ch = conn.create_channel().await?;
+        let mut raw = ch
+            .basic_consume(
+                name.as_str().into(),
+                "bench".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let raw_task = tokio::spawn({
+            let published = published.clone();
+            async move {
+                while let Some(Ok(d)) = raw.next().await {
+                    let now = Instant::now();
+                    if let Some(id) = d.properties.message_id() {
+                        lock(&published).insert(id.to_string(), now);
+                    }
+                    let _ = d.acker.ack(BasicAckOptions::default()).await;
+                }
+            }
+        });
+        // Effect: the notification that follows the consumer's COMMIT.
+        let channel = format!("bench_effect_{}", suffix());
+        let mut listener = PgListener::connect_with(pool).await?;
+        listener.listen(&channel).await?;
+        let listen_task = tokio::spawn({
+            let effects = effects.clone();
+            async move {
+                while let Ok(n) = listener.recv().await {
+                    let now = Instant::now();
+                    lock(&effects).insert(n.payload().to_owned(), now);
+                }
+            }
+        });
+        let stop = CancellationToken::new();
+        let mut cfg = ConsumerConfig::new(url, &effect_queue, "bench");
+        cfg.schema = consumer_schema.to_string();
+        cfg.declare_retry_queues = false;
+        let handler = NotifyEffect {
+            insert: format!(
+                "INSERT INTO \"{consumer_schema}\".effects (event_id) SELECT $1::text FROM pg_notify($2, $1)"
+            ),
+            channel,
+        };
+        let consumer = Consumer::new(cfg, pool.clone(), handler)?;
+        let consumer_task = tokio::spawn({
+            let stop = stop.clone();
+            async move { consumer.run(stop).await }
+        });
+        // The consumer's connection is open before the relayer starts, so the
+        // one a hand-written relayer opens is told apart (its CPU is counted).
+        let total = ((warm + secs) * rate) as usize;
+        let started = match consumed(&ch, &effect_queue).await {
+            Ok(()) => Running::start(relayer, database_url, url, &schema, &name, total, stages),
+            Err(e) => Err(e),
+        };
+        let relay = match started {
+            Ok(relay) => relay,
+            Err(e) => {
+                stop.cancel();
+                raw_task.abort();
+                listen_task.abort();
+                let _ = tokio::time::timeout(Duration::from_secs(30), consumer_task).await;
+                return Err(e);
+            }
+        };
+        // Every wait bounded: a run that hangs (seen once, in the hand-written
+        // path's run, for 600 s) fails, and `attempt` runs it again.
+        let offered = offer(
+            pool, &schema, rate, warm, secs, &published, &effects, &relay,
+        );
+        let result = tokio::time::timeout(Duration::from_secs_f64(warm + secs + 90.0), offered)
+            .await
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the run did not end within its time")));
         stop.cancel();
+        // The recorders first: a stop that fails below must not keep the
+        // listener's connection of the bench's pool.
         raw_task.abort();
         listen_task.abort();
-        let _ = tokio::time::timeout(Duration::from_secs(30), consumer_task).await;
-        return Err(e);
-    }
-    let total = ((warm + secs) * rate) as usize;
-    let relay = Running::start(relayer, database_url, url, &schema, &name, total, stages)?;
-    // Every wait bounded: a run that hangs (seen once, in the hand-written
-    // path's run, for 600 s) fails, and `attempt` runs it again.
-    let offered = offer(
-        pool, &schema, rate, warm, secs, &published, &effects, &relay,
-    );
-    let result = tokio::time::timeout(Duration::from_secs_f64(warm + secs + 90.0), offered)
-        .await
-        .unwrap_or_else(|_| Err(anyhow::anyhow!("the run did not end within its time")));
-    stop.cancel();
-    // The recorders first: a stop that fails below must not keep the
-    // listener's connection of the bench's pool.
-    raw_task.abort();
-    listen_task.abort();
-    let stopping = Duration::from_secs(30);
-    let batches = tokio::time::timeout(stopping, relay.stop())
-        .await
-        .context("the relayer did not stop within 30 s")??;
-    tokio::time::timeout(stopping, consumer_task)
-        .await
-        .context("the consumer did not stop within 30 s")???;
-    let (mut run, total, seen) = result?;
-    if let Some(batches) = batches {
-        // The log's relayers move events without the table's batches (the
-        // relay's table workers only find nothing).
-        let moved = batches.iter().any(|b| !b.ids.is_empty());
-        anyhow::ensure!(
-            moved || capture() == outbox::Capture::Wal,
-            "--latency-stages: the relayer recorded no batch that moved an event"
-        );
-        if moved {
-            run.stages = stages::breakdown(&seen, &batches);
+        let stopping = Duration::from_secs(30);
+        let batches = tokio::time::timeout(stopping, relay.stop())
+            .await
+            .context("the relayer did not stop within 30 s")??;
+        tokio::time::timeout(stopping, consumer_task)
+            .await
+            .context("the consumer did not stop within 30 s")???;
+        let (mut run, total, seen) = result?;
+        if let Some(batches) = batches {
+            // The log's relayers move events without the table's batches (the
+            // relay's table workers only find nothing).
+            let moved = batches.iter().any(|b| !b.ids.is_empty());
+            anyhow::ensure!(
+                moved || capture() == outbox::Capture::Wal,
+                "--latency-stages: the relayer recorded no batch that moved an event"
+            );
+            if moved {
+                run.stages = stages::breakdown(&seen, &batches);
+            }
         }
+        let effect_rows: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM \"{consumer_schema}\".effects"
+        )))
+        .fetch_one(pool)
+        .await?;
+        anyhow::ensure!(
+            effect_rows == total as i64,
+            "{effect_rows} effects for {total} events"
+        );
+        Ok(run)
     }
-    let effect_rows: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM \"{consumer_schema}\".effects"
-    )))
-    .fetch_one(pool)
-    .await?;
-    anyhow::ensure!(
-        effect_rows == total as i64,
-        "{effect_rows} effects for {total} events"
-    );
-    drop_queue(&conn, &name).await?;
-    drop_queue(&conn, &effect_queue).await?;
-    drop_schema(pool, &schema).await?;
-    drop_schema(pool, &consumer_schema).await?;
+    .await;
+    // Whatever the outcome (a failed run is retried by `attempt`), its
+    // queues, exchange and schemas do not outlive it.
+    let cleaned = [
+        drop_queue(&conn, &name).await,
+        drop_queue(&conn, &effect_queue).await,
+        drop_schema(pool, &schema).await,
+        drop_schema(pool, &consumer_schema).await,
+    ];
     let _ = conn.close(200, "done".into()).await;
+    let run = outcome?;
+    cleaned.into_iter().collect::<Result<()>>()?;
     Ok(run)
 }
 

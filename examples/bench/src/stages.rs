@@ -156,12 +156,22 @@ static IN_PROCESS: Mutex<Option<StageLog>> = Mutex::new(None);
 /// process); a run sends it to its log with [`trace_in_process_to`].
 pub(crate) fn catch_in_process() -> Result<()> {
     use tracing_subscriber::prelude::*;
-    let only_stages = tracing_subscriber::filter::Targets::new()
-        .with_target("outbox_relay::stages", tracing::Level::TRACE);
     tracing_subscriber::registry()
-        .with(Catch.with_filter(only_stages))
+        .with(catch_layer())
         .try_init()
         .context("a tracing subscriber is already set")
+}
+
+/// The layer of [`catch_in_process`]: the relay's stage events, nothing
+/// else, into the log [`trace_in_process_to`] names.
+fn catch_layer<S>() -> impl tracing_subscriber::Layer<S>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    use tracing_subscriber::Layer;
+    let only_stages = tracing_subscriber::filter::Targets::new()
+        .with_target("outbox_relay::stages", tracing::Level::TRACE);
+    Catch.with_filter(only_stages)
 }
 
 /// Sends the relay's stage trace in this process to `log` (`None`: drops
@@ -311,6 +321,57 @@ mod tests {
                     ids: vec![],
                 },
             ]
+        );
+    }
+
+    #[test]
+    fn the_relays_stage_event_is_caught_in_this_process_and_others_are_not() {
+        use tracing_subscriber::prelude::*;
+        let log = StageLog::default();
+        trace_in_process_to(Some(log.clone()));
+        // This thread's subscriber only: no process-wide one is installed.
+        let subscriber = tracing_subscriber::registry().with(catch_layer());
+        tracing::subscriber::with_default(subscriber, || {
+            // As the relay's worker traces a batch (`trace_stages`).
+            let ids = "a,b".to_owned();
+            tracing::trace!(
+                target: "outbox_relay::stages",
+                start_us = 1000u64,
+                begun_us = 100u64,
+                claimed_us = 300u64,
+                handed_us = 350u64,
+                confirmed_us = 900u64,
+                committed_us = 1200u64,
+                ids,
+                "batch"
+            );
+            // Another target with the same fields, and a stage event
+            // missing one: neither is a batch.
+            tracing::trace!(
+                target: "outbox_relay::worker",
+                start_us = 1u64,
+                begun_us = 1u64,
+                claimed_us = 1u64,
+                handed_us = 1u64,
+                confirmed_us = 1u64,
+                committed_us = 1u64,
+                ids = "c",
+                "batch"
+            );
+            tracing::trace!(target: "outbox_relay::stages", start_us = 1u64, "batch");
+        });
+        trace_in_process_to(None);
+        assert_eq!(
+            *lock(&log),
+            vec![Batch {
+                start_us: 1000,
+                begun_us: 100,
+                claimed_us: 300,
+                handed_us: 350,
+                confirmed_us: 900,
+                committed_us: 1200,
+                ids: vec!["a".into(), "b".into()],
+            }]
         );
     }
 
