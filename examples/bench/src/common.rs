@@ -18,6 +18,12 @@ use sqlx::{AssertSqlSafe, PgPool};
 /// Payload size of every benchmark event, in bytes of JSON.
 pub(crate) const PAYLOAD_BYTES: usize = 500;
 
+/// The guard of `m`, also after a thread panicked holding it (the bench's
+/// logs and stamps stay readable).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 pub(crate) fn suffix() -> String {
     uuid::Uuid::new_v4().simple().to_string()[..8].to_owned()
 }

@@ -520,10 +520,6 @@ pub(crate) async fn latency(
     Ok(run)
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// The producer side of [`latency`]: sends, waits for every arrival,
 /// computes the figures (with the CPU `relay` and the services used
 /// meanwhile); also returns how many events were sent and when each

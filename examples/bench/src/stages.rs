@@ -15,6 +15,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 
+use crate::common::lock;
+
 /// One batch of a relayer: when it started (microseconds since the Unix
 /// epoch), when its `BEGIN` and its claim returned, its messages were
 /// handed to the connection, its confirms were in and it committed
@@ -52,10 +54,6 @@ impl Batch {
 
 /// The batches a hand-written relayer records.
 pub(crate) type StageLog = Arc<Mutex<Vec<Batch>>>;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 /// Microseconds since the Unix epoch, now.
 pub(crate) fn now_us() -> i64 {
