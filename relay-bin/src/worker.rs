@@ -6,10 +6,16 @@
 //! while it finds work, as the hand-written loop the bench measures it
 //! against does: taking it from the pool for each batch cost sqlx's test of
 //! every connection given back (a ping: a round trip, and a statement for
-//! PostgreSQL, per batch). It gives the connection back when a claim finds
-//! nothing (an idle relay holds no connection of a pool it may share),
-//! after a failed batch (the pool tests it and drops a dead one), and
-//! after [`HOLD_AT_MOST`], so the pool's lifetime limits still apply.
+//! PostgreSQL, per batch). It keeps the connection through a wait for
+//! work that a wake-up ends, and gives it back when a claim finds nothing
+//! after a wait that the poll interval ended (a quiet spell: an idle relay
+//! holds no connection of a pool it may share), after a failed batch (the
+//! pool tests it and drops a dead one), and after [`HOLD_AT_MOST`], so the
+//! pool's lifetime limits still apply. While events trickle in, each one
+//! is followed by a claim that finds nothing: giving the connection back
+//! there cost a ping per event, a twelfth of the relay's CPU per event at
+//! 500 events/s, and CPU spent on these shared cores slows every thread's
+//! wake-up, the hand-written path's too (BENCHMARKS.md, twelfth part).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -167,6 +173,9 @@ impl Relay {
         self.maintenance_round().await;
         let mut wake = inner.wake.subscribe();
         let mut db_backoff = Backoff::new(cfg.reconnect_min, cfg.reconnect_max);
+        // The last wait for work ended by the poll interval, not a wake-up
+        // (or there was none yet).
+        let mut quiet = true;
         while !stop.is_cancelled() {
             // Mark wake-ups seen *before* claiming: one that arrives during
             // the claim then makes the wait below return at once.
@@ -186,9 +195,13 @@ impl Relay {
                         // landed meanwhile): claim again at once.
                         continue;
                     }
-                    // An idle worker holds no database connection.
-                    session.db = None;
-                    self.idle(&mut session, &mut wake, &stop).await?;
+                    // An idle worker holds no database connection; one
+                    // that wake-ups keep busy keeps it (see the module's
+                    // docs).
+                    if quiet {
+                        session.db = None;
+                    }
+                    quiet = !self.idle(&mut session, &mut wake, &stop).await?;
                 }
                 Err(e) if e.is_broker() || !session.publisher.is_open() => {
                     session.publisher.close().await;
@@ -234,29 +247,29 @@ impl Relay {
         }
     }
 
-    /// Nothing was due: waits for a wake-up, the poll interval or `stop`.
-    /// An idle worker publishes nothing, so nothing else would notice a
-    /// node that closed the connection (a stopped node): then the session
-    /// ends and fails over now, not at the next event, and readiness tells
-    /// the truth.
+    /// Nothing was due: waits for a wake-up, the poll interval or `stop`,
+    /// and says whether a wake-up ended the wait. An idle worker publishes
+    /// nothing, so nothing else would notice a node that closed the
+    /// connection (a stopped node): then the session ends and fails over
+    /// now, not at the next event, and readiness tells the truth.
     async fn idle(
         &self,
         session: &mut WorkerSession,
         wake: &mut tokio::sync::watch::Receiver<u64>,
         stop: &CancellationToken,
-    ) -> Result<()> {
-        tokio::select! {
-            _ = stop.cancelled() => {}
-            _ = wake.changed() => {}
-            _ = tokio::time::sleep(self.inner.config.poll_interval) => {}
-        }
+    ) -> Result<bool> {
+        let woken = tokio::select! {
+            _ = stop.cancelled() => false,
+            changed = wake.changed() => changed.is_ok(),
+            _ = tokio::time::sleep(self.inner.config.poll_interval) => false,
+        };
         if !session.publisher.is_open() {
             session.publisher.close().await;
             return Err(Error::ChannelClosed(
                 "the broker closed the connection while the worker was idle".to_owned(),
             ));
         }
-        Ok(())
+        Ok(woken)
     }
 }
 

@@ -740,6 +740,65 @@ async fn an_idle_relay_holds_no_pooled_connection_but_its_listener() {
     broker.cleanup().await;
 }
 
+/// While events trickle in, every event is followed by a claim that finds
+/// nothing. A worker that wake-ups keep busy keeps its connection through
+/// those: it gives it back (and sqlx pings every connection given back)
+/// only when a wait passes with no wake-up.
+#[tokio::test]
+async fn a_worker_kept_busy_by_wake_ups_keeps_its_connection_between_events() {
+    let db = TestDb::producer("relay_trickle_pool").await;
+    let broker = TestBroker::new("trickle_pool", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let released = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .after_release({
+            let released = released.clone();
+            move |_, _| {
+                released.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Box::pin(async { Ok(true) })
+            }
+        })
+        .connect_with((*db.pool.connect_options()).clone())
+        .await
+        .unwrap();
+    // No wait for work ends by the poll interval while the events come.
+    let relay = TestRelay::new(&db, &broker)
+        .with(|c| c.poll_interval = Duration::from_secs(10))
+        .pool(pool.clone())
+        .start()
+        .await;
+    // A first event wakes both workers: whatever a worker gave back
+    // before it (at the start, when nothing had woken it) is not counted.
+    db.produce(1, 1, Duration::ZERO).await;
+    wait_until(
+        Duration::from_secs(30),
+        "the first event published",
+        || async { collector.distinct() >= 1 },
+    )
+    .await;
+    released.store(0, std::sync::atomic::Ordering::Relaxed);
+    let n = 40;
+    db.produce(n, 1, Duration::from_millis(20)).await;
+    wait_until(Duration::from_secs(30), "every event published", || async {
+        collector.distinct() > n
+    })
+    .await;
+    let given_back = released.load(std::sync::atomic::Ordering::Relaxed);
+    // Giving the connection back after each empty claim gave back about
+    // two per event (both workers wake for each); the relay's other
+    // statements (leases, stats) may give back one or two.
+    assert!(
+        given_back <= 3,
+        "{given_back} connections given back to the pool while {n} events trickled in"
+    );
+    relay.stop().await;
+    collector.stop();
+    pool.close().await;
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
 /// After five runs PostgreSQL may switch a prepared statement to one
 /// generic plan, made with the table's size at that moment. A relay that
 /// started on an empty outbox kept a claim plan that read the whole heap,

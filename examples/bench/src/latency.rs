@@ -29,11 +29,12 @@ use crate::stages::{self, Batch, Clock, Seen, StageLog};
 pub(crate) enum Relayer {
     /// The relay binary in its own process (with its defaults).
     Binary,
-    /// The table's hand-written loop ([`crate::minimal::follow`]).
-    Minimal(LoopTuning),
+    /// The table's hand-written loop ([`crate::minimal::follow`]), with
+    /// its burden if any (`--latency-hand-written-burden`).
+    Minimal(LoopTuning, Option<u64>),
     /// The same loop ([`TABLE_LOOPS`]) in a process of its own: this
     /// binary again, with `--child-relayer` (`--latency-hand-written-apart`).
-    MinimalApart,
+    MinimalApart(Option<u64>),
     /// The log's hand-written reader ([`crate::minimal_wal::follow`]).
     MinimalWal(ReaderTuning),
     /// The relay's code (table capture, default settings, the binary's
@@ -75,19 +76,26 @@ impl Running {
                 let child = spawn_relay(database_url, url, schema, exchange, trace.as_deref())?;
                 return Ok(Running::Binary(child, trace));
             }
-            Relayer::MinimalApart => {
+            Relayer::MinimalApart(burden) => {
                 let trace = stages
                     .then(|| std::env::temp_dir().join(format!("bench-stages-{}.log", suffix())));
-                let child =
-                    spawn_hand_written(database_url, url, schema, exchange, trace.as_deref())?;
+                let child = spawn_hand_written(
+                    database_url,
+                    url,
+                    schema,
+                    exchange,
+                    burden,
+                    trace.as_deref(),
+                )?;
                 return Ok(Running::Binary(child, trace));
             }
-            Relayer::Minimal(tuning) => crate::minimal::follow(
+            Relayer::Minimal(tuning, burden) => crate::minimal::follow(
                 owned(database_url),
                 owned(url),
                 owned(schema),
                 owned(exchange),
                 tuning,
+                burden,
                 log.clone(),
                 stop.clone(),
             ),
@@ -181,6 +189,7 @@ fn spawn_hand_written(
     url: &str,
     schema: &str,
     exchange: &str,
+    burden: Option<u64>,
     stage_trace: Option<&std::path::Path>,
 ) -> Result<std::process::Child> {
     let mut child = std::process::Command::new(std::env::current_exe()?);
@@ -191,6 +200,11 @@ fn spawn_hand_written(
         .arg(schema)
         .arg(exchange)
         .stdout(std::process::Stdio::null());
+    if let Some(us) = burden {
+        child
+            .arg("--latency-hand-written-burden")
+            .arg(us.to_string());
+    }
     if let Some(path) = stage_trace {
         child
             .arg("--latency-stages")
@@ -209,6 +223,7 @@ pub(crate) async fn child_relayer(
     url: String,
     schema: String,
     exchange: String,
+    burden: Option<u64>,
     stages: bool,
 ) -> Result<()> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -220,6 +235,7 @@ pub(crate) async fn child_relayer(
         schema,
         exchange,
         TABLE_LOOPS,
+        burden,
         log.clone(),
         stop.clone(),
     );

@@ -91,6 +91,17 @@ struct Args {
     /// consumers.
     #[arg(long)]
     latency_hand_written_apart: bool,
+    /// The table's hand-written path takes on the relay's load without
+    /// the relay's path: it opens each batch with the relay's own `BEGIN`
+    /// and claims with the relay's own claim (its probe for ordered
+    /// events, all its columns), and burns this many microseconds of CPU
+    /// per event after each commit, when the events are already on the
+    /// queue. About 90 gives it the relay binary's CPU per event at 500
+    /// events/s on two cores. Tells how much of the latency gap is the
+    /// relay's extra load on shared cores rather than its path
+    /// (BENCHMARKS.md, twelfth part).
+    #[arg(long, value_name = "MICROSECONDS")]
+    latency_hand_written_burden: Option<u64>,
     /// Internal: run a consumer for the memory measurement (queue, count).
     #[arg(long, num_args = 2, hide = true)]
     child_consumer: Option<Vec<String>>,
@@ -145,6 +156,8 @@ struct Sizes {
     latency_stages: bool,
     /// `--latency-hand-written-apart`.
     latency_hand_written_apart: bool,
+    /// `--latency-hand-written-burden`.
+    latency_hand_written_burden: Option<u64>,
 }
 
 #[tokio::main]
@@ -174,6 +187,7 @@ async fn main() -> Result<()> {
             args.amqp_url.clone(),
             child[0].clone(),
             child[1].clone(),
+            args.latency_hand_written_burden,
             args.latency_stages,
         )
         .await;
@@ -207,6 +221,7 @@ async fn main() -> Result<()> {
             latency_rate: args.latency_rate,
             latency_stages: args.latency_stages,
             latency_hand_written_apart: args.latency_hand_written_apart,
+            latency_hand_written_burden: args.latency_hand_written_burden,
         }
     } else {
         Sizes {
@@ -233,6 +248,7 @@ async fn main() -> Result<()> {
             latency_rate: args.latency_rate,
             latency_stages: args.latency_stages,
             latency_hand_written_apart: args.latency_hand_written_apart,
+            latency_hand_written_burden: args.latency_hand_written_burden,
         }
     };
     let _ = common::DATABASE_URL.set(args.database_url.clone());
@@ -245,6 +261,12 @@ async fn main() -> Result<()> {
         r.tuning(
             "latency_relay",
             "the relay's code in the bench process".to_owned(),
+        );
+    }
+    if let Some(us) = sizes.latency_hand_written_burden {
+        r.tuning(
+            "latency_hand_written_burden",
+            format!("the relay's BEGIN and claim, {us} us of CPU per event after the commit"),
         );
     }
     let run = |section: &str| args.only.is_empty() || args.only.iter().any(|o| o == section);
@@ -1367,9 +1389,9 @@ async fn latency_section(
     p99_target: &'static str,
 ) -> Result<()> {
     let design = if prefix.is_empty() && sizes.latency_hand_written_apart {
-        latency::Relayer::MinimalApart
+        latency::Relayer::MinimalApart(sizes.latency_hand_written_burden)
     } else if prefix.is_empty() {
-        latency::Relayer::Minimal(latency::TABLE_LOOPS)
+        latency::Relayer::Minimal(latency::TABLE_LOOPS, sizes.latency_hand_written_burden)
     } else {
         // As many batches on the wire as the relay's reader allows when
         // events trickle in (64): with 4, a reader of one-event batches

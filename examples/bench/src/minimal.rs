@@ -65,21 +65,111 @@ pub(crate) const LOOP_SWEEP: [LoopTuning; 6] = [
 
 type Row = (Uuid, String, String, String, String, String, DateTime<Utc>);
 
-/// The claim and delete of one loop, on `schema` (the relay's own
-/// statements, cut to what the message needs).
-fn statements(schema: &str) -> (SqlStr, SqlStr) {
-    let sql = |text: String| AssertSqlSafe(text).into_sql_str();
-    (
-        sql(format!(
-            "SELECT id, aggregate_type, aggregate_id, event_type, payload::text, \
-             headers::text, created_at FROM \"{schema}\".outbox \
-             WHERE available_at <= now() AND aggregate_seq IS NULL \
-             ORDER BY available_at, id LIMIT $1 FOR UPDATE SKIP LOCKED"
-        )),
-        sql(format!(
-            "DELETE FROM \"{schema}\".outbox WHERE id = ANY($1)"
-        )),
-    )
+/// One loop's statements on its schema: the relay's own, cut to what the
+/// message needs, or with a burden the relay's own `BEGIN` and claim.
+#[derive(Clone)]
+struct Statements {
+    begin: SqlStr,
+    claim: SqlStr,
+    delete: SqlStr,
+    /// `--latency-hand-written-burden`: the claim is the relay's (its
+    /// probe row, all its columns) and each event burns this many
+    /// microseconds of CPU after the commit.
+    burden: Option<u64>,
+}
+
+impl Statements {
+    fn own(schema: &str) -> Self {
+        let sql = |text: String| AssertSqlSafe(text).into_sql_str();
+        Self {
+            begin: ASYNC_COMMIT.into_sql_str(),
+            claim: sql(format!(
+                "SELECT id, aggregate_type, aggregate_id, event_type, payload::text, \
+                 headers::text, created_at FROM \"{schema}\".outbox \
+                 WHERE available_at <= now() AND aggregate_seq IS NULL \
+                 ORDER BY available_at, id LIMIT $1 FOR UPDATE SKIP LOCKED"
+            )),
+            delete: sql(format!(
+                "DELETE FROM \"{schema}\".outbox WHERE id = ANY($1)"
+            )),
+            burden: None,
+        }
+    }
+
+    /// The relay's `BEGIN` (with its bounds) and its claim while no
+    /// ordered event waits (`claim/unordered.sql`), as the relay renders
+    /// them for `schema`, with `burn_us` of CPU per event.
+    async fn relays(
+        pool: &PgPool,
+        url: &str,
+        schema: &str,
+        exchange: &str,
+        burn_us: u64,
+    ) -> Result<Self> {
+        let config = crate::relay::relay_config(url, schema, exchange);
+        let relay = outbox_relay::Relay::new(pool.clone(), config).await?;
+        let (begin, _, claim) = relay.batch_statements();
+        let sql = |text: String| AssertSqlSafe(text).into_sql_str();
+        Ok(Self {
+            begin: sql(begin),
+            claim: sql(claim),
+            burden: Some(burn_us),
+            ..Self::own(schema)
+        })
+    }
+
+    /// Up to `batch` due rows. The relay's claim returns its probe's row
+    /// too (no event when nothing is due), and columns the message of an
+    /// event without its own exchange, key or headers does not need: they
+    /// are read all the same, as the relay reads them.
+    async fn claim(&self, tx: &mut sqlx::PgConnection, batch: usize) -> Result<Vec<Row>> {
+        if self.burden.is_none() {
+            return Ok(sqlx::query_as(self.claim.clone())
+                .bind(batch as i64)
+                .fetch_all(tx)
+                .await?);
+        }
+        let claimed = sqlx::query(self.claim.clone())
+            .bind(batch as i64)
+            .fetch_all(tx)
+            .await?;
+        let mut rows = Vec::new();
+        for r in claimed {
+            use sqlx::Row as _;
+            let _: bool = r.try_get("ordered_waiting")?;
+            let Some(id) = r.try_get::<Option<Uuid>, _>("id")? else {
+                continue;
+            };
+            let _: (Option<String>, Option<String>, i32, Option<i64>) = (
+                r.try_get("exchange")?,
+                r.try_get("routing_key")?,
+                r.try_get("attempts")?,
+                r.try_get("aggregate_seq")?,
+            );
+            rows.push((
+                id,
+                r.try_get("aggregate_type")?,
+                r.try_get("aggregate_id")?,
+                r.try_get("event_type")?,
+                r.try_get("payload")?,
+                r.try_get("headers")?,
+                r.try_get("created_at")?,
+            ));
+        }
+        Ok(rows)
+    }
+
+    /// The burden's CPU for `events` events (none without a burden).
+    fn burn(&self, events: usize) {
+        let Some(us) = self.burden.filter(|us| *us > 0) else {
+            return;
+        };
+        let until = std::time::Instant::now()
+            + std::time::Duration::from_micros(us.saturating_mul(events as u64));
+        while std::time::Instant::now() < until {
+            std::hint::spin_loop();
+        }
+    }
 }
 
 /// The contract's properties, built by hand for an event without headers
@@ -125,7 +215,7 @@ const ASYNC_COMMIT: &str =
 async fn one_batch(
     conn: &mut sqlx::PgConnection,
     ch: &Channel,
-    (claim, delete): &(SqlStr, SqlStr),
+    statements: &Statements,
     exchange: &str,
     batch: usize,
     stages: Option<&StageLog>,
@@ -138,12 +228,9 @@ async fn one_batch(
     // The relay's design commits its batches without waiting for the WAL
     // flush (a lost commit only publishes again): so does its ceiling. A
     // plain BEGIN let the relay beat this loop (1.04 [1.02-1.08]).
-    let mut tx = sqlx::Connection::begin_with(conn, ASYNC_COMMIT).await?;
+    let mut tx = sqlx::Connection::begin_with(conn, statements.begin.clone()).await?;
     let begun = std::time::Instant::now();
-    let rows: Vec<Row> = sqlx::query_as(claim.clone())
-        .bind(batch as i64)
-        .fetch_all(&mut *tx)
-        .await?;
+    let rows = statements.claim(&mut tx, batch).await?;
     let claimed = std::time::Instant::now();
     if rows.is_empty() {
         tx.commit().await?;
@@ -178,11 +265,12 @@ async fn one_batch(
     }
     let confirmed = std::time::Instant::now();
     let ids: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
-    sqlx::query(delete.clone())
+    sqlx::query(statements.delete.clone())
         .bind(&ids)
         .execute(&mut *tx)
         .await?;
     tx.commit().await?;
+    statements.burn(rows.len());
     if let Some(log) = stages {
         let ids = ids.iter().map(Uuid::to_string).collect();
         let now = std::time::Instant::now();
@@ -200,7 +288,7 @@ async fn drain_loop(
     exchange: String,
     batch: usize,
 ) -> Result<u64> {
-    let statements = statements(&schema);
+    let statements = Statements::own(&schema);
     let mut conn = pool.acquire().await?;
     let mut sent = 0;
     loop {
@@ -220,13 +308,19 @@ async fn drain_loop(
 /// this runtime dies with it, so it must not go back to the harness's
 /// pool (one that did failed the next run with "a Tokio 1.x context was
 /// found, but it is being shutdown"). With `stages`, each batch's
-/// moments are recorded there.
+/// moments are recorded there. With a `burden` (microseconds of CPU per
+/// event), the loops take on the relay's load without its path
+/// (`--latency-hand-written-burden`): the relay's own `BEGIN` and claim,
+/// and that much CPU burnt per event after each commit, when the events
+/// are already on the queue.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn follow(
     database_url: String,
     url: String,
     schema: String,
     exchange: String,
     tuning: LoopTuning,
+    burden: Option<u64>,
     stages: Option<StageLog>,
     stop: tokio_util::sync::CancellationToken,
 ) -> std::thread::JoinHandle<Result<()>> {
@@ -248,16 +342,19 @@ pub(crate) fn follow(
                 }
             }
         });
+        let statements = match burden {
+            None => Statements::own(&schema),
+            Some(us) => Statements::relays(&pool, &url, &schema, &exchange, us).await?,
+        };
         let conn = connect_contender(&url).await?;
         let mut loops = Vec::new();
         for _ in 0..tuning.loops {
             let ch = conn.create_channel().await?;
             ch.confirm_select(ConfirmSelectOptions::default()).await?;
-            let (pool, schema, exchange) = (pool.clone(), schema.clone(), exchange.clone());
+            let (pool, statements, exchange) = (pool.clone(), statements.clone(), exchange.clone());
             let (mut woken, stop) = (wake.subscribe(), stop.clone());
             let stages = stages.clone();
             loops.push(tokio::spawn(async move {
-                let statements = statements(&schema);
                 let mut conn = pool.acquire().await?;
                 while !stop.is_cancelled() {
                     woken.borrow_and_update();
