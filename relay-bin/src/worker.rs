@@ -13,8 +13,8 @@
 //! pool tests it and drops a dead one), and after [`HOLD_AT_MOST`], so the
 //! pool's lifetime limits still apply. While events trickle in, each one
 //! is followed by a claim that finds nothing: giving the connection back
-//! there cost a ping per event, a twelfth of the relay's CPU per event at
-//! 500 events/s, and CPU spent on these shared cores slows every thread's
+//! there cost a ping per event, 8% of the relay process's CPU per event at
+//! 500 events/s, and CPU spent on shared cores slows every thread's
 //! wake-up, the hand-written path's too (BENCHMARKS.md, twelfth part).
 
 use std::panic::AssertUnwindSafe;

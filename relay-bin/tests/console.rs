@@ -85,7 +85,7 @@ async fn console_filtered_replay_moves_exactly_the_matching_dead_letters_and_the
     browser
         .type_into("input[name=event_type]", "PaymentFailed")
         .await;
-    browser.click("#apply-filter").await;
+    browser.click_to_page("#apply-filter").await;
     assert_eq!(browser.text("#matching-count").await, "12");
     let rows = browser.text("#dead-letter-table tbody").await;
     assert!(

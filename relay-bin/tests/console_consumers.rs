@@ -107,7 +107,7 @@ async fn console_consumers_page_shows_depths_rates_and_dead_letters_with_their_r
     browser
         .type_into("input[name=reason_words]", "UNKNOWN SKU")
         .await;
-    browser.click("#apply-filter").await;
+    browser.click_to_page("#apply-filter").await;
     assert_eq!(browser.text("#matching-count").await, "4");
     assert!(
         !browser

@@ -221,18 +221,18 @@ async fn console_pages_dead_letters_both_ways_sorts_them_and_selects_a_page() {
         !b.exists("#previous-page").await,
         "no page before the first"
     );
-    b.click("#next-page").await;
+    b.click_to_page("#next-page").await;
     b.text("#matching").await;
     let second = listed(&b).await;
     assert_eq!(second, ids[50..100].to_vec());
-    b.click("#next-page").await;
+    b.click_to_page("#next-page").await;
     b.text("#matching").await;
     assert_eq!(listed(&b).await, ids[100..].to_vec());
     assert!(!b.exists("#next-page").await, "the last page");
-    b.click("#previous-page").await;
+    b.click_to_page("#previous-page").await;
     b.text("#matching").await;
     assert_eq!(listed(&b).await, second, "back to the second page");
-    b.click("#first-page").await;
+    b.click_to_page("#first-page").await;
     b.text("#matching").await;
     assert_eq!(listed(&b).await, first);
     // Oldest first, and most attempts first.

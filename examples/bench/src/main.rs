@@ -96,7 +96,7 @@ struct Args {
     /// and claims with the relay's own claim (its probe for ordered
     /// events, all its columns), and burns this many microseconds of CPU
     /// per event after each commit, when the events are already on the
-    /// queue. About 90 gives it the relay binary's CPU per event at 500
+    /// queue. About 50 gives it the relay binary's CPU per event at 500
     /// events/s on two cores. Tells how much of the latency gap is the
     /// relay's extra load on shared cores rather than its path
     /// (BENCHMARKS.md, twelfth part).

@@ -94,6 +94,40 @@ impl Browser {
             .unwrap_or_else(|e| panic!("click {css}: {e}"));
     }
 
+    /// Clicks `css`, which loads another page (a form's submit, a link),
+    /// and waits up to 10 s for that page to have loaded. A read straight
+    /// after a bare click can still find the old page, whose elements the
+    /// new one often shares (a filter's count, a page of rows).
+    pub(crate) async fn click_to_page(&self, css: &str) {
+        self.client
+            .execute("window.__outboxOldPage = true;", vec![])
+            .await
+            .expect("mark the page");
+        self.click(css).await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            // Errors while the page unloads count as not loaded yet.
+            let loaded = self
+                .client
+                .execute(
+                    "return window.__outboxOldPage !== true && document.readyState === 'complete';",
+                    vec![],
+                )
+                .await
+                .ok()
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false);
+            if loaded {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no new page within 10 s of clicking {css}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     pub(crate) async fn type_into(&self, css: &str, text: &str) {
         let e = self
             .client
