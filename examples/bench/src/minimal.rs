@@ -270,12 +270,13 @@ async fn one_batch(
         .execute(&mut *tx)
         .await?;
     tx.commit().await?;
-    statements.burn(rows.len());
     if let Some(log) = stages {
         let ids = ids.iter().map(Uuid::to_string).collect();
         let now = std::time::Instant::now();
         stages::record(log, start, [begun, claimed, handed, confirmed, now], ids);
     }
+    // After the settle's stamp, so its stage is the commit's alone.
+    statements.burn(rows.len());
     Ok(rows.len())
 }
 
