@@ -73,6 +73,7 @@ async fn ordered_types_are_numbered_per_aggregate_and_others_are_not() {
             _ => assert_eq!(seq, None, "{t}/{a} is not ordered"),
         }
     }
+    drop_schema(&pool, &schema).await;
 }
 
 #[tokio::test]
@@ -93,6 +94,7 @@ async fn enqueue_many_numbers_in_input_order_and_continues_the_sequence() {
     for (t, a, n, seq) in rows(&pool, &schema).await {
         assert_eq!(seq, Some(n), "{t}/{a} #{n}");
     }
+    drop_schema(&pool, &schema).await;
 }
 
 #[tokio::test]
@@ -132,6 +134,7 @@ async fn a_repeated_id_takes_no_number_and_leaves_no_hole() {
     .await
     .unwrap();
     assert_eq!(last, 5, "the counter has no hole either");
+    drop_schema(&pool, &schema).await;
 }
 
 #[tokio::test]
@@ -151,6 +154,7 @@ async fn a_rolled_back_transaction_gives_its_numbers_back() {
         .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(rows(&pool, &schema).await[0].3, Some(1));
+    drop_schema(&pool, &schema).await;
 }
 
 /// Concurrent writers of one aggregate: numbers follow commit order, so a
@@ -239,6 +243,7 @@ async fn numbers_follow_commit_order_across_concurrent_writers() {
     .unwrap();
     let n = (writers * per_writer) as i64;
     assert_eq!(last, vec![(-1, Some(n + 1)), (-2, Some(n + 2))]);
+    drop_schema(&pool, &schema).await;
 }
 
 #[tokio::test]
@@ -282,6 +287,7 @@ async fn sql_producers_get_numbers_from_the_documented_function() {
     .execute(&pool)
     .await;
     assert!(dup.is_err(), "unique (aggregate, seq)");
+    drop_schema(&pool, &schema).await;
 }
 
 /// The producer's side of an id that comes back: while its first copy is
@@ -326,6 +332,7 @@ async fn an_id_enqueued_again_after_delivery_takes_the_next_number() {
             ("order".into(), "a".into(), 2, Some(3))
         ]
     );
+    drop_schema(&pool, &schema).await;
 }
 
 /// Ordering is the database's, not a handle's: two handles that differ
@@ -422,4 +429,5 @@ async fn every_writer_numbers_an_ordered_type_whatever_its_handle_says() {
             .await
             .contains(&("order".into(), "b".into(), 1, None))
     );
+    drop_schema(&pool, &schema).await;
 }
