@@ -6,11 +6,12 @@ use std::time::Duration;
 
 use lapin::options::{BasicAckOptions, BasicPublishOptions};
 use lapin::types::AMQPValue;
-use lapin::{Acker, BasicProperties, Channel, Confirmation, PublisherConfirm};
+use lapin::{Acker, BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
 use outbox::wire;
+use outbox_core::amqp::{is_blocked, while_blocked};
 use outbox_core::queues::DEATH_HISTORY;
 
-use crate::error::{Error, Result, bounded};
+use crate::error::{Error, Result, bounded_unblocked};
 use crate::event::{HEADER_DEFERRAL_COUNT, HEADER_DELIVERY_COUNT};
 
 /// What the ack stage does with one delivery of a committed batch (decided
@@ -40,8 +41,12 @@ pub(crate) struct AckItem<'a> {
 /// Republishes what needs it on the confirm-mode `channel`, awaits every
 /// confirm, then acks the whole batch with one `multiple` ack. `Err`
 /// leaves the batch unacked: the broker redelivers it and the inbox turns
-/// the committed part into duplicates.
+/// the committed part into duplicates. Each wait is bounded by `timeout`
+/// of time the broker does not block `conn`: through a resource alarm the
+/// batch waits on the same connection (nothing it writes goes out until
+/// the lift), not charged, not reconnected.
 pub(crate) async fn acknowledge(
+    conn: &Connection,
     channel: &Channel,
     queue: &str,
     consumer: &str,
@@ -61,9 +66,10 @@ pub(crate) async fn acknowledge(
         let Some((target, props)) = copy_of(item, &queues, consumer) else {
             continue;
         };
-        let confirm = bounded(
+        let confirm = bounded_unblocked(
             "basic.publish",
             timeout,
+            conn,
             channel.basic_publish(
                 "".into(),
                 target.as_str().into(),
@@ -75,13 +81,14 @@ pub(crate) async fn acknowledge(
         .await?;
         pending.push((target, confirm));
     }
-    await_confirms(pending, timeout).await?;
+    await_confirms(conn, pending, timeout).await?;
     // Batches are settled in delivery order, so every earlier tag on this
     // channel is settled already: one `multiple` ack covers the batch.
     if let Some(last) = items.last() {
-        bounded(
+        bounded_unblocked(
             "basic.ack",
             timeout,
+            conn,
             last.acker.ack(BasicAckOptions { multiple: true }),
         )
         .await?;
@@ -152,25 +159,36 @@ fn copy_of<'q>(
     Some((target, props))
 }
 
-/// Awaits every copy's confirm against one deadline: a copy refused,
-/// returned or unconfirmed fails the batch's ack.
+/// Awaits every copy's confirm against one deadline (moved past a block
+/// of `conn`): a copy refused, returned or unconfirmed fails the batch's
+/// ack.
 async fn await_confirms(
+    conn: &Connection,
     pending: Vec<(&String, PublisherConfirm)>,
     timeout: Duration,
 ) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + timeout;
+    let mut deadline = tokio::time::Instant::now() + timeout;
     for (target, confirm) in pending {
-        let confirmation = match tokio::time::timeout_at(deadline, confirm).await {
-            Err(_) => {
-                return Err(Error::BrokerTimeout {
-                    what: "publisher confirm",
-                    timeout,
-                });
+        let mut confirm = std::pin::pin!(confirm);
+        let confirmation = loop {
+            match tokio::time::timeout_at(deadline, confirm.as_mut()).await {
+                Err(_) if is_blocked(conn) => {
+                    while_blocked(conn).await;
+                    deadline = tokio::time::Instant::now() + timeout;
+                }
+                Err(_) => {
+                    return Err(Error::BrokerTimeout {
+                        what: "publisher confirm",
+                        timeout,
+                    });
+                }
+                Ok(r) => {
+                    break r.map_err(|source| Error::Broker {
+                        what: "publisher confirm",
+                        source,
+                    })?;
+                }
             }
-            Ok(r) => r.map_err(|source| Error::Broker {
-                what: "publisher confirm",
-                source,
-            })?,
         };
         match confirmation {
             Confirmation::Ack(None) => {}

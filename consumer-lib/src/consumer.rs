@@ -44,6 +44,9 @@ pub(crate) struct Inner {
     /// (the one in use, or the one after it once a session on it failed),
     /// which one is in use.
     pub(crate) nodes: outbox_core::amqp::Nodes,
+    /// The broker blocks the session's connection now (a resource alarm):
+    /// acks and republishes wait for the lift.
+    pub(crate) blocked: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Consumer {
@@ -125,6 +128,7 @@ impl Consumer {
                 nodes,
                 broker,
                 database,
+                blocked: Arc::default(),
             }),
         })
     }
@@ -188,5 +192,17 @@ impl Consumer {
     /// was last connected to.
     pub fn broker_node(&self) -> Option<String> {
         self.inner.nodes.current()
+    }
+
+    /// Whether the broker blocks this consumer's connection now (a memory
+    /// or disk alarm, which RabbitMQ applies to connections that publish:
+    /// this one republishes to its retry and dead-letter queues). Acks and
+    /// republishes wait for the lift on the same connection; nothing is
+    /// counted against the events. Also the gauge
+    /// `outbox_consumer_broker_blocked{consumer}`.
+    pub fn broker_blocked_now(&self) -> bool {
+        self.inner
+            .blocked
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 }

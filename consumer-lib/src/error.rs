@@ -146,3 +146,14 @@ pub(crate) async fn bounded<T>(
 ) -> Result<T> {
     Ok(outbox_core::amqp::bounded(what, timeout, f).await?)
 }
+
+/// [`bounded`], not counting the time the broker blocks `conn`
+/// ([`outbox_core::amqp::bounded_unblocked`]).
+pub(crate) async fn bounded_unblocked<T>(
+    what: &'static str,
+    timeout: Duration,
+    conn: &lapin::Connection,
+    f: impl Future<Output = lapin::Result<T>>,
+) -> Result<T> {
+    Ok(outbox_core::amqp::bounded_unblocked(what, timeout, conn, f).await?)
+}

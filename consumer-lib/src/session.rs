@@ -19,6 +19,7 @@ use crate::consumer::Consumer;
 use crate::error::{Error, Result, bounded};
 use crate::shutdown::{End, FIRST_BACKOFF, pause};
 use crate::topology::declare_retry_queues;
+use outbox_core::amqp::{BlockWatch, Flow, Link};
 use outbox_core::backoff::Backoff;
 
 impl Consumer {
@@ -87,28 +88,52 @@ impl Consumer {
         // lapin's auto-recovery stays off: `supervise` reconnects.
         let props = ConnectionProperties::default()
             .with_connection_name(format!("outbox-consumer {}", cfg.consumer_name).into());
-        let (conn, node) = self.connect(props).await?;
+        let (conn, link, node) = self.connect(props).await?;
+        let watch = self.watch_blocks(&conn);
         let result = self.consume(&conn, shutdown, backoff).await;
+        drop(watch);
         if result.is_err() {
             // The next connection starts with the node after this one.
             self.inner.nodes.leave(node);
         }
         // Disconnected: the node's gauge drops to 0 until a connection.
         self.inner.nodes.gone();
-        let _ = tokio::time::timeout(t, conn.close(200, "consumer stopping".into())).await;
+        // Closed before the next one opens, or cut: a blocked connection
+        // (a resource alarm) writes nothing, not even its close.
+        link.close(&conn, t).await;
         result
+    }
+
+    /// Shows the broker's blocks of `conn` (one warning, the gauge,
+    /// [`Consumer::broker_blocked_now`]) while the watch lives.
+    fn watch_blocks(&self, conn: &Connection) -> BlockWatch {
+        let blocked = self.inner.blocked.clone();
+        let name = self.inner.config.consumer_name.clone();
+        BlockWatch::new(conn, move |flow| {
+            let on = matches!(flow, Flow::Blocked(_));
+            blocked.store(on, Ordering::Relaxed);
+            metrics::gauge!("outbox_consumer_broker_blocked", "consumer" => name.clone())
+                .set(f64::from(u8::from(on)));
+            match flow {
+                Flow::Blocked(reason) => {
+                    tracing::warn!(consumer = %name, %reason, "the broker blocks this connection (a resource alarm): acks and republishes wait for the lift, nothing is charged")
+                }
+                Flow::Unblocked => tracing::info!(consumer = %name, "the broker lifted its block"),
+                Flow::Gone => {}
+            }
+        })
     }
 
     /// Connects to the first broker URL that answers, from the node in
     /// use or the one after the node whose session failed
     /// (`outbox_core::amqp::Nodes`, the relay's seam too). Returns the
-    /// connection and its node's index.
-    async fn connect(&self, props: ConnectionProperties) -> Result<(Connection, usize)> {
+    /// connection, the link that can cut it, and its node's index.
+    async fn connect(&self, props: ConnectionProperties) -> Result<(Connection, Link, usize)> {
         let me = &self.inner;
-        let (conn, i) = me.nodes.connect(props).await?;
+        let (conn, link, i) = me.nodes.connect(props).await?;
         let node = me.nodes.current().unwrap_or_default();
         tracing::info!(consumer = %me.config.consumer_name, broker = %node, "connected to the broker");
-        Ok((conn, i))
+        Ok((conn, link, i))
     }
 
     async fn consume(
@@ -158,7 +183,7 @@ impl Consumer {
             let Some(batch) = next_batch(&mut deliveries, cfg, shutdown).await? else {
                 break;
             };
-            if let Some(end) = self.process(batch, &publisher, shutdown).await? {
+            if let Some(end) = self.process(batch, conn, &publisher, shutdown).await? {
                 return Ok(end);
             }
             if shutdown.is_cancelled() {

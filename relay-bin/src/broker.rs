@@ -13,7 +13,9 @@ use lapin::{Connection, ConnectionProperties, ExchangeKind};
 
 use crate::config::RelayConfig;
 use crate::error::Result;
-use outbox_core::amqp::{Nodes, bounded};
+use outbox_core::amqp::{BlockWatch, Flow, Link, Nodes, bounded};
+
+use crate::health::Health;
 
 /// The broker's nodes (which one the next connection tries first, which
 /// one is in use) and what each connection declares.
@@ -23,6 +25,11 @@ pub(crate) struct Broker {
     timeout: Duration,
     /// The exchange to declare on each connection, and its kind.
     declare: Option<(String, String)>,
+    /// Shows the broker's blocks of the relay's connections.
+    health: Arc<Health>,
+    /// `outbox-relay <name>`: which relay a connection is, in the
+    /// broker's connection list.
+    connection_name: String,
 }
 
 impl std::fmt::Debug for Broker {
@@ -45,9 +52,11 @@ impl Broker {
         ))
     }
 
-    pub(crate) fn new(config: &RelayConfig, nodes: Arc<Nodes>) -> Self {
+    pub(crate) fn new(config: &RelayConfig, nodes: Arc<Nodes>, health: Arc<Health>) -> Self {
         Self {
             nodes,
+            health,
+            connection_name: format!("outbox-relay {}", config.name),
             timeout: config.broker_timeout,
             declare: config
                 .declare_exchange
@@ -58,21 +67,34 @@ impl Broker {
 
     /// Connects to the first node that answers (starting with the one in
     /// use, or after the one whose session failed) and declares the
-    /// default exchange if configured. Returns the connection and the
-    /// index of its node, for [`leave`](Self::leave).
-    pub(crate) async fn connect(&self) -> Result<(Arc<Connection>, usize)> {
-        let props = ConnectionProperties::default().with_connection_name("outbox-relay".into());
-        let (conn, i) = self.nodes.connect(props).await?;
-        let node = self.nodes.current().unwrap_or_default();
-        tracing::info!(broker = %node, "connected to the broker");
-        let conn = Arc::new(conn);
+    /// default exchange if configured. The session watches the broker's
+    /// blocks of its connection ([`BlockWatch`]) for `who` (`"table
+    /// workers"`, `"log reader"`).
+    pub(crate) async fn connect(&self, who: &'static str) -> Result<Session> {
+        let props = ConnectionProperties::default()
+            .with_connection_name(self.connection_name.as_str().into());
+        let (conn, link, node) = self.nodes.connect(props).await?;
+        let broker = self.nodes.current().unwrap_or_default();
+        tracing::info!(broker = %broker, "connected to the broker");
+        let health = self.health.clone();
+        let session = Session {
+            watch: BlockWatch::new(&conn, move |flow| match flow {
+                Flow::Blocked(reason) => health.block(who, reason),
+                Flow::Unblocked => health.unblock(Some(who)),
+                Flow::Gone => health.unblock(None),
+            }),
+            conn: Arc::new(conn),
+            link,
+            node,
+        };
         if let Some((name, kind)) = &self.declare
-            && let Err(e) = declare_exchange(&conn, name, kind, self.timeout).await
+            && let Err(e) = declare_exchange(&session.conn, name, kind, self.timeout).await
         {
-            self.leave(i);
+            self.leave(node);
+            session.close(self.timeout).await;
             return Err(e);
         }
-        Ok((conn, i))
+        Ok(session)
     }
 
     /// A session on node `i` failed: the next connection starts with the
@@ -114,4 +136,30 @@ async fn declare_exchange(
     .await?;
     let _ = bounded("channel close", timeout, ch.close(200, "OK".into())).await;
     Ok(())
+}
+
+/// One broker connection of the relay's: the connection, the [`Link`]
+/// under it, its node's index (for [`Broker::leave`]) and the watch on the
+/// broker's blocks of it.
+pub(crate) struct Session {
+    pub(crate) conn: Arc<Connection>,
+    link: Link,
+    pub(crate) node: usize,
+    watch: BlockWatch,
+}
+
+impl Session {
+    /// Closes the connection, for sure: politely within `timeout`, or cut
+    /// ([`Link::close`]; a connection the broker blocks cannot send its
+    /// own close). Gone when this returns.
+    pub(crate) async fn close(self, timeout: Duration) {
+        drop(self.watch);
+        self.link.close(&self.conn, timeout).await;
+    }
+
+    /// Cuts the connection now ([`Link::abort`]).
+    pub(crate) fn abort(self) {
+        drop(self.watch);
+        self.link.abort();
+    }
 }

@@ -44,6 +44,12 @@ pub struct RelayConfig {
     pub confirm_timeout: Duration,
     /// Bound on connecting and on every other broker operation.
     pub broker_timeout: Duration,
+    /// Bound on every database call of the relay, from its side: a call
+    /// that does not answer within it (a link gone silent) fails, its
+    /// connection is discarded and the work retried on a fresh one. Also
+    /// the batch statements' `statement_timeout`, so the server gives up on
+    /// a statement when the relay does.
+    pub database_timeout: Duration,
     /// Largest payload published; bigger events are dead-lettered at once.
     pub max_payload_bytes: usize,
     /// Keep delivered events in `outbox_published` instead of deleting them.
@@ -119,6 +125,7 @@ impl Default for RelayConfig {
             retry_max: Duration::from_secs(300),
             confirm_timeout: Duration::from_secs(15),
             broker_timeout: Duration::from_secs(10),
+            database_timeout: Duration::from_secs(10),
             max_payload_bytes: outbox::DEFAULT_MAX_PAYLOAD_BYTES,
             archive: false,
             drain_timeout: Duration::from_secs(30),
@@ -237,6 +244,15 @@ impl RelayConfig {
             if d.is_zero() {
                 return Err(ConfigError::Zero(name));
             }
+        }
+        // A bound a healthy round trip could miss would discard good
+        // connections.
+        let floor = Duration::from_millis(500);
+        if self.database_timeout < floor {
+            return Err(ConfigError::TooShort {
+                setting: "database timeout",
+                floor,
+            });
         }
         if self.retry_max < self.retry_base {
             return Err(ConfigError::Inverted {

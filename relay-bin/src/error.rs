@@ -60,6 +60,25 @@ pub enum Error {
     /// returns it.
     #[error("write-ahead-log capture: {0}")]
     WalRefused(String),
+    /// A database call did not finish within
+    /// [`RelayConfig::database_timeout`](crate::RelayConfig::database_timeout)
+    /// (a link gone silent, a server that stopped answering): its
+    /// connection was discarded, and the work is retried on a fresh one.
+    #[error("database did not answer {what} within {timeout:?}; its connection is discarded")]
+    DatabaseTimeout {
+        /// The call that timed out.
+        what: &'static str,
+        /// The bound that was exceeded.
+        timeout: std::time::Duration,
+    },
+    /// The broker blocks this connection's publishing (a memory or disk
+    /// alarm): the batch was rolled back without counting an attempt, and
+    /// publishing waits for the broker to lift the block.
+    #[error("the broker blocks publishing (resource alarm) during {what}")]
+    BrokerBlocked {
+        /// The operation that could not finish.
+        what: &'static str,
+    },
     /// A broker operation did not finish within its timeout.
     #[error("broker did not answer {what} within {timeout:?}")]
     BrokerTimeout {
@@ -78,6 +97,7 @@ impl Error {
             Error::Broker { .. }
                 | Error::BrokerConnect { .. }
                 | Error::BrokerTimeout { .. }
+                | Error::BrokerBlocked { .. }
                 | Error::ChannelClosed(_)
         )
     }
@@ -97,7 +117,9 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Config(_) | Error::DrainTimedOut(_) | Error::WalRefused(_) => false,
-            Error::Replication(_) => true,
+            Error::Replication(_) | Error::DatabaseTimeout { .. } | Error::BrokerBlocked { .. } => {
+                true
+            }
             Error::Outbox(e) => e.is_transient(),
             Error::Database(e) => outbox_core::db::is_transient(e),
             Error::BrokerConnect { .. } | Error::Broker { .. } => !self.is_refusal(),

@@ -31,7 +31,8 @@ pub(crate) async fn serve(
             tracing::error!(error = %e, "metrics server stopped");
         }
     });
-    tokio::spawn(refresh_gauges(health, pool, schema));
+    tokio::spawn(refresh_readiness(health));
+    tokio::spawn(refresh_gauges(pool, schema));
     tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
     Ok(())
 }
@@ -58,41 +59,69 @@ fn router(handle: PrometheusHandle, health: Arc<Health>) -> Router {
         )
 }
 
-/// `/readyz`: ready or not, and which broker node is in use (or was
-/// last), never a URL.
+/// `/readyz`: ready or not, which broker node is in use (or was last),
+/// never a URL, and what keeps the relay from being ready.
 fn readiness(health: &Health) -> (StatusCode, String) {
-    let ready = health.is_ready();
     let node = health.broker_node().unwrap_or_else(|| "none".to_owned());
-    if ready {
-        (StatusCode::OK, format!("ready\nbroker node: {node}\n"))
+    let mut body = format!(
+        "{}\nbroker node: {node}\n",
+        if health.is_ready() {
+            "ready"
+        } else {
+            "not ready"
+        }
+    );
+    if !health.broker_connected() {
+        body.push_str("broker: not connected; reconnecting\n");
+    }
+    if let Some(reason) = health.broker_blocked() {
+        body.push_str(&format!(
+            "broker: blocked by a resource alarm ({reason}); publishing paused, no attempt counted, until the broker lifts it\n"
+        ));
+    }
+    if !health.database_ok() {
+        body.push_str("database: not answering or failing; retrying on fresh connections\n");
+    }
+    let status = if health.is_ready() {
+        StatusCode::OK
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready\nbroker node: {node}\n"),
-        )
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, body)
+}
+
+/// The readiness gauges, every second: atomics only, so a database that
+/// stopped answering cannot hold them at their last value.
+async fn refresh_readiness(health: Arc<Health>) {
+    loop {
+        metrics::gauge!("outbox_relay_ready").set(f64::from(u8::from(health.is_ready())));
+        metrics::gauge!("outbox_relay_broker_blocked")
+            .set(f64::from(u8::from(health.broker_blocked().is_some())));
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 
-/// Backlog gauges, refreshed off the hot path, every 10 s for ever.
-async fn refresh_gauges(health: Arc<Health>, pool: PgPool, schema: Ident) {
+/// Backlog gauges, refreshed off the hot path, every 10 s for ever; a
+/// refresh the database does not answer within 10 s is skipped.
+async fn refresh_gauges(pool: PgPool, schema: Ident) {
     let mut reported_slot = false;
     loop {
-        metrics::gauge!("outbox_relay_ready").set(f64::from(u8::from(health.is_ready())));
+        let bound = Duration::from_secs(10);
         // Cheap on any outbox size: estimates and index probes only.
-        if let Ok(g) = crate::admin::gauges(&pool, &schema).await {
+        if let Ok(Ok(g)) = tokio::time::timeout(bound, crate::admin::gauges(&pool, &schema)).await {
             metrics::gauge!("outbox_relay_backlog").set(g.backlog as f64);
             metrics::gauge!("outbox_relay_oldest_pending_seconds").set(g.oldest_due_age_s);
             metrics::gauge!("outbox_relay_dead_letters").set(g.dead_letters as f64);
             metrics::gauge!("outbox_relay_blocked_aggregates").set(g.blocked_aggregates as f64);
         }
-        match crate::admin::wal_slot(&pool, &schema).await {
-            Ok(Some(slot)) => {
+        match tokio::time::timeout(bound, crate::admin::wal_slot(&pool, &schema)).await {
+            Ok(Ok(Some(slot))) => {
                 wal_slot_gauges(&slot);
                 reported_slot = true;
             }
             // Reported before, gone now (dropped, or its record
             // deleted): no stale figures for the alerts to fire on.
-            Ok(None) if reported_slot => wal_slot_gone(),
+            Ok(Ok(None)) if reported_slot => wal_slot_gone(),
             _ => {}
         }
         tokio::time::sleep(Duration::from_secs(10)).await;

@@ -77,6 +77,7 @@ pub mod cli;
 mod config;
 #[cfg(feature = "cli")]
 mod console;
+mod db;
 mod error;
 mod health;
 #[cfg(feature = "cli")]
@@ -113,6 +114,7 @@ pub const FAULT_PANIC_EVENT_TYPE: &str = "outbox-relay.fault-injection.panic";
 pub const FAULT_CHANNEL_EVENT_TYPE: &str = "outbox-relay.fault-injection.close-channel";
 
 pub use crate::config::{RelayConfig, WalCapture};
+pub use crate::db::pool_options;
 pub use crate::error::{ConfigError, Error, Result};
 pub use crate::health::Health;
 pub use crate::relay::Relay;

@@ -6,16 +6,33 @@
 
 use tokio_util::sync::CancellationToken;
 
+use crate::db::bounded;
+use crate::error::Error;
 use crate::relay::Relay;
 use crate::wake::sleep_or_cancel;
 
 impl Relay {
-    /// One round, if one is due.
+    /// One round, if one is due; each of its statements bounded by the
+    /// database timeout (a round cut short is tried again at the next).
     pub(crate) async fn maintenance_round(&self) {
         let inner = &self.inner;
         let node = inner.health.broker_node();
-        if inner.leases.round(&inner.pool, node).await {
-            inner.stats.write(&inner.pool).await;
+        let t = inner.config.database_timeout;
+        let leases = bounded("the lease round", t * 2, async {
+            Ok::<_, Error>(inner.leases.round(&inner.pool, node).await)
+        });
+        match leases.await {
+            Ok(true) => {
+                let stats = bounded("the publish stats", t, async {
+                    inner.stats.write(&inner.pool).await;
+                    Ok::<_, Error>(())
+                });
+                if let Err(e) = stats.await {
+                    tracing::debug!(error = %e, "publish stats not written; next round");
+                }
+            }
+            Ok(false) => {}
+            Err(e) => tracing::warn!(error = %e, "lease round failed; retrying at the next round"),
         }
     }
 

@@ -24,8 +24,10 @@ use crate::stats::Stats;
 use outbox_core::outage::Outage;
 
 /// One round trip: a transaction whose commit does not wait for the flush,
-/// with bounds on every statement and on idling inside it, whatever pool
-/// an embedding service hands in (a frozen relay loses its row locks).
+/// with bounds on every statement (the relay's database timeout: the
+/// server gives up on a statement when the relay does) and on idling
+/// inside it, whatever pool an embedding service hands in (a frozen relay
+/// loses its row locks).
 ///
 /// The idle bound is the longest a healthy batch waits inside its
 /// transaction (publishing, then the confirms) plus a margin: a relay
@@ -46,9 +48,10 @@ use outbox_core::outage::Outage;
 fn begin_async_commit(config: &RelayConfig) -> sqlx::SqlStr {
     let idle = config.publish_phase() + std::time::Duration::from_secs(5);
     sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(format!(
-        "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL statement_timeout = '30s'; \
+        "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL statement_timeout = '{}ms'; \
          SET LOCAL idle_in_transaction_session_timeout = '{}ms'; \
          SET LOCAL enable_seqscan = off; SET LOCAL jit = off",
+        config.database_timeout.as_millis(),
         idle.as_millis()
     )))
 }
@@ -203,7 +206,7 @@ impl Relay {
                     config.retry_max,
                 ),
                 settle_sql,
-                broker: Arc::new(crate::broker::Broker::new(&config, nodes)),
+                broker: Arc::new(crate::broker::Broker::new(&config, nodes, health.clone())),
                 health,
                 schema,
                 config,
@@ -235,8 +238,13 @@ impl Relay {
     /// itself keeps reconnecting instead.
     pub async fn check_broker(&self) -> Result<()> {
         let timeout = self.inner.config.broker_timeout;
-        self.open_session().await?.close(timeout).await;
-        Ok(())
+        let session = self.inner.broker.connect("start-up check").await?;
+        let publisher = Publisher::open(&session.conn, timeout).await;
+        if let Ok(p) = &publisher {
+            p.close().await;
+        }
+        session.close(timeout).await;
+        publisher.map(drop)
     }
 
     /// Testing only (feature `testing`): a worker session of its own, for
@@ -261,10 +269,12 @@ impl Relay {
         )
     }
 
+    #[cfg(feature = "testing")]
     async fn open_session(&self) -> Result<WorkerSession> {
-        let (conn, _) = self.inner.broker.connect().await?;
-        let publisher = Publisher::open(&conn, self.inner.config.broker_timeout).await?;
-        Ok(WorkerSession::new(conn, publisher, 0, 1))
+        let session = self.inner.broker.connect("test session").await?;
+        let publisher = Publisher::open(&session.conn, self.inner.config.broker_timeout).await?;
+        // The test owns the connection now (its link and block watch go).
+        Ok(WorkerSession::new(session.conn.clone(), publisher, 0, 1))
     }
 
     /// This relay's id in `outbox_relays` and `outbox_leases`.

@@ -2,13 +2,13 @@
 //! with backoff, failing over between nodes), runs the workers on it, and
 //! on shutdown drains the batches in flight.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use lapin::Connection;
 use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 
+use crate::broker::Session;
+use crate::db::bounded;
 use crate::error::{Error, Result};
 use crate::publish;
 use crate::relay::Relay;
@@ -81,13 +81,14 @@ impl Relay {
                 outbox::wakeup_channel(&inner.schema),
                 inner.wake.clone(),
                 shutdown.clone(),
+                cfg.database_timeout,
             )));
         }
         inner.health.database.store(true, Ordering::Relaxed);
         let mut backoff = Backoff::new(cfg.reconnect_min, cfg.reconnect_max);
         let mut drained_late = false;
         while !shutdown.is_cancelled() {
-            let (conn, node) = match self.inner.broker.connect().await {
+            let session = match self.inner.broker.connect("table workers").await {
                 Ok(opened) => opened,
                 Err(e) if e.is_refusal() => return self.give_up(e, listener).await,
                 Err(e) => {
@@ -95,7 +96,8 @@ impl Relay {
                     continue;
                 }
             };
-            let end = self.run_session(conn, &shutdown).await;
+            let node = session.node;
+            let end = self.run_session(session, &shutdown).await;
             drained_late |= end.drained_late;
             match end.broker_error {
                 Some(e) if e.is_refusal() => return self.give_up(e, listener).await,
@@ -112,7 +114,7 @@ impl Relay {
         if let Some(l) = listener {
             l.abort();
         }
-        self.inner.leases.release(&self.inner.pool).await;
+        self.release_leases().await;
         if drained_late {
             return Err(Error::DrainTimedOut(cfg.drain_timeout));
         }
@@ -122,8 +124,9 @@ impl Relay {
     /// Runs the workers on `conn` until one fails, or until shutdown, when
     /// the batches in flight get `drain_timeout` to finish; past it they
     /// are abandoned (rolled back: their events stay in the outbox).
-    async fn run_session(&self, conn: Arc<Connection>, shutdown: &CancellationToken) -> SessionEnd {
+    async fn run_session(&self, session: Session, shutdown: &CancellationToken) -> SessionEnd {
         let cfg = &self.inner.config;
+        let conn = session.conn.clone();
         let mut workers = JoinSet::new();
         let session_stop = shutdown.child_token();
         // Leases and stats beside the workers, while the session lasts: a
@@ -171,13 +174,14 @@ impl Relay {
             }
         }
         // Past the drain timeout nothing more is waited for: the
-        // connection is dropped, not closed politely.
-        if !end.drained_late {
-            let _ = tokio::time::timeout(
-                cfg.broker_timeout,
-                conn.close(200, "relay session over".into()),
-            )
-            .await;
+        // connection is cut, not closed politely. Either way it is gone
+        // before the next one opens (one a blocked broker holds cannot
+        // send its close: it is cut too).
+        drop(conn);
+        if end.drained_late {
+            session.abort();
+        } else {
+            session.close(cfg.broker_timeout).await;
         }
         self.inner.health.broker.store(false, Ordering::Relaxed);
         self.inner.broker.gone();
@@ -192,8 +196,27 @@ impl Relay {
             l.abort();
         }
         self.inner.health.broker.store(false, Ordering::Relaxed);
-        self.inner.leases.release(&self.inner.pool).await;
+        self.release_leases().await;
         Err(e)
+    }
+
+    /// Gives this relay's partition leases up (bounded: they expire by
+    /// themselves when the database does not answer).
+    async fn release_leases(&self) {
+        let inner = &self.inner;
+        let release = async {
+            inner.leases.release(&inner.pool).await;
+            Ok::<_, Error>(())
+        };
+        if let Err(e) = bounded(
+            "the leases' release",
+            inner.config.database_timeout,
+            release,
+        )
+        .await
+        {
+            tracing::warn!(error = %e, "could not release partition leases; they expire by themselves");
+        }
     }
 
     async fn broker_down(&self, e: &Error, backoff: &mut Backoff, shutdown: &CancellationToken) {

@@ -6,27 +6,42 @@
 use std::time::Duration;
 
 use sqlx::PgPool;
-use sqlx::postgres::PgListener;
+use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use outbox_core::backoff::Backoff;
 
+/// How long the listener may hear nothing before it checks its link (one
+/// `SELECT 1`, bounded by the database timeout): a link gone silent would
+/// otherwise leave it waiting for ever, polling alone doing the work.
+const CHECK_WHEN_QUIET: Duration = Duration::from_secs(10);
+
+/// Listens on `channel` until `shutdown`, bumping `wake` at every
+/// notification and at every reconnect. Its connection is in a pool of its
+/// own (one connection, opened with the relay pool's options): a listener
+/// whose link stopped answering is dropped with that pool, so it never
+/// holds a slot of the relay's.
 pub(crate) async fn listen(
     pool: PgPool,
     channel: String,
     wake: watch::Sender<u64>,
     shutdown: CancellationToken,
+    timeout: Duration,
 ) {
     let bump = || wake.send_modify(|g| *g = g.wrapping_add(1));
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     while !shutdown.is_cancelled() {
+        let own = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(timeout)
+            .connect_lazy_with((*pool.connect_options()).clone());
         let listener = async {
-            let mut l = PgListener::connect_with(&pool).await?;
+            let mut l = PgListener::connect_with(&own).await?;
             l.listen(&channel).await?;
             Ok::<_, sqlx::Error>(l)
         };
-        let mut listener = match tokio::time::timeout(Duration::from_secs(10), listener).await {
+        let mut listener = match tokio::time::timeout(timeout, listener).await {
             Ok(Ok(l)) => l,
             Ok(Err(e)) => {
                 if backoff.failures() == 0 {
@@ -37,6 +52,9 @@ pub(crate) async fn listen(
             }
             Err(_) => {
                 // The connect timed out: that waited long enough.
+                if backoff.failures() == 0 {
+                    tracing::warn!(timeout = ?timeout, "wake-up listener got no answer from the database; polling only until it does");
+                }
                 let _ = backoff.next_delay();
                 continue;
             }
@@ -56,6 +74,17 @@ pub(crate) async fn listen(
                     Ok(None) => bump(),
                     Err(e) => {
                         tracing::debug!(error = %e, "wake-up listener lost its connection");
+                        bump();
+                        break;
+                    }
+                },
+                // `try_recv` is cancel-safe: a message half read stays in
+                // the connection's buffer.
+                _ = tokio::time::sleep(CHECK_WHEN_QUIET) => {
+                    let check = sqlx::query("SELECT 1").execute(&mut listener);
+                    if !matches!(tokio::time::timeout(timeout, check).await, Ok(Ok(_))) {
+                        tracing::warn!(timeout = ?timeout, "wake-up listener's connection stopped answering; opening a new one (polling meanwhile)");
+                        let _ = backoff.next_delay();
                         bump();
                         break;
                     }

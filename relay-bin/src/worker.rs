@@ -27,6 +27,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, PgPool, Postgres};
 use tokio_util::sync::CancellationToken;
 
+use crate::db::{bounded, discard};
 use crate::error::{Error, Result};
 use crate::message::OutboxEvent;
 use crate::publish::{self, Publisher, Receipt};
@@ -70,16 +71,26 @@ impl Relay {
         // Only this batch's ids may be blamed for a panic in it.
         session.in_flight.clear();
         let start = std::time::Instant::now();
-        let conn = held(&mut session.db, &inner.pool).await?;
-        let mut tx = sqlx::Connection::begin_with(conn, inner.begin.clone()).await?;
+        let t = cfg.database_timeout;
+        let conn = held(&mut session.db, &inner.pool, t).await?;
+        let mut tx = bounded(
+            "BEGIN",
+            t,
+            sqlx::Connection::begin_with(conn, inner.begin.clone()),
+        )
+        .await?;
         let begun = start.elapsed();
-        let events = inner
-            .claims
-            .claim(&mut tx, inner.leases.held(), &mut session.claim)
-            .await?;
+        let events = bounded(
+            "the claim",
+            t,
+            inner
+                .claims
+                .claim(&mut tx, inner.leases.held(), &mut session.claim),
+        )
+        .await?;
         let claimed = start.elapsed();
         if events.is_empty() {
-            tx.commit().await?;
+            bounded("COMMIT", t, tx.commit()).await?;
             trace_stages(
                 start,
                 &[],
@@ -89,7 +100,7 @@ impl Relay {
         }
         let events = inner.quarantine.isolate(events);
         if events.is_empty() {
-            tx.commit().await?;
+            bounded("COMMIT", t, tx.commit()).await?;
             return Ok(BatchReport::default());
         }
         session.in_flight = events.iter().map(|e| e.id).collect();
@@ -111,8 +122,13 @@ impl Relay {
         let handed = start.elapsed();
         let receipts = sent.receipts().await?;
         let confirmed = start.elapsed();
-        let settled = settle(&mut tx, &inner.settle_sql, cfg, &events, &receipts).await?;
-        tx.commit().await?;
+        let settled = bounded(
+            "the settle",
+            t,
+            settle(&mut tx, &inner.settle_sql, cfg, &events, &receipts),
+        )
+        .await?;
+        bounded("COMMIT", t, tx.commit()).await?;
         let committed = start.elapsed();
         // Settled: a panic from here on is not this batch's.
         drop(on_panic);
@@ -164,6 +180,11 @@ impl Relay {
     ) -> Result<()> {
         let inner = &self.inner;
         let cfg = &inner.config;
+        // A connection the broker blocks writes nothing (lapin holds every
+        // frame, a channel's open too): the channel opens once it lifts.
+        if !unblocked(&conn, &stop).await {
+            return Ok(());
+        }
         let publisher = Publisher::open(&conn, cfg.broker_timeout).await?;
         let mut session = WorkerSession::new(conn, publisher, worker, cfg.workers);
         inner.health.broker.store(true, Ordering::Relaxed);
@@ -172,11 +193,24 @@ impl Relay {
         // (the first worker up runs it; the others go on).
         self.maintenance_round().await;
         let mut wake = inner.wake.subscribe();
-        let mut db_backoff = Backoff::new(cfg.reconnect_min, cfg.reconnect_max);
+        // A database that stops answering is tried again at least every
+        // second (each try bounded by the database timeout), so publishing
+        // resumes within about a second of the link's return.
+        let mut db_backoff = Backoff::new(cfg.reconnect_min, cfg.reconnect_max.min(DB_RETRY_MAX));
         // The last wait for work ended by the poll interval, not a wake-up
         // (or there was none yet).
         let mut quiet = true;
         while !stop.is_cancelled() {
+            if session.conn.status().blocked() {
+                // Publishing paused while the broker blocks it (a resource
+                // alarm): no batch is claimed, none charged an attempt, and
+                // the connection stays (a new one would be blocked too).
+                session.db = None;
+                if !unblocked(&session.conn, &stop).await {
+                    break;
+                }
+                continue;
+            }
             // Mark wake-ups seen *before* claiming: one that arrives during
             // the claim then makes the wait below return at once.
             wake.borrow_and_update();
@@ -203,6 +237,11 @@ impl Relay {
                     }
                     quiet = !self.idle(&mut session, &mut wake, &stop).await?;
                 }
+                Err(e) if e.is_broker() && blocked_now(&session.conn) => {
+                    // The block landed on the batch: it was rolled back,
+                    // no attempt counted; the loop waits for the lift.
+                    tracing::debug!(error = %e, "batch rolled back: the broker blocks publishing");
+                }
                 Err(e) if e.is_broker() || !session.publisher.is_open() => {
                     session.publisher.close().await;
                     return Err(e);
@@ -227,10 +266,18 @@ impl Relay {
         session: &mut WorkerSession,
     ) -> Result<Option<Result<BatchReport>>> {
         let batch = AssertUnwindSafe(self.batch(session)).catch_unwind().await;
-        if !matches!(batch, Ok(Ok(_))) {
-            // Its connection may be dead or mid-transaction: the pool
-            // tests it (and rolls back what a panic left) before reuse.
-            session.db = None;
+        if let Some((conn, _)) = session.db.take_if(|_| !matches!(batch, Ok(Ok(_)))) {
+            // Its connection may be silent or mid-transaction. After the
+            // broker failed, the database answered: the pool tests it
+            // (bounded, with [`crate::pool_options`]) and the rollback
+            // goes out. After a database failure or a panic, it is closed
+            // instead (the server rolls back): one that stopped answering
+            // would hold a pool slot for as long as the kernel retries.
+            if matches!(&batch, Ok(Err(e)) if e.is_broker()) {
+                drop(conn);
+            } else {
+                discard(conn);
+            }
         }
         match batch {
             Ok(batch) => Ok(Some(batch)),
@@ -309,15 +356,33 @@ fn trace_stages(start: std::time::Instant, events: &[OutboxEvent], at: [std::tim
     );
 }
 
+/// The longest pause between a worker's tries of a database that failed.
+const DB_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Whether the broker blocks `conn`'s publishing now.
+pub(crate) fn blocked_now(conn: &Connection) -> bool {
+    outbox_core::amqp::is_blocked(conn)
+}
+
+/// Waits while the broker blocks `conn`; false when `stop` came first.
+pub(crate) async fn unblocked(conn: &Connection, stop: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => false,
+        _ = outbox_core::amqp::while_blocked(conn) => !stop.is_cancelled(),
+    }
+}
+
 /// How long a worker holds one database connection before it gives it back
 /// to the pool and takes one again.
 pub(crate) const HOLD_AT_MOST: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The worker's database connection: the one it holds, or (none held, or
-/// held for [`HOLD_AT_MOST`]) one from the pool, then held.
+/// held for [`HOLD_AT_MOST`]) one from the pool (within `timeout`), then
+/// held.
 async fn held<'a>(
     db: &'a mut Option<(PoolConnection<Postgres>, std::time::Instant)>,
     pool: &PgPool,
+    timeout: std::time::Duration,
 ) -> Result<&'a mut PgConnection> {
     if db
         .as_ref()
@@ -327,7 +392,10 @@ async fn held<'a>(
     }
     let conn = match db.take() {
         Some(conn) => conn,
-        None => (pool.acquire().await?, std::time::Instant::now()),
+        None => (
+            bounded("a connection from the pool", timeout, pool.acquire()).await?,
+            std::time::Instant::now(),
+        ),
     };
     Ok(&mut db.insert(conn).0)
 }

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use e2e::{KillOnDrop, TestBroker, TestDb, amqp_url, database_url};
+use e2e::{KillOnDrop, TestBroker, TestDb, amqp_url, database_url, http_get};
 use lapin::options::QueueDeleteOptions;
 use lapin::types::FieldTable;
 use metrics_exporter_prometheus::PrometheusBuilder;
@@ -577,17 +577,4 @@ async fn scrape(addr: SocketAddr) -> String {
         Some((200, body)) => body,
         other => panic!("GET http://{addr}/metrics: {other:?}"),
     }
-}
-
-async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-        .await
-        .ok()?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.ok()?;
-    let status = buf.split_whitespace().nth(1)?.parse().ok()?;
-    let body = buf.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
-    Some((status, body))
 }

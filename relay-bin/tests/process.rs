@@ -5,7 +5,9 @@ use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use e2e::{Collector, KillOnDrop, TestBroker, TestDb, amqp_url, database_url, wait_until};
+use e2e::{
+    Collector, KillOnDrop, TestBroker, TestDb, amqp_url, database_url, http_get, wait_until,
+};
 use lapin::types::FieldTable;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -630,20 +632,6 @@ async fn migrate_status_and_dead_letter_commands_work_end_to_end() {
     assert_eq!(code, Some(0), "{text}");
     assert!(text.contains("purged 1"), "{text}");
     db.cleanup().await;
-}
-
-/// GETs `path` from `addr` with a bare HTTP/1.0 request; (status, body).
-async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-        .await
-        .ok()?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.ok()?;
-    let status = buf.split_whitespace().nth(1)?.parse().ok()?;
-    let body = buf.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
-    Some((status, body))
 }
 
 #[tokio::test]

@@ -19,8 +19,8 @@ mod disposition;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use lapin::Channel;
 use lapin::message::Delivery;
+use lapin::{Channel, Connection};
 use tokio_util::sync::CancellationToken;
 
 use self::decode::Decoded;
@@ -87,6 +87,7 @@ impl Consumer {
     pub(crate) async fn process(
         &self,
         mut deliveries: Vec<Delivery>,
+        conn: &Connection,
         publisher: &Channel,
         shutdown: &CancellationToken,
     ) -> Result<Option<End>> {
@@ -105,6 +106,7 @@ impl Consumer {
         } = decided;
         let items = ack_items(&deliveries, &decoded, dispositions);
         acknowledge(
+            conn,
             publisher,
             &cfg.queue,
             &cfg.consumer_name,

@@ -22,9 +22,9 @@ pub(super) async fn at_any_node<T>(
     loop {
         let props =
             ConnectionProperties::default().with_connection_name("outbox-consumer topology".into());
-        let (conn, i) = outbox_core::amqp::connect_any(&urls, start, timeout, props).await?;
+        let (conn, link, i) = outbox_core::amqp::connect_any(&urls, start, timeout, props).await?;
         let declared = declare(&conn).await;
-        let _ = tokio::time::timeout(timeout, conn.close(200, "topology declared".into())).await;
+        link.close(&conn, timeout).await;
         attempts_left -= 1;
         match declared {
             Err(e) if e.is_transient() && attempts_left > 0 => {

@@ -40,7 +40,7 @@ impl Broker {
     pub(crate) async fn connect(&self) -> Result<Connection> {
         let props = ConnectionProperties::default().with_connection_name("demo".into());
         let start = self.current.load(Ordering::Relaxed);
-        let (conn, i) = outbox_core::amqp::connect_any(&self.urls, start, BROKER_TIMEOUT, props)
+        let (conn, _, i) = outbox_core::amqp::connect_any(&self.urls, start, BROKER_TIMEOUT, props)
             .await
             .context("connecting to RabbitMQ (run `make services`)")?;
         self.current.store(i, Ordering::Relaxed);

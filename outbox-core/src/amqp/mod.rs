@@ -3,8 +3,12 @@
 //! answers, and [`Nodes`]: the broker seam of the relay, its WAL reader
 //! and the consumer (which node to try first, which one is in use).
 
+mod flow;
+mod link;
 mod nodes;
 
+pub use flow::{BlockWatch, Flow, bounded_unblocked, is_blocked, while_blocked};
+pub use link::{KEEPALIVE_BOUND, Link};
 pub use nodes::Nodes;
 
 use std::future::Future;
@@ -96,7 +100,9 @@ pub fn is_refusal(what: &str, e: &lapin::Error) -> bool {
 /// Connects to the first of `urls` that answers, trying them in turn from
 /// index `start` (the one after the node used last, so a client moves on
 /// from a node that failed), each bounded by `timeout`; returns the
-/// connection and the index of its URL.
+/// connection, the [`Link`] that can cut it, and the index of its URL.
+/// Every connection's socket carries TCP keepalive and a user timeout
+/// ([`KEEPALIVE_BOUND`]).
 ///
 /// Once every URL failed: a refusal when every node refused (a wrong
 /// password, a missing virtual host), else the last failure (worth
@@ -109,24 +115,23 @@ pub async fn connect_any<S: AsRef<str>>(
     start: usize,
     timeout: Duration,
     props: ConnectionProperties,
-) -> Result<(Connection, usize), BrokerError> {
+) -> Result<(Connection, Link, usize), BrokerError> {
     let (mut refusal, mut last) = (None, None);
     for k in 0..urls.len() {
         let i = (start + k) % urls.len();
         let url = urls[i].as_ref();
         let node = host_port(url);
-        let connected =
-            match tokio::time::timeout(timeout, Connection::connect(url, props.clone())).await {
-                Ok(Ok(conn)) => return Ok((conn, i)),
-                Ok(Err(source)) => BrokerError::Connect {
-                    node: node.clone(),
-                    source,
-                },
-                Err(_) => BrokerError::TimedOut {
-                    what: "connect",
-                    timeout,
-                },
-            };
+        let connected = match tokio::time::timeout(timeout, link::open(url, props.clone())).await {
+            Ok(Ok((conn, link))) => return Ok((conn, link, i)),
+            Ok(Err(source)) => BrokerError::Connect {
+                node: node.clone(),
+                source,
+            },
+            Err(_) => BrokerError::TimedOut {
+                what: "connect",
+                timeout,
+            },
+        };
         // The caller logs the outage once; each node's answer is detail.
         tracing::debug!(broker = %node, error = %connected, "broker node did not answer");
         if connected.is_refusal() {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use lapin::{Connection, ConnectionProperties};
 
-use super::{BrokerError, connect_any};
+use super::{BrokerError, Link, connect_any};
 use crate::redact::host_port;
 
 /// The nodes of a broker URL list (never printed: they may hold
@@ -63,14 +63,14 @@ impl Nodes {
     /// Connects to the first node that answers, starting with the one in
     /// use, or after the one whose session failed ([`connect_any`]), and
     /// records it as the node in use.
-    /// Returns the connection and the node's index, for
-    /// [`leave`](Self::leave).
+    /// Returns the connection, the [`Link`] that can cut it and the node's
+    /// index, for [`leave`](Self::leave).
     pub async fn connect(
         &self,
         props: ConnectionProperties,
-    ) -> Result<(Connection, usize), BrokerError> {
+    ) -> Result<(Connection, Link, usize), BrokerError> {
         let start = self.next.load(Ordering::Relaxed);
-        let (conn, i) = connect_any(&self.urls, start, self.timeout, props).await?;
+        let (conn, link, i) = connect_any(&self.urls, start, self.timeout, props).await?;
         self.next.store(i, Ordering::Relaxed);
         let node = host_port(&self.urls[i]);
         let previous = self.lock().replace(node.clone());
@@ -78,7 +78,7 @@ impl Nodes {
             self.set(p, 0.0);
         }
         self.set(node, 1.0);
-        Ok((conn, i))
+        Ok((conn, link, i))
     }
 
     /// A session on node `i` failed: the next connection starts with the

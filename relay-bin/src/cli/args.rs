@@ -305,6 +305,13 @@ pub(super) struct RunArgs {
     /// Bound on connecting and every other broker operation.
     #[arg(long, env = "OUTBOX_BROKER_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub(super) broker_timeout: Duration,
+    /// Bound on every database call, from the relay's side: a connection
+    /// that does not answer within it (a link gone silent, no RST) is
+    /// discarded, `/readyz` turns 503, one warning is logged, and the work
+    /// is retried on a fresh connection. Also the batch statements'
+    /// `statement_timeout`.
+    #[arg(long, env = "OUTBOX_DATABASE_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub(super) database_timeout: Duration,
     /// Largest payload published; bigger events are dead-lettered.
     #[arg(long, env = "OUTBOX_MAX_PAYLOAD_BYTES", default_value_t = outbox::DEFAULT_MAX_PAYLOAD_BYTES)]
     pub(super) max_payload_bytes: usize,

@@ -5,10 +5,21 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use outbox::redact::{redact_url, scrub};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
-pub(super) async fn connect_db(url: &str, max: u32, slow: Duration) -> Result<PgPool> {
+/// The bound on each database wait of the commands other than `run`
+/// (which takes `--database-timeout`).
+pub(super) const DATABASE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A pool of at most `max` connections to `url`, every wait on it bounded
+/// by `timeout`, slow statements logged past `slow`.
+pub(super) async fn connect_db(
+    url: &str,
+    max: u32,
+    slow: Duration,
+    timeout: Duration,
+) -> Result<PgPool> {
     outbox::redact::check_url(url, "database URL", &["postgres", "postgresql"])
         .map_err(anyhow::Error::msg)?;
     // sqlx's parse errors do not quote the URL; say which setting anyway.
@@ -21,21 +32,26 @@ pub(super) async fn connect_db(url: &str, max: u32, slow: Duration) -> Result<Pg
     // these are short statements, and on a table never analysed the
     // planner's inflated costs made PostgreSQL compile one for 275 ms that
     // then ran in 2 ms (the console's blocked page).
+    //
+    // TCP keepalive on the server's side of each connection (the client's
+    // socket is sqlx's, which sets none): a relay whose link went silent
+    // loses its sessions, and with them its row and lease locks, within
+    // about 25 s of probes instead of the kernel's fifteen minutes.
     let options = options
         .application_name("outbox-relay")
         .options([
             ("statement_timeout", "30s"),
             ("idle_in_transaction_session_timeout", "60s"),
             ("jit", "off"),
+            ("tcp_keepalives_idle", "10"),
+            ("tcp_keepalives_interval", "5"),
+            ("tcp_keepalives_count", "3"),
+            ("tcp_user_timeout", "25000"),
         ])
         .log_slow_statements(log::LevelFilter::Warn, slow);
     // One direct connection first: its error names the cause (refused,
     // auth, TLS), where a pool would only report a timeout.
-    let probe = tokio::time::timeout(
-        Duration::from_secs(10),
-        PgConnection::connect_with(&options),
-    )
-    .await;
+    let probe = tokio::time::timeout(timeout, PgConnection::connect_with(&options)).await;
     let context = || format!("cannot connect to the database at {}", redact_url(url));
     match probe {
         Ok(conn) => conn
@@ -43,32 +59,11 @@ pub(super) async fn connect_db(url: &str, max: u32, slow: Duration) -> Result<Pg
             .close()
             .await
             .with_context(context)?,
-        Err(_) => bail!("{}: no answer within 10s", context()),
+        Err(_) => bail!("{}: no answer within {timeout:?}", context()),
     }
-    Ok(PgPoolOptions::new()
+    // Every wait on the pool bounded (`crate::pool_options`): a connection
+    // that stops answering is dropped, not waited for.
+    Ok(crate::pool_options(timeout)
         .max_connections(max)
-        .acquire_timeout(Duration::from_secs(10))
-        // A round trip (a ping) at an acquire only where a connection sat
-        // idle long enough to have gone stale (a restarted database, a
-        // dropped link): sqlx's default pings on every acquire, which put
-        // one more round trip between a wake-up and the publish of a batch
-        // (workers now hold their connection from batch to batch while they
-        // find work). A connection that died in between fails its batch,
-        // which is retried like any database error; the worker gives it
-        // back, and the pool's test of a returned connection drops it.
-        .test_before_acquire(false)
-        .before_acquire(|conn, meta| {
-            Box::pin(async move {
-                if meta.idle_for >= PING_IF_IDLE {
-                    conn.ping().await?;
-                }
-                Ok(true)
-            })
-        })
         .connect_lazy_with(options))
 }
-
-/// How long a pooled connection may sit idle before it is pinged at its
-/// next acquire: over the default poll interval (500 ms), so neither a busy
-/// nor an idle relay pings on every batch.
-const PING_IF_IDLE: Duration = Duration::from_secs(2);

@@ -85,7 +85,8 @@ fn amqp_url(args: &Args) -> String {
 }
 
 async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
-    let pool = database::connect_db(url, 8, args.slow_statement).await?;
+    let pool =
+        database::connect_db(url, 8, args.slow_statement, database::DATABASE_TIMEOUT).await?;
     match &args.command {
         Command::Migrate { capture, slot } => {
             migrate::migrate(&pool, schema, *capture, slot.as_deref()).await?;

@@ -21,7 +21,7 @@ pub(super) async fn run_relay(
 ) -> Result<ExitCode> {
     let config = relay_config(url, schema, r);
     config.validate()?;
-    let pool = connect_db(url, r.workers as u32 + 3, slow).await?;
+    let pool = connect_db(url, r.workers as u32 + 3, slow, r.database_timeout).await?;
     let relay = Relay::new(pool.clone(), config).await?;
     // Fail fast with one line when the broker is unreachable at start;
     // after that the supervisor reconnects by itself.
@@ -68,6 +68,7 @@ fn relay_config(url: &str, schema: &Ident, r: &RunArgs) -> RelayConfig {
         retry_max: r.retry_max,
         confirm_timeout: r.confirm_timeout,
         broker_timeout: r.broker_timeout,
+        database_timeout: r.database_timeout,
         max_payload_bytes: r.max_payload_bytes,
         archive: r.archive,
         drain_timeout: r.drain_timeout,

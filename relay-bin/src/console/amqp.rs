@@ -88,7 +88,7 @@ impl Broker {
             let urls = outbox::redact::split_urls(self.urls.expose());
             let props =
                 ConnectionProperties::default().with_connection_name("outbox-console".into());
-            let (c, _) = connect_any(&urls, 0, t, props).await?;
+            let (c, _, _) = connect_any(&urls, 0, t, props).await?;
             *conn = Some(c);
         }
         let c = conn.as_ref().context("no broker connection")?;

@@ -49,9 +49,10 @@ impl Publisher {
     }
 
     /// Closes the channel (bounded), before its connection closes: closing
-    /// a connection under open channels makes lapin log errors.
+    /// a connection under open channels makes lapin log errors. Not while
+    /// the broker blocks the connection: nothing it writes goes out.
     pub(crate) async fn close(&self) {
-        if self.channel.status().connected() {
+        if self.channel.status().connected() && !crate::worker::blocked_now(&self.conn) {
             let _ =
                 tokio::time::timeout(self.broker_timeout, self.channel.close(200, "bye".into()))
                     .await;

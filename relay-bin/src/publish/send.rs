@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::message::{Message, OutboxEvent};
 use crate::publish::receipt::receipt_of;
 use crate::publish::{Publisher, Receipt, channel_failure, panic_message, within};
+use crate::worker::blocked_now;
 
 impl Publisher {
     /// Checks the exchanges and hands every publishable event of the batch
@@ -49,7 +50,6 @@ impl Publisher {
             pending: Vec::new(),
             receipts: vec![None; events.len()],
             confirms_by: deadline,
-            confirm_timeout,
             started: std::time::Instant::now(),
         };
         let messages = messages(events, default_exchange, max_payload_bytes, frame_max);
@@ -59,6 +59,11 @@ impl Publisher {
         {
             Ok(refused) => refused,
             // Out of time before anything was sent: nothing to settle.
+            Err(Error::BrokerTimeout { .. }) if blocked_now(&self.conn) => {
+                return Err(Error::BrokerBlocked {
+                    what: "the exchanges' check",
+                });
+            }
             Err(Error::BrokerTimeout { .. }) if Instant::now() >= deadline => {
                 sent.receipts = vec![Some(Receipt::NotSent); events.len()];
                 return Ok(sent);
@@ -161,6 +166,14 @@ impl Publisher {
             };
             match written {
                 Ok(confirm) => pending.push((i, confirm)),
+                // A blocked connection (memory or disk alarm) writes
+                // nothing: the broker's state, not the event's, so no
+                // attempt is counted (the batch rolls back).
+                Err(Error::BrokerTimeout { .. }) if blocked_now(&self.conn) => {
+                    return Err(Error::BrokerBlocked {
+                        what: "basic.publish",
+                    });
+                }
                 // Its frames may still go out: not delivered as far as we
                 // know, and the publisher is replaced.
                 Err(Error::BrokerTimeout { .. }) if Instant::now() >= send_by => {
@@ -234,7 +247,6 @@ pub(crate) struct SentBatch {
     /// What is known already (events not sent, and why).
     receipts: Vec<Option<Receipt>>,
     confirms_by: Instant,
-    confirm_timeout: Duration,
     started: std::time::Instant,
 }
 
@@ -252,10 +264,9 @@ impl SentBatch {
                 match tokio::time::timeout_at(self.confirms_by, confirm).await {
                     // A blocked connection (memory or disk alarm) is the
                     // broker's state, not the event's: no attempt is counted.
-                    Err(_) if self.conn.status().blocked() => {
-                        return Err(Error::BrokerTimeout {
-                            what: "publisher confirms (connection blocked by a broker resource alarm)",
-                            timeout: self.confirm_timeout,
+                    Err(_) if blocked_now(&self.conn) => {
+                        return Err(Error::BrokerBlocked {
+                            what: "publisher confirms",
                         });
                     }
                     Err(_) => Receipt::TimedOut,

@@ -24,6 +24,7 @@ use crate::wake::sleep_or_cancel;
 use crate::wal::decode::lsn_text;
 use crate::wal::divert;
 use crate::wal::slot::{self, refusal, slot_busy, slot_row, wal_error};
+use crate::worker::{blocked_now, unblocked};
 use outbox_core::backoff::Backoff;
 use outbox_core::outage::Outage;
 
@@ -113,36 +114,69 @@ impl WalReader {
         Ok(())
     }
 
-    /// One replication session: check the slot, connect the broker and
-    /// the stream, read until shutdown or a failure.
+    /// One broker session: check the slot, connect the broker, then read
+    /// in replication sessions until shutdown or a failure. A broker that
+    /// blocks publishing (a resource alarm) ends the replication session
+    /// only: the reader waits on the same connection for the block to
+    /// lift, then reads again from the slot's confirmed position (a new
+    /// connection would be blocked too, and the old one, cut while
+    /// blocked, stays on the broker's list until the broker writes to it).
     async fn session(
         &self,
         shutdown: &CancellationToken,
         backoff: &mut Backoff,
     ) -> Result<ReadEnd> {
+        let mut confirmed = match self.readable_from().await? {
+            Ok(confirmed) => confirmed,
+            Err(standby) => return Ok(standby),
+        };
+        let session = self.broker.connect("log reader").await?;
+        let end = loop {
+            let end = self
+                .session_on(&session.conn, confirmed, backoff, shutdown)
+                .await;
+            match end {
+                Err(e) if e.is_broker() && blocked_now(&session.conn) => {
+                    tracing::info!(slot = %self.slot, error = %e, "replication session ended while the broker blocks publishing; reading again once it lifts");
+                    if !unblocked(&session.conn, shutdown).await {
+                        break Ok(ReadEnd::Shutdown);
+                    }
+                    match self.readable_from().await? {
+                        Ok(from) => confirmed = from,
+                        Err(standby) => break Ok(standby),
+                    }
+                }
+                end => break end,
+            }
+        };
+        if end.as_ref().is_err_and(Error::is_broker) {
+            // As the table's sessions do: the next connection starts after
+            // the node that failed.
+            self.broker.leave(session.node);
+        }
+        // Closed (or cut, when blocked) before the next one opens.
+        session.close(self.config.broker_timeout).await;
+        end
+    }
+
+    /// Where the slot can be read from: its confirmed position, or (as
+    /// `Err`) a standby's end while another session holds it.
+    async fn readable_from(&self) -> Result<std::result::Result<Lsn, ReadEnd>> {
         let row = slot_row(&self.pool, &self.slot).await?;
         if let Some(e) = refusal(&self.slot, row.as_ref()) {
             return Err(e);
         }
         let row = row.expect("refusal() checked it exists");
         if row.active {
-            return Ok(ReadEnd::Standby(
+            return Ok(Err(ReadEnd::Standby(
                 row.holder.unwrap_or_else(|| "another session".to_owned()),
-            ));
+            )));
         }
-        let confirmed = row
+        Ok(Ok(row
             .confirmed_flush_lsn
             .as_deref()
             .and_then(|l| Lsn::parse(l).ok())
-            .unwrap_or(Lsn::ZERO);
-        let (conn, node) = self.broker.connect().await?;
-        let end = self.session_on(&conn, confirmed, backoff, shutdown).await;
-        if end.as_ref().is_err_and(Error::is_broker) {
-            // As the table's sessions do: the next connection starts after
-            // the node that failed.
-            self.broker.leave(node);
-        }
-        end
+            .unwrap_or(Lsn::ZERO)))
     }
 
     /// [`session`](Self::session) on the broker connection `conn`, from
@@ -155,6 +189,12 @@ impl WalReader {
         shutdown: &CancellationToken,
     ) -> Result<ReadEnd> {
         let cfg = &self.config;
+        // A connection the broker blocks opens no channel: wait for the
+        // lift before the replication session starts (nothing is read,
+        // the slot stays where it is).
+        if !unblocked(conn, shutdown).await {
+            return Ok(ReadEnd::Shutdown);
+        }
         let mut publisher = Publisher::open(conn, cfg.broker_timeout).await?;
         let mut client = ReplicationClient::connect(self.source(confirmed)?)
             .await
@@ -167,8 +207,19 @@ impl WalReader {
                 backoff.reset();
                 metrics::gauge!("outbox_relay_wal_reading").set(1.0);
                 tracing::info!(slot = %self.slot, from = %lsn_text(confirmed.as_u64()), "reading the write-ahead log");
+                // Our session's backend, to tell later whether the server
+                // still holds the stream for us (see `stream.rs`).
+                let walsender =
+                    slot::holder_pid(&self.pool, &self.slot, cfg.database_timeout).await;
                 let end = self
-                    .stream(&mut client, &mut publisher, conn, shutdown, &mut acked)
+                    .stream(
+                        &mut client,
+                        &mut publisher,
+                        conn,
+                        shutdown,
+                        &mut acked,
+                        walsender.ok().flatten(),
+                    )
                     .await;
                 metrics::gauge!("outbox_relay_wal_reading").set(0.0);
                 end
@@ -188,7 +239,6 @@ impl WalReader {
             client.abort();
         }
         publisher.close().await;
-        let _ = tokio::time::timeout(cfg.broker_timeout, conn.close(200, "bye".into())).await;
         if acked > confirmed {
             // Whether this session stopped or failed (a confirm timeout
             // ends it just after it recorded the timed-out batch), move the
@@ -222,8 +272,13 @@ impl WalReader {
             // Two batches ahead of the reader, beside those on the wire.
             .with_buffer_size((cfg.batch_size * 2).max(256))
             .with_application_name(format!("outbox-relay {}", cfg.name))
+            // TCP keepalive on the server's side (this client's socket is
+            // the replication library's, which sets none): a session
+            // whose link went silent ends within about 25 s even where
+            // the sender timeout is long.
             .with_options(format!(
-                "-c wal_sender_timeout={}",
+                "-c wal_sender_timeout={} -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 \
+                 -c tcp_keepalives_count=3 -c tcp_user_timeout=25000",
                 wal.sender_timeout.as_millis()
             )))
     }

@@ -31,6 +31,22 @@ pub(crate) async fn slot_row(pool: &PgPool, slot: &str) -> Result<Option<SlotRow
     .await?)
 }
 
+/// The backend holding `slot` now (its walsender), if any.
+pub(super) async fn holder_pid(
+    pool: &PgPool,
+    slot: &str,
+    timeout: std::time::Duration,
+) -> Result<Option<i32>> {
+    crate::db::on_pool(pool, "the slot's holder", timeout, async |c| {
+        sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1")
+            .bind(slot)
+            .fetch_optional(&mut *c)
+            .await
+            .map(Option::flatten)
+    })
+    .await
+}
+
 /// What the relay says when its slot was invalidated.
 pub(crate) fn lost_message(slot: &str) -> String {
     format!(

@@ -18,7 +18,7 @@ use crate::settle::Settled;
 use crate::wal::decode::decode;
 use crate::wal::divert;
 use crate::wal::reader::{ReadEnd, WalReader};
-use crate::wal::slot::wal_error;
+use crate::wal::slot::{self, wal_error};
 use crate::wal::window::{
     Batch, MAX_BATCHES_ON_WIRE, OnWire, Pending, WINDOW_BATCHES, Window, ordered_aggregates,
 };
@@ -33,6 +33,10 @@ pub(super) struct Session<'a> {
     /// The position confirmed to the slot so far.
     acked: Lsn,
     in_transaction: bool,
+    /// The backend serving this session (`None`: not known yet).
+    walsender: Option<i32>,
+    /// When the idle reader next checks that the server still serves it.
+    check_at: tokio::time::Instant,
 }
 
 impl WalReader {
@@ -45,6 +49,7 @@ impl WalReader {
         conn: &Arc<Connection>,
         shutdown: &CancellationToken,
         acked: &mut Lsn,
+        walsender: Option<i32>,
     ) -> Result<ReadEnd> {
         let mut s = Session {
             client,
@@ -54,6 +59,8 @@ impl WalReader {
             wire: Window::default(),
             acked: *acked,
             in_transaction: false,
+            walsender,
+            check_at: tokio::time::Instant::now() + self.wal.sender_timeout / 2,
         };
         let end = self.read(&mut s, shutdown).await;
         *acked = s.acked;
@@ -90,6 +97,10 @@ impl WalReader {
                         continue;
                     }
                     r = s.client.recv() => r,
+                    _ = tokio::time::sleep_until(s.check_at) => {
+                        self.check_served(s).await?;
+                        continue;
+                    }
                 }
             } else {
                 // Only what is ready (one poll, no timer): when nothing is,
@@ -107,6 +118,31 @@ impl WalReader {
                 .ok_or_else(|| Error::Replication("the server ended the stream".to_owned()))?;
             s.take(event, &prefix);
         }
+    }
+
+    /// While nothing arrives: whether the server still serves this session.
+    /// A replication link that went silent (no RST) would leave the reader
+    /// waiting for the kernel to give up, about fifteen minutes; the server
+    /// ends its side within the sender timeout (it hears no status from us),
+    /// so the slot's holder, asked over a pool connection (bounded by the
+    /// database timeout), is no longer our backend. A check that gets no
+    /// answer proves nothing and is tried again.
+    async fn check_served(&self, s: &mut Session<'_>) -> Result<()> {
+        s.check_at = tokio::time::Instant::now() + self.wal.sender_timeout / 2;
+        match slot::holder_pid(&self.pool, &self.slot, self.config.database_timeout).await {
+            Ok(pid) if s.walsender.is_none() => s.walsender = pid,
+            Ok(pid) if pid != s.walsender => {
+                return Err(Error::Replication(format!(
+                    "the server no longer serves this replication session (the slot's holder is {pid:?}, not {:?}): its link went silent",
+                    s.walsender
+                )));
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(error = %e, "could not check the replication session; next time")
+            }
+        }
+        Ok(())
     }
 
     /// On shutdown: sends what is pending and finishes every batch on the

@@ -1,4 +1,5 @@
-//! A plain HTTP/1.1 client for the examples' HTTP fronts.
+//! A plain HTTP client for the examples' HTTP fronts and the relay's
+//! health endpoints.
 
 /// What [`post_json`] got back.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,4 +37,19 @@ pub async fn post_json(addr: std::net::SocketAddr, path: &str, key: &str, body: 
             .contains("\r\nidempotent-replayed: true\r\n"),
         body: raw.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned(),
     }
+}
+
+/// GETs `path` from `addr` with a bare HTTP/1.0 request: the status and
+/// the body, or `None` when nothing answered.
+pub async fn http_get(addr: impl tokio::net::ToSocketAddrs, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.ok()?;
+    let status = buf.split_whitespace().nth(1)?.parse().ok()?;
+    let body = buf.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
+    Some((status, body))
 }

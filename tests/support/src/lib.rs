@@ -23,7 +23,7 @@ pub use collect::{Collector, Received, SeqLog};
 pub use db::{TestDb, drop_orphan_slots, drop_slot, locked_rows, pool};
 pub use effect::RecordEffect;
 pub use env::{amqp_url, database_url, suffix};
-pub use http::{HttpReply, post_json};
+pub use http::{HttpReply, http_get, post_json};
 pub use process::{KillOnDrop, ProcessLogs, freeze_mid_batch, kill_now, stop_child, wait_exit};
 pub use proxy::{Mode, Proxy};
 pub use relay::{RunningRelay, TestRelay};

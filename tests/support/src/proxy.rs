@@ -1,5 +1,6 @@
 //! A loopback TCP proxy that injects network faults between a component
-//! and a real service: pass, blackhole, reset, and cut after N bytes.
+//! and a real service: pass, blackhole, silent (old connections dead for
+//! good, new ones pass), reset, and cut after N bytes.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,6 +18,13 @@ pub enum Mode {
     Pass,
     /// Accept and keep connections, forward nothing (a silent network).
     Blackhole,
+    /// A link that went silent for the connections open now and stays
+    /// dead for them, whatever the mode becomes later (a dead NAT entry, a
+    /// failed-over load balancer): they forward nothing and never close
+    /// (no FIN, no RST reaches either side), while connections opened
+    /// after the switch pass. [`Proxy::dead`] counts the connections it
+    /// killed.
+    Silent,
     /// Reset every connection (new and existing) with an RST.
     Reset,
     /// Forward this many more bytes from client to server on each
@@ -40,6 +48,7 @@ pub struct Proxy {
     /// Connections being forwarded now.
     open: Arc<AtomicU64>,
     cuts: Arc<AtomicU64>,
+    dead: Arc<AtomicU64>,
     task: Arc<Mutex<Option<tokio::task::JoinHandle<()>>>>,
 }
 
@@ -52,17 +61,20 @@ impl Proxy {
         let connections = Arc::new(AtomicU64::new(0));
         let open = Arc::new(AtomicU64::new(0));
         let cuts = Arc::new(AtomicU64::new(0));
+        let dead = Arc::new(AtomicU64::new(0));
         let task = tokio::spawn({
             let mode = mode.clone();
             let connections = connections.clone();
             let open = open.clone();
             let cuts = cuts.clone();
+            let dead = dead.clone();
             async move {
                 while let Ok((client, _)) = listener.accept().await {
                     connections.fetch_add(1, Ordering::Relaxed);
                     let rx = mode.subscribe();
                     let cuts = cuts.clone();
                     let open = open.clone();
+                    let dead = dead.clone();
                     tokio::spawn(async move {
                         if *rx.borrow() == Mode::Reset {
                             reset(client);
@@ -74,7 +86,7 @@ impl Proxy {
                         let _ = client.set_nodelay(true);
                         let _ = server.set_nodelay(true);
                         open.fetch_add(1, Ordering::Relaxed);
-                        pipe(client, server, rx, &cuts).await;
+                        pipe(client, server, rx, &cuts, &dead).await;
                         open.fetch_sub(1, Ordering::Relaxed);
                     });
                 }
@@ -86,6 +98,7 @@ impl Proxy {
             connections,
             open,
             cuts,
+            dead,
             task: Arc::new(Mutex::new(Some(task))),
         }
     }
@@ -109,6 +122,11 @@ impl Proxy {
     /// Connections closed by [`Mode::CutAfter`] so far.
     pub fn cuts(&self) -> u64 {
         self.cuts.load(Ordering::Relaxed)
+    }
+
+    /// Connections a [`Mode::Silent`] killed so far.
+    pub fn dead(&self) -> u64 {
+        self.dead.load(Ordering::Relaxed)
     }
 
     /// `url` (amqp:// or postgres://) pointed at this proxy.
@@ -139,7 +157,10 @@ async fn pipe(
     server: TcpStream,
     mut mode: watch::Receiver<Mode>,
     cuts: &AtomicU64,
+    dead: &AtomicU64,
 ) {
+    // A connection opened while the link is silent is a new one: it passes.
+    let born_silent = *mode.borrow_and_update() == Mode::Silent;
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
     let mut budget: Option<usize> = None;
@@ -157,6 +178,11 @@ async fn pipe(
                 return;
             }
             Mode::CutAfter(n) if budget.is_none() => budget = Some(n),
+            Mode::Silent if !born_silent => {
+                dead.fetch_add(1, Ordering::Relaxed);
+                hold_silently(cr, cw, sr, sw).await;
+                return;
+            }
             _ => {}
         }
         let forward = current != Mode::Blackhole;
@@ -187,4 +213,25 @@ async fn pipe(
             }
         }
     }
+}
+
+/// A connection on a link that went silent: whatever either side sends is
+/// swallowed, and neither side hears of the other closing (their sockets
+/// stay open until the proxy stops), as on a link no packet crosses.
+async fn hold_silently(
+    mut cr: tokio::net::tcp::OwnedReadHalf,
+    cw: tokio::net::tcp::OwnedWriteHalf,
+    mut sr: tokio::net::tcp::OwnedReadHalf,
+    sw: tokio::net::tcp::OwnedWriteHalf,
+) {
+    let (mut up, mut down) = ([0u8; 16 * 1024], [0u8; 16 * 1024]);
+    let (mut client_open, mut server_open) = (true, true);
+    while client_open || server_open {
+        tokio::select! {
+            r = cr.read(&mut up), if client_open => client_open = matches!(r, Ok(n) if n > 0),
+            r = sr.read(&mut down), if server_open => server_open = matches!(r, Ok(n) if n > 0),
+        }
+    }
+    // Both sides gave up on their own (their timeouts): nothing to hold.
+    drop((cw, sw));
 }

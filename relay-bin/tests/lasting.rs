@@ -1,0 +1,467 @@
+//! Faults that last, against the `outbox-relay` binary as an operator runs
+//! it: a database link that goes silent (no RST: old connections dead for
+//! good, new ones pass once it heals) and a broker resource alarm held for
+//! minutes. Events flow at a steady rate throughout, so each fault lands
+//! on work in flight; the oracle judges once everything is quiet (every
+//! committed event delivered, nothing else, a clean SIGTERM).
+
+use std::collections::HashSet;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use e2e::{
+    Collector, KillOnDrop, Mode, Proxy, TestBroker, TestDb, amqp_url, database_url, http_get,
+    stop_child, suffix, wait_until,
+};
+use lapin::types::FieldTable;
+use nix::sys::signal::Signal;
+use outbox::Capture;
+use tokio_util::sync::CancellationToken;
+
+const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+
+/// The relay's bound on each database call in these tests.
+const DATABASE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// A relay process of the binary, its metrics on a port of its own and its
+/// log (at `warn`) in a file, for the test to read.
+struct RelayProcess {
+    child: KillOnDrop,
+    name: String,
+    metrics: String,
+    log: std::path::PathBuf,
+}
+
+impl RelayProcess {
+    fn start(db: &TestDb, broker: &TestBroker, database: &str, batch_size: usize) -> Self {
+        let name = format!("lasting-{}", suffix());
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let metrics = format!("127.0.0.1:{port}");
+        let log = std::env::temp_dir().join(format!("{name}.log"));
+        let mut c = Command::new(BIN);
+        c.env("DATABASE_URL", database)
+            .env("AMQP_URL", amqp_url())
+            .env("OUTBOX_SCHEMA", &db.schema)
+            .env("OUTBOX_EXCHANGE", &broker.exchange)
+            .env("OUTBOX_DECLARE_EXCHANGE", "none")
+            .env("OUTBOX_POLL_INTERVAL", "100ms")
+            .env("OUTBOX_BATCH_SIZE", batch_size.to_string())
+            .env("OUTBOX_DATABASE_TIMEOUT", "3s")
+            .env("OUTBOX_METRICS_ADDR", &metrics)
+            .env("OUTBOX_RELAY_NAME", &name)
+            .env("RUST_LOG", "warn,outbox_relay=info")
+            .arg("run")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        if db.capture == Capture::Wal {
+            c.env("OUTBOX_CAPTURE", "wal")
+                .env("OUTBOX_WAL_SENDER_TIMEOUT", "3s");
+        }
+        Self {
+            child: KillOnDrop(c.spawn().unwrap()),
+            name,
+            metrics,
+            log,
+        }
+    }
+
+    async fn readyz(&self) -> Option<(u16, String)> {
+        http_get(&self.metrics, "/readyz").await
+    }
+
+    /// The value of the metric line starting with `name`.
+    async fn metric(&self, name: &str) -> Option<f64> {
+        let (_, body) = http_get(&self.metrics, "/metrics").await?;
+        body.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse().ok())
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Its resident memory (`VmRSS`), in KiB.
+    fn rss_kib(&self) -> u64 {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.child.0.id())).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .expect("VmRSS")
+    }
+
+    /// SIGTERM; asserts a clean exit.
+    async fn stop(mut self, scenario: &str) {
+        let code = stop_child(&mut self.child, Signal::SIGTERM, Duration::from_secs(60)).await;
+        assert_eq!(code, Some(0), "{scenario}: a clean stop\n{}", self.log());
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// Asserts every committed event reached the queue, nothing else.
+async fn all_delivered(collector: &Collector, ids: &[String], scenario: &str) {
+    collector.drain(Duration::from_secs(120)).await;
+    let got = collector.received.lock().unwrap();
+    let seen: HashSet<&String> = got.counts.keys().collect();
+    let missing = ids.iter().filter(|id| !seen.contains(id)).count();
+    assert_eq!(
+        missing, 0,
+        "{scenario}: {missing} committed events never published"
+    );
+    assert_eq!(seen.len(), ids.len(), "{scenario}: events nobody committed");
+}
+
+/// Waits until the collector holds more distinct events than `than`;
+/// returns how long after `from` that was.
+async fn next_event_after(
+    collector: &Collector,
+    than: usize,
+    from: Instant,
+    what: &str,
+) -> Duration {
+    wait_until(Duration::from_secs(120), what, || async {
+        collector.distinct() > than
+    })
+    .await;
+    from.elapsed()
+}
+
+async fn silent_database_link(capture: Capture) {
+    let scenario = format!("silent database link ({capture:?})");
+    let db = match capture {
+        Capture::Wal => TestDb::producer_wal("silent_db_w").await,
+        _ => TestDb::producer("silent_db_t").await,
+    };
+    let broker = TestBroker::new("silent_db", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let proxy = Proxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let relay = RelayProcess::start(&db, &broker, &proxy.url(&database_url()), 100);
+    // About 250 events a second from producers that do not go through the
+    // proxy.
+    let stop = CancellationToken::new();
+    let producing = db.produce_until(stop.clone(), 5, Duration::from_millis(20));
+    wait_until(Duration::from_secs(60), "the relay publishing", || async {
+        collector.distinct() > 500
+    })
+    .await;
+    wait_until(Duration::from_secs(30), "/readyz 200", || async {
+        relay.readyz().await.is_some_and(|(s, _)| s == 200)
+    })
+    .await;
+
+    // The link goes silent for every connection, old and new.
+    proxy.set(Mode::Blackhole);
+    let silent = Instant::now();
+    wait_until(Duration::from_secs(60), "/readyz 503", || async {
+        relay.readyz().await.is_some_and(|(s, _)| s == 503)
+    })
+    .await;
+    let noticed = silent.elapsed();
+    // Within the bound: one call's timeout after the next call (the poll
+    // interval), with a call's timeout again of slack for a busy machine.
+    assert!(
+        noticed <= DATABASE_TIMEOUT * 2 + Duration::from_secs(1),
+        "{scenario}: /readyz said 503 only after {noticed:?}"
+    );
+    wait_until(Duration::from_secs(30), "one warning", || async {
+        relay.log().contains("database unavailable")
+    })
+    .await;
+    // The fault lasts: several bounds, the server's own timeouts included.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let (status, body) = relay.readyz().await.expect("/readyz answers");
+    assert_eq!(status, 503, "{scenario}: still not ready: {body}");
+
+    // The link heals for new connections; the old ones stay dead.
+    let before = collector.distinct();
+    proxy.set(Mode::Silent);
+    let resumed =
+        next_event_after(&collector, before, Instant::now(), "publishing to resume").await;
+    assert!(
+        resumed <= Duration::from_secs(5),
+        "{scenario}: publishing resumed {resumed:?} after the heal"
+    );
+    wait_until(Duration::from_secs(30), "/readyz 200 again", || async {
+        relay.readyz().await.is_some_and(|(s, _)| s == 200)
+    })
+    .await;
+    assert!(
+        proxy.dead() > 0,
+        "{scenario}: no connection was on the link"
+    );
+    let log = relay.log();
+    let warnings = log.matches("database unavailable").count();
+    assert_eq!(warnings, 1, "{scenario}: one warning per outage\n{log}");
+
+    stop.cancel();
+    let ids = producing.await.unwrap();
+    wait_until(
+        Duration::from_secs(120),
+        "every event published",
+        || async { collector.distinct() >= ids.len() },
+    )
+    .await;
+    relay.stop(&scenario).await;
+    all_delivered(&collector, &ids, &scenario).await;
+    println!(
+        "{scenario}: {} events; /readyz 503 after {noticed:?}; publishing resumed {resumed:?} after the heal; {} connections left dead; {} duplicates",
+        ids.len(),
+        proxy.dead(),
+        collector.duplicates()
+    );
+    proxy.stop();
+    collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_database_link_table() {
+    silent_database_link(Capture::Table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_database_link_wal() {
+    silent_database_link(Capture::Wal).await;
+}
+
+/// A memory alarm on the test broker, cleared when dropped (a failing test
+/// must not leave the broker blocking everyone else's publishers).
+struct Alarm;
+
+impl Alarm {
+    fn set() -> Self {
+        rabbitmqctl_eval("rabbit_alarm:set_alarm({{resource_limit, memory, node()}, []}).");
+        Self
+    }
+}
+
+impl Drop for Alarm {
+    fn drop(&mut self) {
+        rabbitmqctl_eval("rabbit_alarm:clear_alarm({resource_limit, memory, node()}).");
+    }
+}
+
+fn rabbitmqctl_eval(expr: &str) {
+    let ok = Command::new("rabbitmqctl")
+        .args(["eval", expr])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "rabbitmqctl eval {expr} failed");
+}
+
+/// The broker's connections named for `relay` (`outbox-relay <name>`).
+fn broker_connections(relay: &str) -> usize {
+    let out = Command::new("rabbitmqctl")
+        .args(["list_connections", "-q", "client_properties"])
+        .output()
+        .expect("rabbitmqctl list_connections");
+    String::from_utf8_lossy(&out.stdout)
+        .matches(&format!("outbox-relay {relay}"))
+        .count()
+}
+
+/// How long the alarm lasts (`ALARM_SECONDS`, default 300).
+fn alarm_length() -> Duration {
+    Duration::from_secs(
+        std::env::var("ALARM_SECONDS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(300),
+    )
+}
+
+/// One relay of the alarm test: its world and what it must keep.
+struct Watched {
+    db: TestDb,
+    broker: TestBroker,
+    collector: Collector,
+    relay: RelayProcess,
+    /// Broker connections it needs (the table's workers; the log's reader).
+    sessions: usize,
+    /// One in-flight window: what a blocked batch may publish again.
+    window: usize,
+}
+
+impl Watched {
+    async fn start(capture: Capture) -> Self {
+        let db = match capture {
+            Capture::Wal => TestDb::producer_wal("alarm_w").await,
+            _ => TestDb::producer("alarm_t").await,
+        };
+        let broker = TestBroker::new("alarm", FieldTable::default()).await;
+        let collector = Collector::start(&broker.queue);
+        let batch = 100;
+        let relay = RelayProcess::start(&db, &broker, &database_url(), batch);
+        let (sessions, window) = match capture {
+            // The table's two workers, a batch each; the log's reader keeps
+            // up to four batches' worth on the wire.
+            Capture::Wal => (2, 4 * batch + 2 * batch),
+            _ => (1, 2 * batch),
+        };
+        Self {
+            db,
+            broker,
+            collector,
+            relay,
+            sessions,
+            window,
+        }
+    }
+
+    /// Events neither delivered nor dead: charged an attempt, or dead.
+    async fn charged(&self) -> (i64, i64) {
+        let schema = &self.db.schema;
+        let charged: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM \"{schema}\".outbox WHERE attempts > 0"
+        )))
+        .fetch_one(&self.db.pool)
+        .await
+        .unwrap();
+        (charged, self.db.count("outbox_dead_letters").await)
+    }
+}
+
+/// `make test` runs the `disruptive_` tests alone: the alarm blocks every
+/// publisher of the test broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disruptive_broker_alarm_that_lasts_minutes() {
+    let scenario = "broker alarm";
+    let watched = [
+        Watched::start(Capture::Table).await,
+        Watched::start(Capture::Wal).await,
+    ];
+    let stop = CancellationToken::new();
+    // About 100 events a second into each.
+    let producing: Vec<_> = watched
+        .iter()
+        .map(|w| {
+            w.db.produce_until(stop.clone(), 2, Duration::from_millis(20))
+        })
+        .collect();
+    for w in &watched {
+        wait_until(Duration::from_secs(60), "the relays publishing", || async {
+            w.collector.distinct() > 300
+        })
+        .await;
+        wait_until(Duration::from_secs(30), "/readyz 200", || async {
+            w.relay.readyz().await.is_some_and(|(s, _)| s == 200)
+        })
+        .await;
+    }
+    let rss_before: Vec<u64> = watched.iter().map(|w| w.relay.rss_kib()).collect();
+
+    let alarm = Alarm::set();
+    let set_at = Instant::now();
+    let mut most_connections = vec![0; watched.len()];
+    for w in &watched {
+        wait_until(
+            Duration::from_secs(60),
+            "/readyz to say blocked",
+            || async {
+                w.relay
+                    .readyz()
+                    .await
+                    .is_some_and(|(s, b)| s == 503 && b.contains("blocked"))
+            },
+        )
+        .await;
+        assert_eq!(
+            w.relay.metric("outbox_relay_broker_blocked").await,
+            Some(1.0),
+            "{scenario}: the gauge"
+        );
+    }
+    // The alarm lasts; the relays' connections, memory and attempts are
+    // watched throughout.
+    while set_at.elapsed() < alarm_length() {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        for (i, w) in watched.iter().enumerate() {
+            let n = broker_connections(&w.relay.name);
+            most_connections[i] = most_connections[i].max(n);
+            assert!(
+                n <= w.sessions,
+                "{scenario}: {n} broker connections of {} after {:?} (it needs {})",
+                w.relay.name,
+                set_at.elapsed(),
+                w.sessions
+            );
+        }
+    }
+    let rss_blocked: Vec<u64> = watched.iter().map(|w| w.relay.rss_kib()).collect();
+    for w in &watched {
+        let (charged, dead) = w.charged().await;
+        assert_eq!(
+            (charged, dead),
+            (0, 0),
+            "{scenario}: attempts charged, dead letters"
+        );
+    }
+    let before: Vec<usize> = watched.iter().map(|w| w.collector.distinct()).collect();
+    // From before `rabbitmqctl` clears it (the command takes a second).
+    let cleared_at = Instant::now();
+    drop(alarm);
+    let mut resumed = Vec::new();
+    for (w, before) in watched.iter().zip(&before) {
+        let after =
+            next_event_after(&w.collector, *before, cleared_at, "publishing to resume").await;
+        assert!(
+            after <= Duration::from_secs(5),
+            "{scenario}: the first event {after:?} after the clear"
+        );
+        resumed.push(after);
+    }
+    for (i, w) in watched.iter().enumerate() {
+        let grown = rss_blocked[i].saturating_sub(rss_before[i]);
+        assert!(
+            grown <= 16 * 1024,
+            "{scenario}: RSS grew {grown} KiB during the alarm"
+        );
+        wait_until(Duration::from_secs(30), "/readyz 200 again", || async {
+            w.relay.readyz().await.is_some_and(|(s, _)| s == 200)
+        })
+        .await;
+    }
+    stop.cancel();
+    let mut report = Vec::new();
+    for (i, (w, producing)) in watched.into_iter().zip(producing).enumerate() {
+        let ids = producing.await.unwrap();
+        wait_until(
+            Duration::from_secs(120),
+            "every event published",
+            || async { w.collector.distinct() >= ids.len() },
+        )
+        .await;
+        let duplicates = w.collector.duplicates();
+        assert!(
+            duplicates <= w.window,
+            "{scenario}: {duplicates} duplicates, more than one in-flight window ({})",
+            w.window
+        );
+        assert_eq!(w.charged().await, (0, 0), "{scenario}: nothing charged");
+        w.relay.stop(scenario).await;
+        all_delivered(&w.collector, &ids, scenario).await;
+        report.push(format!(
+            "{:?}: {} events, RSS {} -> {} KiB, at most {} broker connections, first event {:?} after the clear, {duplicates} duplicates",
+            w.db.capture,
+            ids.len(),
+            rss_before[i],
+            rss_blocked[i],
+            most_connections[i],
+            resumed[i]
+        ));
+        w.collector.stop();
+        w.db.cleanup().await;
+        w.broker.cleanup().await;
+    }
+    println!("{scenario} of {:?}: {}", alarm_length(), report.join("; "));
+}
