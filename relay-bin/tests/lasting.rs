@@ -234,11 +234,26 @@ async fn silent_database_link_wal() {
 }
 
 /// A memory alarm on the test broker, cleared when dropped (a failing test
-/// must not leave the broker blocking everyone else's publishers).
+/// must not leave the broker blocking everyone else's publishers), and by a
+/// dead man's switch a minute after it was due, should the test be killed
+/// before it could drop it.
 struct Alarm;
 
+const CLEAR_ALARM: &str = "rabbit_alarm:clear_alarm({resource_limit, memory, node()}).";
+
 impl Alarm {
-    fn set() -> Self {
+    fn set(lasting: Duration) -> Self {
+        let switch = format!(
+            "sleep {}; rabbitmqctl eval '{CLEAR_ALARM}' >/dev/null 2>&1",
+            lasting.as_secs() + 60
+        );
+        Command::new("setsid")
+            .args(["sh", "-c", &switch])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the alarm's dead man's switch");
         rabbitmqctl_eval("rabbit_alarm:set_alarm({{resource_limit, memory, node()}, []}).");
         Self
     }
@@ -246,7 +261,7 @@ impl Alarm {
 
 impl Drop for Alarm {
     fn drop(&mut self) {
-        rabbitmqctl_eval("rabbit_alarm:clear_alarm({resource_limit, memory, node()}).");
+        rabbitmqctl_eval(CLEAR_ALARM);
     }
 }
 
@@ -360,7 +375,7 @@ async fn disruptive_broker_alarm_that_lasts_minutes() {
     }
     let rss_before: Vec<u64> = watched.iter().map(|w| w.relay.rss_kib()).collect();
 
-    let alarm = Alarm::set();
+    let alarm = Alarm::set(alarm_length());
     let set_at = Instant::now();
     let mut most_connections = vec![0; watched.len()];
     for w in &watched {

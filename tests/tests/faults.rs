@@ -1439,6 +1439,81 @@ async fn matrix_cell(capture: Capture, producer: Producer, ordered: bool, on: On
     w.cleanup().await;
 }
 
+/// The matrix's silent-link cell of one capture: a relay process whose
+/// database link goes silent (no RST) while events flow, for every
+/// connection, old and new, for a while; then heals for new connections
+/// only, the old ones dead for good. The relay notices within its
+/// database timeout, discards what went silent and carries on on fresh
+/// connections; the oracle finds every event applied once.
+async fn silent_database_link_cell(capture: Capture) {
+    let (cell, db) = match capture {
+        Capture::Wal => ("wal/silent link", TestDb::producer_wal("m_sw").await),
+        _ => ("table/silent link", TestDb::producer("m_st").await),
+    };
+    let w = World::with(db, "m_s", Options::default()).await;
+    let consumer = w.consumer(&format!("c-{}", suffix())).await;
+    let proxy = Proxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let through_proxy = proxy.url(&e2e::database_url());
+    let mut relay = w.relay_process_with(&[("DATABASE_URL", &through_proxy)]);
+    let stop_producing = CancellationToken::new();
+    let producing = w
+        .db
+        .produce_until(stop_producing.clone(), 5, Duration::from_millis(20));
+    wait_until(deadline(), "the relay publishing", || async {
+        w.wire.distinct() > 200
+    })
+    .await;
+    proxy.set(Mode::Blackhole);
+    // The fault lasts: several of the relay's database timeouts (3 s), the
+    // server's own bounds on a transaction left open included.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let before = w.wire.distinct();
+    let healed = std::time::Instant::now();
+    proxy.set(Mode::Silent);
+    wait_until(deadline(), &format!("{cell}: publishing again"), || async {
+        w.wire.distinct() > before
+    })
+    .await;
+    let resumed = healed.elapsed();
+    stop_producing.cancel();
+    let ids = producing.await.unwrap();
+    w.outbox_drained().await;
+    assert_eq!(
+        stop_child(&mut relay, Signal::SIGINT, deadline()).await,
+        Some(0),
+        "{cell}: a clean stop"
+    );
+    let dead = proxy.dead();
+    let verdict = w
+        .judge(
+            consumer,
+            Committed::new(ids),
+            &format!("{cell}: {dead} connections left dead"),
+        )
+        .await;
+    assert!(dead > 0, "{cell}: no connection of the relay's was on the link");
+    assert!(
+        resumed <= Duration::from_secs(5),
+        "{cell}: publishing resumed {resumed:?} after the heal"
+    );
+    println!(
+        "{cell}: {} events, {dead} connections left dead, publishing resumed {resumed:?} after the heal, {} copies on the wire",
+        verdict.events, verdict.wire_duplicates
+    );
+    proxy.stop();
+    w.cleanup().await;
+}
+
+#[tokio::test]
+async fn matrix_table_silent_database_link() {
+    silent_database_link_cell(Capture::Table).await;
+}
+
+#[tokio::test]
+async fn matrix_wal_silent_database_link() {
+    silent_database_link_cell(Capture::Wal).await;
+}
+
 macro_rules! matrix {
     ($($name:ident, $cluster_name:ident: $capture:expr, $producer:expr, $ordered:expr;)*) => {$(
         #[tokio::test]

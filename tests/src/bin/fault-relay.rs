@@ -11,8 +11,11 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use outbox_relay::{Relay, RelayConfig, WalCapture};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgConnectOptions;
 use tokio_util::sync::CancellationToken;
+
+/// The relay's bound on each database call (and the pool's).
+const DATABASE_TIMEOUT: Duration = Duration::from_secs(3);
 
 fn env(name: &str) -> Result<String> {
     std::env::var(name).with_context(|| format!("{name} is not set"))
@@ -33,7 +36,9 @@ async fn main() -> Result<()> {
         ("statement_timeout", "10s"),
         ("idle_in_transaction_session_timeout", "3s"),
     ]);
-    let pool = PgPoolOptions::new()
+    // Every wait on the pool bounded, as an embedding service should have
+    // it (`outbox_relay::pool_options`): the silent-link cells need it.
+    let pool = outbox_relay::pool_options(DATABASE_TIMEOUT)
         .max_connections(4)
         .connect_with(options)
         .await?;
@@ -51,6 +56,7 @@ async fn main() -> Result<()> {
         c.poll_interval = Duration::from_millis(200);
         c.confirm_timeout = Duration::from_secs(3);
         c.broker_timeout = Duration::from_secs(3);
+        c.database_timeout = DATABASE_TIMEOUT;
         c.reconnect_min = Duration::from_millis(50);
         c.reconnect_max = Duration::from_millis(500);
         c.lease_ttl = Duration::from_millis(
