@@ -137,6 +137,16 @@ pub struct ConsumerConfig {
     /// Bound on every broker round trip (connect, declare, confirm, ack).
     /// Default 10 s.
     pub broker_timeout: Duration,
+    /// Bound, from the consumer's side, on each database round trip of
+    /// its own beyond the lock waits `lock_timeout` allows (taking a
+    /// connection, `BEGIN`, the inbox claim, the sequence locks,
+    /// savepoints, `COMMIT`; the statement after a handler call gets
+    /// `handler_timeout` more). A connection that does not answer within
+    /// it (a link gone silent: no RST ever comes) is closed, never given
+    /// back to the pool, and the batch waited out like any unreachable
+    /// database: nothing committed, nothing acked, nothing charged.
+    /// Default 10 s.
+    pub database_timeout: Duration,
     /// Longest pause between reconnection attempts (the pause starts at
     /// 100 ms and doubles). Default 5 s.
     pub max_reconnect_delay: Duration,
@@ -195,6 +205,7 @@ impl ConsumerConfig {
             max_deferrals: DEFAULT_MAX_DEFERRALS,
             dedup_key: DedupKey::MessageId,
             broker_timeout: Duration::from_secs(10),
+            database_timeout: Duration::from_secs(10),
             max_reconnect_delay: Duration::from_secs(5),
             declare_retry_queues: true,
             queue_type: crate::QueueType::default(),
@@ -236,6 +247,9 @@ impl ConsumerConfig {
         }
         if self.broker_timeout.is_zero() {
             return fail("broker_timeout must be positive");
+        }
+        if self.database_timeout.is_zero() {
+            return fail("database_timeout must be positive");
         }
         if self.handler_timeout.is_zero() || self.lock_timeout.is_zero() {
             return fail("handler_timeout and lock_timeout must be positive");

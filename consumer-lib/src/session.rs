@@ -109,6 +109,7 @@ impl Consumer {
     fn watch_blocks(&self, conn: &Connection) -> BlockWatch {
         let blocked = self.inner.blocked.clone();
         let name = self.inner.config.consumer_name.clone();
+        metrics::gauge!("outbox_consumer_broker_blocked", "consumer" => name.clone()).set(0.0);
         BlockWatch::new(conn, move |flow| {
             let on = matches!(flow, Flow::Blocked(_));
             blocked.store(on, Ordering::Relaxed);

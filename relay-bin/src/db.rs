@@ -108,12 +108,14 @@ const PING_IF_IDLE: Duration = Duration::from_secs(2);
 /// - connections opened before one that did not answer in time are closed
 ///   at their next acquire or release, not tested.
 ///
-/// ```
+/// ```no_run
+/// # async fn demo() -> Result<(), sqlx::Error> {
 /// use std::time::Duration;
 /// let pool = outbox_relay::pool_options(Duration::from_secs(10))
 ///     .max_connections(5)
-///     .connect_lazy("postgres://app@127.0.0.1/shop")?;
-/// # Ok::<(), sqlx::Error>(())
+///     .connect("postgres://app@127.0.0.1/shop")
+///     .await?;
+/// # Ok(()) }
 /// ```
 pub fn pool_options(timeout: Duration) -> PgPoolOptions {
     PgPoolOptions::new()

@@ -18,15 +18,23 @@
 //!
 //! The public items are the engine's: [`Relay`] with its [`RelayConfig`]
 //! (and [`WalCapture`]), its [`Health`], its [`Error`] (with
-//! [`ConfigError`]) and the WAL capture's set-up ([`create_wal_slot`],
+//! [`ConfigError`]), the options of the pool it runs on best
+//! ([`pool_options`]) and the WAL capture's set-up ([`create_wal_slot`],
 //! [`drop_wal_slot`]). The `outbox-relay` binary (feature `cli`, on by
 //! default) is this library's `cli` module; turn it off with
 //! `default-features = false` when embedding.
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
+//! use std::time::Duration;
 //! use outbox_relay::{Relay, RelayConfig};
-//! let pool = sqlx::PgPool::connect("postgres://app@127.0.0.1/shop").await?;
+//! // Every wait on the pool bounded, as the relay's own calls are
+//! // (`RelayConfig::database_timeout`): a connection whose link went
+//! // silent is dropped, never waited for.
+//! let pool = outbox_relay::pool_options(Duration::from_secs(10))
+//!     .max_connections(5)
+//!     .connect("postgres://app@127.0.0.1/shop")
+//!     .await?;
 //! let mut config = RelayConfig::default();
 //! config.amqp_url = "amqp://relay:secret@127.0.0.1:5672/%2f".into();
 //! config.batch_size = 1000;
@@ -54,7 +62,8 @@
 //! mean what the [glossary](outbox#glossary-the-pipeline-and-the-words-for-it)
 //! says; the files follow the stages (`docs/ARCHITECTURE.md` draws them):
 //! `supervisor.rs` (workers and the maintenance round), `broker.rs`
-//! (connections with failover), `worker.rs` (one batch), `claim/`
+//! (connections with failover, the broker's blocks), `db.rs` (every
+//! database call bounded), `worker.rs` (one batch), `claim/`
 //! (ordered and unordered events, claimed in one statement), `lease.rs`,
 //! `publish/`, `settle.rs`, `quarantine.rs`, `stats.rs`, `wal/` (the log's
 //! reader and its set-up);

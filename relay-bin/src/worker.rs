@@ -201,7 +201,7 @@ impl Relay {
         // (or there was none yet).
         let mut quiet = true;
         while !stop.is_cancelled() {
-            if session.conn.status().blocked() {
+            if blocked_now(&session.conn) {
                 // Publishing paused while the broker blocks it (a resource
                 // alarm): no batch is claimed, none charged an attempt, and
                 // the connection stays (a new one would be blocked too).

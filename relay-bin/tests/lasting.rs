@@ -247,13 +247,16 @@ impl Alarm {
             "sleep {}; rabbitmqctl eval '{CLEAR_ALARM}' >/dev/null 2>&1",
             lasting.as_secs() + 60
         );
-        Command::new("setsid")
-            .args(["sh", "-c", &switch])
+        // `setsid --fork`: the switch outlives this process, and the
+        // command returns at once.
+        let armed = Command::new("setsid")
+            .args(["--fork", "sh", "-c", &switch])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
-            .spawn()
-            .expect("the alarm's dead man's switch");
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(armed, "the alarm's dead man's switch did not start");
         rabbitmqctl_eval("rabbit_alarm:set_alarm({{resource_limit, memory, node()}, []}).");
         Self
     }

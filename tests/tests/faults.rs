@@ -1456,9 +1456,8 @@ async fn silent_database_link_cell(capture: Capture) {
     let through_proxy = proxy.url(&e2e::database_url());
     let mut relay = w.relay_process_with(&[("DATABASE_URL", &through_proxy)]);
     let stop_producing = CancellationToken::new();
-    let producing = w
-        .db
-        .produce_until(stop_producing.clone(), 5, Duration::from_millis(20));
+    let producing =
+        w.db.produce_until(stop_producing.clone(), 5, Duration::from_millis(20));
     wait_until(deadline(), "the relay publishing", || async {
         w.wire.distinct() > 200
     })
@@ -1491,7 +1490,10 @@ async fn silent_database_link_cell(capture: Capture) {
             &format!("{cell}: {dead} connections left dead"),
         )
         .await;
-    assert!(dead > 0, "{cell}: no connection of the relay's was on the link");
+    assert!(
+        dead > 0,
+        "{cell}: no connection of the relay's was on the link"
+    );
     assert!(
         resumed <= Duration::from_secs(5),
         "{cell}: publishing resumed {resumed:?} after the heal"
@@ -1499,6 +1501,67 @@ async fn silent_database_link_cell(capture: Capture) {
     println!(
         "{cell}: {} events, {dead} connections left dead, publishing resumed {resumed:?} after the heal, {} copies on the wire",
         verdict.events, verdict.wire_duplicates
+    );
+    proxy.stop();
+    w.cleanup().await;
+}
+
+/// A consumer whose database link goes silent (no RST) while it applies
+/// events: its batch's round trips are bounded from its side, the silent
+/// connection is closed, never pooled again, and the batch (nothing acked)
+/// waited out; once new connections pass, it goes on. Every effect once.
+#[tokio::test]
+async fn consumer_database_link_goes_silent() {
+    let w = World::new("f_csilent").await;
+    let relay = w.relay(&format!("r-{}", suffix()), amqp_url()).await;
+    let proxy = Proxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    // Its round trips bounded by 4 s (lock wait 2 s + 2 s), 6 s after a
+    // handler call.
+    let consumer = w.consumer_through(&proxy.url(&e2e::database_url()), |c| {
+        c.database_timeout = Duration::from_secs(2);
+        c.lock_timeout = Duration::from_secs(2);
+        c.handler_timeout = Duration::from_secs(2);
+    });
+    let effects = || async { w.effects().await.0 };
+    let stop_producing = CancellationToken::new();
+    let producing =
+        w.db.produce_until(stop_producing.clone(), 5, Duration::from_millis(20));
+    wait_until(deadline(), "the consumer applying", || async {
+        effects().await > 200
+    })
+    .await;
+    proxy.set(Mode::Blackhole);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let before = effects().await;
+    let healed = std::time::Instant::now();
+    proxy.set(Mode::Silent);
+    wait_until(deadline(), "the consumer applying again", || async {
+        effects().await > before
+    })
+    .await;
+    let resumed = healed.elapsed();
+    stop_producing.cancel();
+    let ids = producing.await.unwrap();
+    w.outbox_drained().await;
+    relay.stop().await;
+    let dead = proxy.dead();
+    let verdict = w
+        .judge(
+            consumer,
+            Committed::new(ids),
+            &format!("consumer's database link silent: {dead} connections left dead"),
+        )
+        .await;
+    assert!(dead > 0, "no connection of the consumer's was on the link");
+    // A bound, a pause and a batch: without the bounds it waited for the
+    // server's own timeouts (20 s here), or the kernel's.
+    assert!(
+        resumed <= Duration::from_secs(10),
+        "the consumer applied again only {resumed:?} after the heal"
+    );
+    println!(
+        "consumer's database link silent: {} events, {dead} connections left dead, applying again {resumed:?} after the heal",
+        verdict.events
     );
     proxy.stop();
     w.cleanup().await;

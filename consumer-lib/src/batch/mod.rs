@@ -31,6 +31,9 @@ pub(crate) struct Batch<'a> {
     pub(crate) positions: &'a [Option<Position>],
     /// Bound on one handler call.
     pub(crate) handler_timeout: std::time::Duration,
+    /// Bound on one statement of the consumer's own (its lock wait
+    /// included; see [`bounded`]).
+    pub(crate) statement_bound: std::time::Duration,
 }
 
 impl Batch<'_> {
@@ -82,6 +85,24 @@ impl std::fmt::Display for Failure {
             Failure::Conflict(c) => c.fmt(f),
             Failure::Database(e) => e.fmt(f),
         }
+    }
+}
+
+/// A database round trip of the consumer's own, bounded by `bound` from
+/// its side: past it, an I/O timeout, which the transaction stage waits
+/// out like any unreachable database (and after which
+/// [`transaction::process`] closes the connection instead of giving it
+/// back to the pool).
+pub(crate) async fn bounded<T>(
+    bound: std::time::Duration,
+    f: impl Future<Output = sqlx::Result<T>>,
+) -> sqlx::Result<T> {
+    match tokio::time::timeout(bound, f).await {
+        Ok(r) => r,
+        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the database did not answer within {bound:?}; its connection is closed"),
+        ))),
     }
 }
 

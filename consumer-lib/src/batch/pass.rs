@@ -8,7 +8,7 @@ use futures_util::FutureExt as _;
 use sqlx::PgConnection;
 use tracing::Instrument as _;
 
-use super::{Batch, Failure, Verdict, in_failed_transaction};
+use super::{Batch, Failure, Verdict, bounded, in_failed_transaction};
 use crate::event::Event;
 use crate::handler::{BatchOutcome, Handlers, Outcome};
 use crate::sequence::{Deferral, Sequencer, Turn};
@@ -158,10 +158,13 @@ async fn run_one(
     i: usize,
     isolated: bool,
 ) -> Result<Option<Outcome>, Failure> {
+    // The statement after a handler call may first wait for what the
+    // call left running to end (by `statement_timeout`, the handler
+    // timeout).
+    let after_handler = batch.statement_bound + batch.handler_timeout;
     if isolated {
-        sqlx::raw_sql("SAVEPOINT outbox_event")
-            .execute(&mut *tx)
-            .await?;
+        let savepoint = sqlx::raw_sql("SAVEPOINT outbox_event").execute(&mut *tx);
+        bounded(batch.statement_bound, savepoint).await?;
     }
     let outcome = guarded(
         batch.handler_timeout,
@@ -174,7 +177,7 @@ async fn run_one(
     }
     if !isolated {
         if !outcome.is_ack() {
-            match sqlx::raw_sql("SELECT 1").execute(&mut *tx).await {
+            match bounded(after_handler, sqlx::raw_sql("SELECT 1").execute(&mut *tx)).await {
                 Ok(_) => {}
                 Err(e) if in_failed_transaction(&e) => return Ok(None),
                 Err(e) => return Err(e.into()),
@@ -183,16 +186,14 @@ async fn run_one(
         return Ok(Some(outcome));
     }
     if !outcome.is_ack() {
-        rollback_to(tx, UNDO_EVENT).await?;
+        bounded(after_handler, rollback_to(tx, UNDO_EVENT)).await?;
         return Ok(Some(outcome));
     }
-    match sqlx::raw_sql("RELEASE SAVEPOINT outbox_event")
-        .execute(&mut *tx)
-        .await
-    {
+    let release = sqlx::raw_sql("RELEASE SAVEPOINT outbox_event").execute(&mut *tx);
+    match bounded(after_handler, release).await {
         Ok(_) => Ok(Some(outcome)),
         Err(e) if in_failed_transaction(&e) => {
-            rollback_to(tx, UNDO_EVENT).await?;
+            bounded(batch.statement_bound, rollback_to(tx, UNDO_EVENT)).await?;
             Ok(Some(Outcome::retry(
                 "handler returned Ack but one of its statements failed",
             )))

@@ -4,11 +4,11 @@
 
 use std::collections::HashSet;
 
-use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 
 use super::pass::{Pass, Ran, run_handlers};
 use super::plan::{inbox_keys, select, unapplied};
-use super::{Batch, Failure, Verdict, in_failed_transaction};
+use super::{Batch, Failure, Verdict, bounded, in_failed_transaction};
 use crate::dedup::Inbox;
 use crate::handler::{Handlers, Outcome};
 use crate::sequence::{Sequencer, Sequences};
@@ -26,7 +26,6 @@ pub(crate) async fn process(
     batch: &Batch<'_>,
 ) -> Result<Vec<Verdict>, Failure> {
     let run = BatchTx {
-        pool,
         begin,
         inbox,
         sequences,
@@ -39,19 +38,37 @@ pub(crate) async fn process(
     // savepoint per event, so a failing event cannot undo the others.
     // The failure found by the first pass is kept, not asked again: each
     // handler decision about a failing event is made once.
+    //
+    // The connection is taken here, not by the passes: one whose link went
+    // silent (a round trip past its bound, `super::bounded`) or failed is
+    // closed, never given back to the pool, whose test of a returned
+    // connection (a ping) has no bound. A cancelled BEGIN cannot leak an
+    // open transaction into the pool this way.
+    let mut conn = bounded(batch.statement_bound, pool.acquire()).await?;
     let mut known: Option<(usize, Outcome)> = None;
+    let mut end = None;
     for isolated in [run.isolated_only(), true] {
-        match run.pass(isolated, known.take()).await? {
-            PassEnd::Decided(verdicts) => return Ok(verdicts),
-            PassEnd::Rerun(failure) => known = failure,
+        match run.pass(&mut conn, isolated, known.take()).await {
+            Ok(PassEnd::Decided(verdicts)) => {
+                end = Some(Ok(verdicts));
+                break;
+            }
+            Ok(PassEnd::Rerun(failure)) => known = failure,
+            Err(e) => {
+                end = Some(Err(e));
+                break;
+            }
         }
     }
-    unreachable!("the isolated pass always returns")
+    let end = end.expect("the isolated pass always returns");
+    if let Err(Failure::Database(sqlx::Error::Io(_) | sqlx::Error::Protocol(_))) = &end {
+        conn.close_on_drop();
+    }
+    end
 }
 
 /// What each pass of [`process`] runs with.
 struct BatchTx<'a> {
-    pool: &'a PgPool,
     begin: &'a sqlx::SqlStr,
     inbox: &'a Inbox,
     sequences: Option<&'a Sequences>,
@@ -83,22 +100,24 @@ impl BatchTx<'_> {
     /// then [`BatchTx::close`] it.
     async fn pass(
         &self,
+        conn: &mut PgConnection,
         isolated: bool,
         known: Option<(usize, Outcome)>,
     ) -> Result<PassEnd, Failure> {
         let batch = self.batch;
-        // Never raced against a timeout (a cancelled begin can leak an
-        // open transaction into the pool): the SET LOCALs sent with it bound
-        // the database side.
-        let mut tx = self.pool.begin_with(self.begin.clone()).await?;
-        let fresh = self.inbox.claim(&mut tx, &self.keys).await?;
+        let bound = batch.statement_bound;
+        // The SET LOCALs sent with the BEGIN bound the database side; the
+        // bound here is the client's (a cancelled BEGIN's connection is
+        // closed, see `process`).
+        let mut tx = bounded(bound, Connection::begin_with(conn, self.begin.clone())).await?;
+        let fresh = bounded(bound, self.inbox.claim(&mut tx, &self.keys)).await?;
         let fresh: HashSet<&str> = fresh.iter().map(String::as_str).collect();
         let (to_handle, passes) = select(batch, &fresh, self.sequences.is_some());
         // After the inbox claim, in every instance: one lock order.
         let mut order = match self.sequences {
             Some(s) => {
-                s.lock(&mut tx, passes.iter().filter_map(|&i| batch.position(i)))
-                    .await?
+                let positions = passes.iter().filter_map(|&i| batch.position(i));
+                bounded(bound, s.lock(&mut tx, positions)).await?
             }
             None => None,
         };
@@ -120,13 +139,13 @@ impl BatchTx<'_> {
         match ran.await? {
             Ran::Done => {}
             Ran::Again(failure) => {
-                tx.rollback().await?;
+                bounded(bound, tx.rollback()).await?;
                 return Ok(PassEnd::Rerun(failure));
             }
             Ran::AllFailed => {
                 // Nothing to keep: the duplicates' inbox rows were
                 // committed before, the fresh ones must not be.
-                tx.rollback().await?;
+                bounded(bound, tx.rollback()).await?;
                 return Ok(PassEnd::Decided(verdicts));
             }
         }
@@ -139,7 +158,7 @@ impl BatchTx<'_> {
     /// transaction aborted.
     async fn close(
         &self,
-        mut tx: Transaction<'static, Postgres>,
+        mut tx: Transaction<'_, Postgres>,
         order: Option<&Sequencer>,
         isolated: bool,
         to_handle: &[usize],
@@ -149,10 +168,12 @@ impl BatchTx<'_> {
         // Also the guard against a handler that returned Ack after one of
         // its statements failed: in an aborted transaction these statements
         // error, where COMMIT would silently roll back and we would ack.
-        match finish(&mut tx, self.inbox, self.sequences.zip(order), &failed).await {
+        let bound = self.batch.statement_bound;
+        let finished = finish(&mut tx, self.inbox, self.sequences.zip(order), &failed);
+        match bounded(bound, finished).await {
             Ok(()) => {}
             Err(e) if self.isolated_only() && in_failed_transaction(&e) => {
-                tx.rollback().await?;
+                bounded(bound, tx.rollback()).await?;
                 for &i in to_handle {
                     verdicts[i] = Verdict::Handled(Outcome::retry(
                         "batch handler returned Ack but one of its statements failed",
@@ -163,12 +184,12 @@ impl BatchTx<'_> {
             // A handler said Ack but left the transaction aborted: redo
             // with savepoints, which pins it on that event.
             Err(e) if !isolated && in_failed_transaction(&e) => {
-                tx.rollback().await?;
+                bounded(bound, tx.rollback()).await?;
                 return Ok(PassEnd::Rerun(None));
             }
             Err(e) => return Err(e.into()),
         }
-        tx.commit().await?;
+        bounded(bound, tx.commit()).await?;
         Ok(PassEnd::Decided(verdicts))
     }
 }

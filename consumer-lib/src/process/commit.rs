@@ -70,6 +70,7 @@ impl Consumer {
             spans: &decoded.spans,
             positions: &decoded.positions,
             handler_timeout: cfg.handler_timeout,
+            statement_bound: cfg.lock_timeout + cfg.database_timeout,
         };
         loop {
             match self.transact(&batch).await {
@@ -151,6 +152,7 @@ impl Consumer {
                 spans: &batch.spans[i..=i],
                 positions: batch.positions.get(i..=i).unwrap_or(&[]),
                 handler_timeout: batch.handler_timeout,
+                statement_bound: batch.statement_bound,
             };
             verdicts.push(match self.transact(&one).await {
                 Ok(mut v) => v.pop().unwrap_or(Verdict::Duplicate),

@@ -21,7 +21,7 @@ pub(super) async fn run_relay(
 ) -> Result<ExitCode> {
     let config = relay_config(url, schema, r);
     config.validate()?;
-    let pool = connect_db(url, r.workers as u32 + 3, slow, r.database_timeout).await?;
+    let pool = connect_db(url, r.workers as u32 + 2, slow, r.database_timeout).await?;
     let relay = Relay::new(pool.clone(), config).await?;
     // Fail fast with one line when the broker is unreachable at start;
     // after that the supervisor reconnects by itself.

@@ -192,6 +192,29 @@ impl World {
 
     async fn consumer_of(&self, queue: &str, app: &str) -> Running<outbox_consumer::Error> {
         let pool = e2e::pool(app, 4).await;
+        self.consumer_on(queue, pool, |_| {})
+    }
+
+    /// An in-process consumer of the world's queue on the database at
+    /// `url` (through a proxy, say), its configuration `adjust`ed.
+    pub(crate) fn consumer_through(
+        &self,
+        url: &str,
+        adjust: impl FnOnce(&mut ConsumerConfig),
+    ) -> Running<outbox_consumer::Error> {
+        let options: sqlx::postgres::PgConnectOptions = url.parse().expect("a database URL");
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect_lazy_with(options);
+        self.consumer_on(&self.queues[0], pool, adjust)
+    }
+
+    fn consumer_on(
+        &self,
+        queue: &str,
+        pool: sqlx::PgPool,
+        adjust: impl FnOnce(&mut ConsumerConfig),
+    ) -> Running<outbox_consumer::Error> {
         let mut config = ConsumerConfig::new(self.nodes.urls(), queue, "faults");
         config.schema = self.consumer_schema.to_string();
         config.declare_retry_queues = false;
@@ -205,6 +228,7 @@ impl World {
             config.max_retry_delay = Duration::from_millis(500);
             config.max_deferrals = 1_000;
         }
+        adjust(&mut config);
         let effect = e2e::RecordEffect::new(&self.consumer_schema);
         let consumer = Consumer::new(config, pool, effect).unwrap();
         Running::spawn(|stop| tokio::spawn(async move { consumer.run(stop).await }))
