@@ -298,6 +298,111 @@ fn alarm_length() -> Duration {
     )
 }
 
+/// A dedup consumer of a table relay's exchange during the alarm, every
+/// event's first attempt retried: its republishes to the retry queue and
+/// its acks meet the block.
+struct WatchedConsumer {
+    name: String,
+    schema: String,
+    queue: String,
+    pool: sqlx::PgPool,
+    consumer: outbox_consumer::Consumer,
+    stop: CancellationToken,
+    running: Option<tokio::task::JoinHandle<outbox_consumer::Result<()>>>,
+}
+
+impl WatchedConsumer {
+    async fn start(db: &TestDb, broker: &TestBroker) -> Self {
+        let name = format!("alarm-{}", suffix());
+        let schema = format!("{}_c", db.schema);
+        let queue = format!("{}.c", broker.queue);
+        outbox_consumer::migrate(&db.pool, &schema).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE \"{schema}\".effects (event_id text NOT NULL)"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        let conn = e2e::connect().await;
+        let topology = outbox_consumer::TopologyConfig::new(&queue, &broker.exchange, "#");
+        outbox_consumer::declare_topology(&conn, &topology)
+            .await
+            .unwrap();
+        let _ = conn.close(200, "declared".into()).await;
+        let mut config = outbox_consumer::ConsumerConfig::new(amqp_url(), &queue, &name);
+        config.schema = schema.clone();
+        config.retry_delay = Duration::from_millis(100);
+        config.max_retry_delay = Duration::from_millis(500);
+        config.max_reconnect_delay = Duration::from_millis(500);
+        let pool = e2e::pool(&name, 4).await;
+        let effect = e2e::RecordEffect::new(&schema).retry_first();
+        let consumer = outbox_consumer::Consumer::new(config, pool.clone(), effect).unwrap();
+        Self {
+            name,
+            schema,
+            queue,
+            pool,
+            consumer,
+            stop: CancellationToken::new(),
+            running: None,
+        }
+    }
+
+    /// Starts consuming: its queue has a backlog by now, so its first
+    /// batches republish (and meet the block, if there is one).
+    fn run(&mut self) {
+        let (consumer, stop) = (self.consumer.clone(), self.stop.clone());
+        self.running = Some(tokio::spawn(async move { consumer.run(stop).await }));
+    }
+
+    /// Effects applied, and distinct events among them.
+    async fn effects(&self) -> (i64, i64) {
+        sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*), count(DISTINCT event_id) FROM \"{}\".effects",
+            self.schema
+        )))
+        .fetch_one(&self.pool)
+        .await
+        .unwrap()
+    }
+
+    /// Asserts every event applied once, then stops and cleans up.
+    async fn judge(self, ids: &[String], scenario: &str) {
+        let n = ids.len() as i64;
+        wait_until(
+            Duration::from_secs(120),
+            "the consumer's effects",
+            || async { self.effects().await.1 >= n },
+        )
+        .await;
+        assert_eq!(self.effects().await, (n, n), "{scenario}: each effect once");
+        self.stop.cancel();
+        let running = self.running.expect("the consumer ran");
+        let ended = tokio::time::timeout(Duration::from_secs(60), running).await;
+        assert!(
+            matches!(ended, Ok(Ok(Ok(())))),
+            "{scenario}: the consumer stops cleanly: {ended:?}"
+        );
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA \"{}\" CASCADE",
+            self.schema
+        )))
+        .execute(&self.pool)
+        .await
+        .unwrap();
+        let conn = e2e::connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        for q in [
+            self.queue.clone(),
+            format!("{}.retry", self.queue),
+            format!("{}.dlq", self.queue),
+        ] {
+            let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+        }
+        let _ = conn.close(200, "cleaned up".into()).await;
+    }
+}
+
 /// One relay of the alarm test: its world and what it must keep.
 struct Watched {
     db: TestDb,
@@ -358,6 +463,10 @@ async fn disruptive_broker_alarm_that_lasts_minutes() {
         Watched::start(Capture::Table).await,
         Watched::start(Capture::Wal).await,
     ];
+    // Judged with the table's relay, before its world is cleaned up.
+    let mut consumer = Some(WatchedConsumer::start(&watched[0].db, &watched[0].broker).await);
+    let blocked_now =
+        |c: &Option<WatchedConsumer>| c.as_ref().is_some_and(|c| c.consumer.broker_blocked_now());
     let stop = CancellationToken::new();
     // About 100 events a second into each.
     let producing: Vec<_> = watched
@@ -380,6 +489,11 @@ async fn disruptive_broker_alarm_that_lasts_minutes() {
 
     let alarm = Alarm::set(alarm_length());
     let set_at = Instant::now();
+    // The consumer starts on a backlog of the table relay's events, so its
+    // retries' republishes meet the block.
+    if let Some(c) = consumer.as_mut() {
+        c.run();
+    }
     let mut most_connections = vec![0; watched.len()];
     for w in &watched {
         wait_until(
@@ -399,10 +513,20 @@ async fn disruptive_broker_alarm_that_lasts_minutes() {
             "{scenario}: the gauge"
         );
     }
-    // The alarm lasts; the relays' connections, memory and attempts are
-    // watched throughout.
+    wait_until(Duration::from_secs(60), "the consumer blocked", || async {
+        blocked_now(&consumer)
+    })
+    .await;
+    let consumer_name = consumer
+        .as_ref()
+        .map(|c| c.name.clone())
+        .unwrap_or_default();
+    // The alarm lasts; the relays' and the consumer's connections, memory
+    // and attempts are watched throughout.
     while set_at.elapsed() < alarm_length() {
         tokio::time::sleep(Duration::from_secs(5)).await;
+        let n = broker_connections(&format!("outbox-consumer {consumer_name}"));
+        assert!(n <= 1, "{scenario}: {n} broker connections of the consumer");
         for (i, w) in watched.iter().enumerate() {
             let n = broker_connections(&w.relay.name);
             most_connections[i] = most_connections[i].max(n);
@@ -449,6 +573,20 @@ async fn disruptive_broker_alarm_that_lasts_minutes() {
         })
         .await;
     }
+    assert!(
+        !blocked_now(&consumer),
+        "{scenario}: the consumer still blocked"
+    );
+    if let Some(c) = &consumer {
+        // The block was waited out on the one connection: no session
+        // failed, none reconnected.
+        let stats = c.consumer.stats();
+        assert_eq!(
+            (stats.connections, stats.broker_errors),
+            (1, 0),
+            "{scenario}: the consumer's sessions and broker errors"
+        );
+    }
     stop.cancel();
     let mut report = Vec::new();
     for (i, (w, producing)) in watched.into_iter().zip(producing).enumerate() {
@@ -468,6 +606,10 @@ async fn disruptive_broker_alarm_that_lasts_minutes() {
         assert_eq!(w.charged().await, (0, 0), "{scenario}: nothing charged");
         w.relay.stop(scenario).await;
         all_delivered(&w.collector, &ids, scenario).await;
+        if w.db.capture == Capture::Table {
+            let consumer = consumer.take().expect("one consumer, of the table's relay");
+            consumer.judge(&ids, scenario).await;
+        }
         report.push(format!(
             "{:?}: {} events, RSS {} -> {} KiB, at most {} broker connections, first event {:?} after the clear, {duplicates} duplicates",
             w.db.capture,
@@ -481,5 +623,9 @@ async fn disruptive_broker_alarm_that_lasts_minutes() {
         w.db.cleanup().await;
         w.broker.cleanup().await;
     }
-    println!("{scenario} of {:?}: {}", alarm_length(), report.join("; "));
+    println!(
+        "{scenario} of {:?}: {}; the consumer (every event retried once) applied each once",
+        alarm_length(),
+        report.join("; ")
+    );
 }
