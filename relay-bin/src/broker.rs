@@ -70,14 +70,14 @@ impl Broker {
     /// default exchange if configured. The session watches the broker's
     /// blocks of its connection ([`BlockWatch`]) for `who` (`"table
     /// workers"`, `"log reader"`).
-    pub(crate) async fn connect(&self, who: &'static str) -> Result<Session> {
+    pub(crate) async fn connect(&self, who: &'static str) -> Result<BrokerSession> {
         let props = ConnectionProperties::default()
             .with_connection_name(self.connection_name.as_str().into());
         let (conn, link, node) = self.nodes.connect(props).await?;
         let broker = self.nodes.current().unwrap_or_default();
         tracing::info!(broker = %broker, "connected to the broker");
         let health = self.health.clone();
-        let session = Session {
+        let session = BrokerSession {
             watch: BlockWatch::new(&conn, move |flow| match flow {
                 Flow::Blocked(reason) => health.block(who, reason),
                 Flow::Unblocked => health.unblock(Some(who)),
@@ -141,14 +141,14 @@ async fn declare_exchange(
 /// One broker connection of the relay's: the connection, the [`Link`]
 /// under it, its node's index (for [`Broker::leave`]) and the watch on the
 /// broker's blocks of it.
-pub(crate) struct Session {
+pub(crate) struct BrokerSession {
     pub(crate) conn: Arc<Connection>,
     link: Link,
     pub(crate) node: usize,
     watch: BlockWatch,
 }
 
-impl Session {
+impl BrokerSession {
     /// Closes the connection, for sure: politely within `timeout`, or cut
     /// ([`Link::close`]; a connection the broker blocks cannot send its
     /// own close). Gone when this returns.

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::Session;
+use crate::broker::BrokerSession;
 use crate::db::bounded;
 use crate::error::{Error, Result};
 use crate::publish;
@@ -124,7 +124,11 @@ impl Relay {
     /// Runs the workers on `conn` until one fails, or until shutdown, when
     /// the batches in flight get `drain_timeout` to finish; past it they
     /// are abandoned (rolled back: their events stay in the outbox).
-    async fn run_session(&self, session: Session, shutdown: &CancellationToken) -> SessionEnd {
+    async fn run_session(
+        &self,
+        session: BrokerSession,
+        shutdown: &CancellationToken,
+    ) -> SessionEnd {
         let cfg = &self.inner.config;
         let conn = session.conn.clone();
         let mut workers = JoinSet::new();
