@@ -160,7 +160,9 @@ impl WorkerSession {
         self.claim.ordered_waiting
     }
 
-    /// Closes the connection (bounded by `timeout`).
+    /// Testing only (feature `testing`): closes the connection (bounded by
+    /// `timeout`).
+    #[cfg(feature = "testing")]
     pub async fn close(self, timeout: std::time::Duration) {
         self.publisher.close().await;
         let _ = tokio::time::timeout(timeout, self.conn.close(200, "session closed".into())).await;
