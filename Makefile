@@ -29,9 +29,13 @@ build: ## build everything
 test: ## run every test (unit, database, broker, end-to-end, browser, the cluster suite) against the real services
 	$(CARGO) nextest run --workspace --all-features --no-fail-fast -E 'not test(/^disruptive_/) and not test(/^cluster_/)'
 	@# Tests that restart the shared broker or database run alone, after the rest.
-	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^disruptive_/)'
-	@# The fault suite on a local three-node RabbitMQ cluster (started on demand).
-	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^cluster_/)'
+	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^disruptive_/) and not test(/^disruptive_broker_alarm/)'
+	@# The fault suite on a local three-node RabbitMQ cluster (started on
+	@# demand), and beside it the five-minute alarm on the shared broker (it
+	@# blocks only that broker's publishers; the cluster suite has its own).
+	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^disruptive_broker_alarm/)' & alarm=$$!; \
+	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^cluster_/)'; cluster=$$?; \
+	wait $$alarm; alarm=$$?; test $$cluster -eq 0 -a $$alarm -eq 0
 	$(CARGO) test --workspace --all-features --doc
 
 test-cluster: cluster ## the fault suite on the three-node cluster with quorum queues (stops and starts its nodes; runs alone)
