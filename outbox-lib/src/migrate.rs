@@ -79,5 +79,10 @@ pub(crate) const PRODUCER: MigrationSet = MigrationSet {
             name: "publishable_fast",
             sql: include_str!("../migrations/0014_publishable_fast.sql"),
         },
+        Migration {
+            version: 15,
+            name: "due_when_written",
+            sql: include_str!("../migrations/0015_due_when_written.sql"),
+        },
     ],
 };

@@ -6,6 +6,7 @@
 
 use tokio_util::sync::CancellationToken;
 
+use crate::claim::floor;
 use crate::db::bounded;
 use crate::error::Error;
 use crate::relay::Relay;
@@ -33,6 +34,22 @@ impl Relay {
             }
             Ok(false) => {}
             Err(e) => tracing::warn!(error = %e, "lease round failed; retrying at the next round"),
+        }
+    }
+
+    /// Reads the claim's floor every [`floor::EVERY`] until `stop`; a
+    /// reading that fails or is late leaves the last floor, which stays
+    /// true (it only falls further behind).
+    pub(crate) async fn track_floor(&self, stop: CancellationToken) {
+        let inner = &self.inner;
+        while !stop.is_cancelled() {
+            let read = bounded("the claim floor", inner.config.database_timeout, async {
+                Ok::<_, Error>(inner.floor.read(&inner.pool).await?)
+            });
+            if let Err(e) = read.await {
+                tracing::debug!(error = %e, "claim floor not read; next reading");
+            }
+            sleep_or_cancel(floor::EVERY, &stop).await;
         }
     }
 

@@ -50,7 +50,7 @@ fn begin_async_commit(config: &RelayConfig) -> sqlx::SqlStr {
     sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(format!(
         "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL statement_timeout = '{}ms'; \
          SET LOCAL idle_in_transaction_session_timeout = '{}ms'; \
-         SET LOCAL enable_seqscan = off; SET LOCAL jit = off",
+         SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off",
         config.database_timeout.as_millis(),
         idle.as_millis()
     )))
@@ -92,6 +92,9 @@ pub(crate) struct Inner {
     pub(crate) wal_slot: String,
     pub(crate) pool: PgPool,
     pub(crate) claims: crate::claim::Claims,
+    /// Below which no unordered event can still be claimed
+    /// ([`crate::claim::floor`]).
+    pub(crate) floor: crate::claim::floor::Floor,
     pub(crate) settle_sql: crate::settle::Statements,
     pub(crate) wake: watch::Sender<u64>,
     pub(crate) health: Arc<Health>,
@@ -170,6 +173,15 @@ impl WorkerSession {
 }
 
 impl Relay {
+    /// Testing only (feature `testing`): how often one worker claims
+    /// unordered events from the claim index's beginning, past its cursor
+    /// ([`crate::claim::floor`]; 5 s otherwise). A test that stretches it
+    /// sees whether the cursor alone finds every event.
+    #[cfg(feature = "testing")]
+    pub fn set_claim_sweep(&self, every: std::time::Duration) {
+        self.inner.floor.set_sweep(every);
+    }
+
     /// Validates `config` and checks the outbox schema is migrated.
     pub async fn new(pool: PgPool, config: RelayConfig) -> Result<Self> {
         let schema = config.validate()?;
@@ -198,6 +210,7 @@ impl Relay {
             inner: Arc::new(Inner {
                 begin: begin_async_commit(&config),
                 claims: crate::claim::Claims::new(&schema, id, config.batch_size),
+                floor: crate::claim::floor::Floor::new(&schema),
                 leases: Leases::new(&schema, id, &config.name, config.lease_ttl),
                 stats: Arc::new(Stats::new(&schema)),
                 quarantine: Quarantine::new(

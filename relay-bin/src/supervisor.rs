@@ -136,11 +136,12 @@ impl Relay {
         // Leases and stats beside the workers, while the session lasts: a
         // relay without a broker lets its partitions go to others. (The
         // first round is the first worker's, once its channel is open.)
+        // And the claims' floor, read from the lock table.
         workers.spawn({
             let relay = self.clone();
             let stop = session_stop.clone();
             async move {
-                relay.maintain(stop).await;
+                tokio::join!(relay.maintain(stop.clone()), relay.track_floor(stop));
                 Ok(())
             }
         });

@@ -83,9 +83,12 @@ impl Relay {
         let events = bounded(
             "the claim",
             t,
-            inner
-                .claims
-                .claim(&mut tx, inner.leases.held(), &mut session.claim),
+            inner.claims.claim(
+                &mut tx,
+                inner.leases.held(),
+                &mut session.claim,
+                &inner.floor,
+            ),
         )
         .await?;
         let claimed = start.elapsed();
@@ -266,6 +269,11 @@ impl Relay {
         session: &mut WorkerSession,
     ) -> Result<Option<Result<BatchReport>>> {
         let batch = AssertUnwindSafe(self.batch(session)).catch_unwind().await;
+        if !session.in_flight.is_empty() && !matches!(batch, Ok(Ok(_))) {
+            // Its rows are back in the outbox where other workers'
+            // cursors may have passed them while they were locked.
+            self.inner.floor.rewind();
+        }
         if let Some((conn, _)) = session.db.take_if(|_| !matches!(batch, Ok(Ok(_)))) {
             // Its connection may be silent or mid-transaction. After the
             // broker failed, the database answered: the pool tests it

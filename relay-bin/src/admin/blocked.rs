@@ -160,7 +160,7 @@ pub async fn skip_events(pool: &PgPool, schema: &Ident, ids: &[Uuid], reason: &s
 /// backoff. Returns how many were rescheduled.
 pub async fn retry_now(pool: &PgPool, schema: &Ident, ids: &[Uuid]) -> Result<u64> {
     Ok(sqlx::query(AssertSqlSafe(format!(
-        "UPDATE {}.outbox SET available_at = now() WHERE id = ANY($1) AND available_at > now()",
+        "UPDATE {}.outbox SET available_at = clock_timestamp() WHERE id = ANY($1) AND available_at > now()",
         schema.quoted()
     )))
     .bind(ids)

@@ -374,7 +374,7 @@ async fn insert_into_outbox(
                                  routing_key, created_at, available_at, attempts, last_error, error_history,
                                  aggregate_seq)
          SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key,
-                created_at, now(), 0, NULL,
+                created_at, clock_timestamp(), 0, NULL,
                 error_history || jsonb_build_array(jsonb_build_object('at', now(), 'error', 'replayed from dead letters')),
                 aggregate_seq
          FROM {s}.outbox_dead_letters WHERE id = ANY($1)

@@ -18,7 +18,8 @@
 -- hold: the room the ordered events sent left in the batch of $8 (a head
 -- being retried is sent alone, so the chain read behind it takes no
 -- room), and a quarter of it at least, so a large ordered backlog cannot
--- hold them up.
+-- hold them up. They start at the worker's cursor, ($10, $11) in the
+-- index's key order, as in `unordered.sql`.
 --
 -- Ordered rows carry their head's place in the claim (`ord`) and their
 -- partition; unordered ones carry neither. Nothing is sorted here (a sort
@@ -56,6 +57,7 @@ claimed AS (
     SELECT {claimed_columns}, available_at, true AS due, NULL::int AS partition, NULL::bigint AS ord
     FROM {schema}.outbox
     WHERE available_at <= now() AND aggregate_seq IS NULL
+      AND (available_at, id) >= (coalesce($10::timestamptz, '-infinity'), $11::uuid)
     ORDER BY available_at, id
     LIMIT greatest($8 - (
         -- What the relay sends of the chains: a head being retried goes

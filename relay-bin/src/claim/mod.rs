@@ -17,6 +17,7 @@
 //! events that arrive wait one batch of unordered ones (or, should that
 //! batch send nothing or fail, the worker's next claim).
 
+pub(crate) mod floor;
 pub(crate) mod ordered;
 
 use std::collections::HashMap;
@@ -28,6 +29,7 @@ use uuid::Uuid;
 
 use crate::error::Result;
 use crate::message::{ClaimedRow, OutboxEvent};
+use floor::{Claim, Floor, Key};
 
 /// The claim stage: its statements for one schema, the relay's id (whose
 /// leases the ordered claim reads) and the batch size.
@@ -95,17 +97,22 @@ impl Claims {
     /// partitions leased by the relay (`None` before its first lease
     /// round): with `unordered.sql` while the worker's last probe found no
     /// ordered event, otherwise (or when this claim's probe finds some and
-    /// nothing else was claimed) with `batch.sql`. Moves the worker's
-    /// cursors and remembers the probe's answer.
+    /// nothing else was claimed) with `batch.sql`. Unordered events are
+    /// claimed from the worker's cursor on, as `floor` places it. Moves the
+    /// worker's cursors and remembers the probe's answer.
     pub(crate) async fn claim(
         &self,
         conn: &mut PgConnection,
         held: Option<usize>,
         state: &mut ClaimState,
+        floor: &Floor,
     ) -> Result<Vec<OutboxEvent>> {
+        let start = floor.start();
         if !state.ordered_waiting {
             let rows = sqlx::query(self.unordered.clone())
                 .bind(self.batch_size as i64)
+                .bind(start.start.map(|k| k.0))
+                .bind(start.start.map_or(Uuid::nil(), |k| k.1))
                 .fetch_all(&mut *conn)
                 .await?;
             let (waiting, rows) = probed(&rows)?;
@@ -114,10 +121,11 @@ impl Claims {
             // ordered claim's unordered part too: claim again only if
             // there are none.
             if !waiting || !rows.is_empty() {
+                floor.advance(start, last_unordered(&rows));
                 return Ok(rows.into_iter().map(|r| r.event.into()).collect());
             }
         }
-        self.claim_all(conn, held, state).await
+        self.claim_all(conn, held, state, floor, start).await
     }
 
     /// The due chains of the worker's partitions, then unordered events in
@@ -128,6 +136,8 @@ impl Claims {
         conn: &mut PgConnection,
         held: Option<usize>,
         state: &mut ClaimState,
+        floor: &Floor,
+        start: Claim,
     ) -> Result<Vec<OutboxEvent>> {
         let plan = ordered::Plan::new(self.batch_size, held, state);
         let (parts, (types, ids)): (Vec<i32>, (Vec<&str>, Vec<&str>)) = state
@@ -145,10 +155,13 @@ impl Claims {
             .bind(&ids)
             .bind(self.batch_size as i64)
             .bind(plan.scan_per_partition as i32)
+            .bind(start.start.map(|k| k.0))
+            .bind(start.start.map_or(Uuid::nil(), |k| k.1))
             .fetch_all(conn)
             .await?;
         let (waiting, rows) = probed(&rows)?;
         state.ordered_waiting = waiting;
+        floor.advance(start, last_unordered(&rows));
         let (mut ordered, unordered): (Vec<ClaimRow>, Vec<ClaimRow>) =
             rows.into_iter().partition(|r| r.partition.is_some());
         // Chain order: heads in the order the claim walked them, each
@@ -175,6 +188,14 @@ fn probed(rows: &[PgRow]) -> Result<(bool, Vec<ClaimRow>)> {
     Ok((waiting, claimed))
 }
 
+/// The greatest key among a claim's unordered rows.
+fn last_unordered(rows: &[ClaimRow]) -> Option<Key> {
+    rows.iter()
+        .filter(|r| r.partition.is_none())
+        .filter_map(|r| Some((r.available_at?, r.event.id)))
+        .max()
+}
+
 /// A claimed row of `batch.sql` or `unordered.sql`: an event as claimed,
 /// with whether it is due (the chain of an aggregate stops before its
 /// first event that is not) and, for an ordered event, its partition and
@@ -183,6 +204,8 @@ fn probed(rows: &[PgRow]) -> Result<(bool, Vec<ClaimRow>)> {
 pub(crate) struct ClaimRow {
     #[sqlx(flatten)]
     pub(crate) event: ClaimedRow,
+    /// When it became due (the unordered claim's key, with its id).
+    pub(crate) available_at: Option<chrono::DateTime<chrono::Utc>>,
     pub(crate) due: bool,
     pub(crate) partition: Option<i32>,
     pub(crate) ord: Option<i64>,

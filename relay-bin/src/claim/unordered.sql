@@ -9,12 +9,19 @@
 -- `batch.sql` until its probe finds none. The probe's row comes back even
 -- when nothing is claimed (then with null event columns), so the answer
 -- is never lost.
+--
+-- The claim starts at the worker's cursor, ($2, $3) in the index's key
+-- order (floor.rs says why, and why no row that can still be claimed lies
+-- below it): the drained part of the index, whose entries no vacuum may
+-- remove while the xmin horizon is held, is not walked again. A null $2
+-- is the index's beginning.
 WITH probe AS MATERIALIZED (
     SELECT EXISTS (SELECT 1 FROM {schema}.outbox o WHERE o.aggregate_seq IS NOT NULL) AS ordered_waiting),
 claimed AS (
-    SELECT {claimed_columns}, true AS due, NULL::int AS partition, NULL::bigint AS ord
+    SELECT {claimed_columns}, available_at, true AS due, NULL::int AS partition, NULL::bigint AS ord
     FROM {schema}.outbox
     WHERE available_at <= now() AND aggregate_seq IS NULL
+      AND (available_at, id) >= (coalesce($2::timestamptz, '-infinity'), $3::uuid)
     ORDER BY available_at, id
     LIMIT $1
     FOR UPDATE SKIP LOCKED)

@@ -1,8 +1,11 @@
 -- Record a failed attempt and when to try again. $1 ids, $2 delays in ms,
--- $3 errors. The error history keeps its last 20 entries.
+-- $3 errors. The error history keeps its last 20 entries. The next
+-- attempt's time counts from now on the clock (`clock_timestamp()`), not
+-- from the batch's start: the claim's cursor (claim/floor.rs) may pass a
+-- key earlier than the moment it is written.
 UPDATE {schema}.outbox o
 SET attempts = o.attempts + 1,
-    available_at = now() + f.delay_ms * interval '1 millisecond',
+    available_at = clock_timestamp() + f.delay_ms * interval '1 millisecond',
     last_error = f.error,
     error_history =
         (CASE WHEN jsonb_array_length(o.error_history) >= 20 THEN o.error_history - 0 ELSE o.error_history END)

@@ -1,0 +1,18 @@
+-- Producer schema, version 15: an event becomes due when its row is
+-- written, not when its transaction began.
+--
+-- The relay claims unordered events from a cursor in `outbox_due_idx`
+-- (relay-bin/src/claim/floor.rs), so that a held xmin horizon, which keeps
+-- the entries of every published event in the index, does not make each
+-- claim walk all of them again. The cursor never passes a key a row may
+-- still commit with. A transaction that writes to the outbox holds a
+-- RowExclusiveLock on it from before its first row until it ends; with
+-- `clock_timestamp()` as the default, its rows carry keys from that moment
+-- on, which the relay can bound from `pg_locks`. With `now()`, a
+-- transaction open for an hour before its first event (or a read-only
+-- report that writes one at the end) would write keys an hour old.
+--
+-- Only the default changes (no rewrite, no lock beyond a moment's); rows
+-- that set `available_at` themselves keep their value. A value in the past
+-- is claimed by the relay's sweep within seconds instead of at once.
+ALTER TABLE outbox ALTER COLUMN available_at SET DEFAULT clock_timestamp();

@@ -1,0 +1,208 @@
+//! The table capture while something holds the xmin horizon back: no
+//! vacuum may remove the index entries of published events, and a claim
+//! that walked them all again would slow down with every event published
+//! (docs/OPERATIONS.md, "A held xmin horizon"). Measured in index entries
+//! read (`pg_stat_user_indexes.idx_tup_read` of the claim's index), never
+//! in wall time.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use e2e::{Collector, TestBroker, TestDb, TestRelay, wait_until};
+use lapin::types::FieldTable;
+use sqlx::{Connection, PgConnection};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A `REPEATABLE READ` transaction holding its snapshot (a report, a
+/// forgotten `BEGIN` in psql) in the test's database, on its own connection.
+async fn hold_snapshot(db: &TestDb) -> PgConnection {
+    let mut held = PgConnection::connect_with(&db.pool.connect_options())
+        .await
+        .expect("a connection");
+    sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
+        .execute(&mut held)
+        .await
+        .expect("the snapshot");
+    let xmin: Option<String> = sqlx::query_scalar(
+        "SELECT backend_xmin::text FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+    )
+    .fetch_one(&mut held)
+    .await
+    .expect("its xmin");
+    assert!(xmin.is_some(), "the snapshot holds the horizon");
+    held
+}
+
+/// Index entries the claim index has handed out since the schema began.
+async fn entries_read(db: &TestDb) -> i64 {
+    let mut conn = db.pool.acquire().await.expect("a connection");
+    sqlx::query("SELECT pg_stat_clear_snapshot()")
+        .execute(&mut *conn)
+        .await
+        .expect("fresh statistics");
+    sqlx::query_scalar(
+        "SELECT idx_tup_read FROM pg_stat_user_indexes
+         WHERE schemaname = $1 AND indexrelname = 'outbox_due_idx'",
+    )
+    .bind(&db.schema)
+    .fetch_one(&mut *conn)
+    .await
+    .expect("the index's statistics")
+}
+
+/// Index entries read once the relay is stopped and its sessions have
+/// written their statistics (a session writes them within a second of
+/// going idle): two readings a second and a half apart agree.
+async fn entries_read_settled(db: &TestDb) -> i64 {
+    let mut last = entries_read(db).await;
+    let deadline = std::time::Instant::now() + DEADLINE;
+    loop {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let now = entries_read(db).await;
+        if now == last {
+            return now;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the index's statistics kept changing"
+        );
+        last = now;
+    }
+}
+
+/// Rounds of a backlog inserted, then drained by the relay (stopped
+/// between rounds, as an operator would stop it, so the figures settle),
+/// with a snapshot held from the start: the index entries a round's
+/// claims read per event stay flat, where claims from the index's
+/// beginning read every entry of every event published before (seen
+/// failing that way: 1.3 per event in the first round, 30 in the fourth).
+#[tokio::test]
+async fn a_held_horizon_does_not_make_claims_walk_the_drained_index_again() {
+    const ROUNDS: usize = 4;
+    const N: usize = 20_000;
+    let db = TestDb::producer("horizon_claim").await;
+    let broker = TestBroker::new("horizon", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let mut held = hold_snapshot(&db).await;
+    let relay = TestRelay::new(&db, &broker)
+        .own_pool(&format!("horizon-{}", db.schema), 4)
+        .build()
+        .await;
+    // The cursor alone: no sweep from the beginning.
+    relay.set_claim_sweep(Duration::from_secs(3600));
+    let mut per_event = Vec::new();
+    let mut ids = Vec::new();
+    for round in 0..ROUNDS {
+        ids.extend(db.produce(N, 500, Duration::ZERO).await);
+        let before = entries_read_settled(&db).await;
+        let running = TestRelay::spawn(&relay);
+        wait_until(DEADLINE, "the backlog to drain", || async {
+            db.count("outbox").await == 0
+        })
+        .await;
+        running.stop().await;
+        let read = entries_read_settled(&db).await - before;
+        per_event.push(read as f64 / N as f64);
+        println!(
+            "round {}: {read} index entries read for {N} events ({:.2} per event)",
+            round + 1,
+            per_event[round]
+        );
+    }
+    let dead: i64 = sqlx::query_scalar(
+        "SELECT n_dead_tup FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = 'outbox'",
+    )
+    .bind(&db.schema)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    println!("dead outbox rows the held snapshot keeps: {dead}");
+    // A claim reads the rows it takes and, at most, those another
+    // worker holds: about one entry per event, in every round.
+    for (round, read) in per_event.iter().enumerate() {
+        assert!(
+            *read <= 3.0,
+            "round {} read {read:.2} index entries per event: claims walk the drained index again",
+            round + 1
+        );
+    }
+    sqlx::raw_sql("ROLLBACK").execute(&mut held).await.unwrap();
+    collector.drain(Duration::from_secs(60)).await;
+    {
+        let got = collector.received.lock().unwrap();
+        let seen: HashSet<&String> = got.counts.keys().collect();
+        assert_eq!(seen, ids.iter().collect(), "every event delivered");
+    }
+    collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+/// `n` events, two a transaction every 100 ms, until all are published.
+async fn stream_published(db: &TestDb, collector: &Collector, n: usize) {
+    let ids = db.produce(n, 2, Duration::from_millis(100)).await;
+    wait_until(DEADLINE, "a stream to be published", || async {
+        ids.iter().all(|id| collector.has(id))
+    })
+    .await;
+}
+
+/// Rows commit out of key order: a transaction that wrote its event early
+/// and commits late, and one that began early and writes (and commits) late,
+/// both while the relay publishes a stream past them. Their events go out on the
+/// cursor alone (no sweep): the floor waited for the first (it held the
+/// outbox's write lock), and the second's event is due from when it was
+/// written (migration 15), not from when its transaction began. Seen
+/// failing with the floor blind to writers, and with `now()` as the
+/// default: each event then waits for the sweep, which never comes here.
+#[tokio::test]
+async fn events_that_commit_late_are_claimed_on_the_cursor_alone() {
+    let db = TestDb::producer("horizon_late").await;
+    let broker = TestBroker::new("horizon_late", FieldTable::default()).await;
+    let collector = Collector::start(&broker.queue);
+    let relay = TestRelay::new(&db, &broker).build().await;
+    relay.set_claim_sweep(Duration::from_secs(3600));
+    let running = TestRelay::spawn(&relay);
+    let s = &db.schema;
+    let insert = format!(
+        "INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('order', $1, 'OrderPlaced', '{{}}') RETURNING id::text"
+    );
+    // The late writer begins first: it is older than anything the early
+    // writer holds the floor at.
+    let mut late_writer = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1")
+        .execute(&mut *late_writer)
+        .await
+        .unwrap();
+    // Published while only the late writer is open (it holds no write
+    // lock yet): two seconds, past the floor's margin.
+    stream_published(&db, &collector, 40).await;
+    let mut early_writer = db.pool.begin().await.unwrap();
+    let written_early: String = sqlx::query_scalar(sqlx::AssertSqlSafe(insert.clone()))
+        .bind("early-writer")
+        .fetch_one(&mut *early_writer)
+        .await
+        .unwrap();
+    // A stream the relay publishes past both, over several floor readings.
+    stream_published(&db, &collector, 60).await;
+    let written_late: String = sqlx::query_scalar(sqlx::AssertSqlSafe(insert))
+        .bind("late-writer")
+        .fetch_one(&mut *late_writer)
+        .await
+        .unwrap();
+    // At once, before the relay reads the lock table again.
+    late_writer.commit().await.unwrap();
+    // Published past again, then the early writer commits.
+    stream_published(&db, &collector, 20).await;
+    early_writer.commit().await.unwrap();
+    wait_until(DEADLINE, "both late events to be published", || async {
+        collector.has(&written_early) && collector.has(&written_late)
+    })
+    .await;
+    running.stop().await;
+    collector.stop();
+    db.cleanup().await;
+    broker.cleanup().await;
+}
