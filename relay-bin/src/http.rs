@@ -114,6 +114,10 @@ async fn refresh_gauges(pool: PgPool, schema: Ident) {
             metrics::gauge!("outbox_relay_dead_letters").set(g.dead_letters as f64);
             metrics::gauge!("outbox_relay_blocked_aggregates").set(g.blocked_aggregates as f64);
         }
+        if let Ok(Ok(h)) = tokio::time::timeout(bound, crate::admin::horizon(&pool, &schema)).await
+        {
+            horizon_gauges(&h);
+        }
         match tokio::time::timeout(bound, crate::admin::wal_slot(&pool, &schema)).await {
             Ok(Ok(Some(slot))) => {
                 wal_slot_gauges(&slot);
@@ -126,6 +130,17 @@ async fn refresh_gauges(pool: PgPool, schema: Ident) {
         }
         tokio::time::sleep(Duration::from_secs(10)).await;
     }
+}
+
+/// What holds the xmin horizon back, as gauges: how old (seconds, and
+/// transactions), and the outbox's dead rows and size.
+fn horizon_gauges(h: &crate::admin::Horizon) {
+    let oldest = h.oldest.as_ref();
+    metrics::gauge!("outbox_relay_horizon_age_seconds")
+        .set(oldest.and_then(|o| o.age_s).unwrap_or(0.0));
+    metrics::gauge!("outbox_relay_horizon_age_xids").set(oldest.map_or(0.0, |o| o.age_xids as f64));
+    metrics::gauge!("outbox_relay_outbox_dead_rows").set(h.outbox_dead_rows as f64);
+    metrics::gauge!("outbox_relay_outbox_bytes").set(h.outbox_bytes as f64);
 }
 
 /// The schema's replication slot as gauges (WAL capture set up): what it

@@ -206,3 +206,84 @@ async fn events_that_commit_late_are_claimed_on_the_cursor_alone() {
     db.cleanup().await;
     broker.cleanup().await;
 }
+
+/// `status`, its gauges and the console name what holds the horizon: a
+/// session's pid, application name and state, and the dead rows it keeps.
+/// In a database of its own: the horizon is the database's, and other
+/// tests' sessions would hold it too.
+#[tokio::test]
+async fn the_session_holding_the_horizon_is_named_with_the_dead_rows_it_keeps() {
+    use sqlx::postgres::PgConnectOptions;
+    let admin = e2e::pool("horizon-admin", 1).await;
+    let name = format!("horizon_{}", e2e::suffix());
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let options: PgConnectOptions = e2e::database_url().parse().unwrap();
+    let pool = sqlx::PgPool::connect_with(options.clone().database(&name))
+        .await
+        .unwrap();
+    outbox::migrate(&pool, "public").await.unwrap();
+    let mut held = PgConnection::connect_with(
+        &options
+            .clone()
+            .database(&name)
+            .application_name("a forgotten report"),
+    )
+    .await
+    .unwrap();
+    sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
+        .execute(&mut held)
+        .await
+        .unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut held)
+        .await
+        .unwrap();
+    sqlx::raw_sql(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'order', 'o-' || i, 'OrderPlaced', '{}' FROM generate_series(1, 2000) i;
+         DELETE FROM outbox;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let schema = outbox::Ident::new("schema", "public").unwrap();
+    // The deleting session reports its statistics within a second or so.
+    let deadline = std::time::Instant::now() + DEADLINE;
+    let h = loop {
+        let h = outbox_relay::admin::horizon(&pool, &schema).await.unwrap();
+        if h.outbox_dead_rows >= 2000 {
+            break h;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dead rows never reached the statistics: {h:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    println!("{}", h.describe());
+    let oldest = h.oldest.clone().expect("a holder");
+    assert_eq!(oldest.kind, "session");
+    assert_eq!(oldest.pid, Some(pid));
+    assert_eq!(oldest.name, "a forgotten report");
+    assert_eq!(oldest.state.as_deref(), Some("idle in transaction"));
+    assert!(oldest.age_xids >= 2, "{oldest:?}");
+    assert!(oldest.age_s.is_some_and(|s| s >= 0.0), "{oldest:?}");
+    // Let go: nothing holds it any more.
+    sqlx::raw_sql("ROLLBACK").execute(&mut held).await.unwrap();
+    let after = outbox_relay::admin::horizon(&pool, &schema).await.unwrap();
+    assert!(
+        after.oldest.as_ref().is_none_or(|o| o.pid != Some(pid)),
+        "{after:?}"
+    );
+    drop(held);
+    pool.close().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE {name} WITH (FORCE)"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+}

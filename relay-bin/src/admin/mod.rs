@@ -4,7 +4,8 @@
 //! `dead_letter_pages.rs` (filter, page, read, replay, purge),
 //! `backlog.rs` (the oldest due events, the backlog per type, the publish
 //! rate), `failures.rs` (dead letters grouped by error class, event type
-//! and exchange) and `wal.rs` (the capture's slot). The `outbox-relay`
+//! and exchange), `horizon.rs` (what holds the xmin horizon back) and
+//! `wal.rs` (the capture's slot). The `outbox-relay`
 //! subcommands of the same names and the console (`outbox-relay console`)
 //! call these; they fail with their own [`Error`].
 
@@ -18,6 +19,7 @@ mod dead_letter_pages;
 mod dead_letters;
 mod error;
 mod failures;
+mod horizon;
 mod status;
 mod wal;
 
@@ -39,6 +41,7 @@ pub use dead_letters::{
 };
 pub use error::{Error, Result};
 pub use failures::{Breakdown, Exchange, FailureGroup, Failures, OtherGroups, failures, share};
+pub use horizon::{HORIZON_NOTEWORTHY_S, Horizon, HorizonHolder, horizon};
 pub use status::{
     EXACT_COUNT_UP_TO, FailingEvent, Gauges, RelayLeases, Status, gauges, relays, status,
 };

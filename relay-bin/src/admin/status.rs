@@ -42,6 +42,8 @@ pub struct Status {
     /// Dead letters by error class, event type and exchange: the
     /// `STATUS_TOP_GROUPS` (5) largest groups of each.
     pub failures: Failures,
+    /// What holds the xmin horizon back, and the outbox's dead rows.
+    pub horizon: crate::admin::Horizon,
 }
 
 /// How many groups of each breakdown [`Status::failures`] names.
@@ -115,7 +117,9 @@ pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
     let (relays, unleased_partitions) = relays(pool, schema).await?;
     let wal = crate::admin::wal::wal_slot(pool, schema).await?;
     let failures = failures(pool, schema, STATUS_TOP_GROUPS).await?;
+    let horizon = crate::admin::horizon(pool, schema).await?;
     Ok(Status {
+        horizon,
         wal,
         failures,
         backlog,

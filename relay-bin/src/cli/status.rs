@@ -31,6 +31,12 @@ fn print_status(s: &admin::Status) -> Result<()> {
     say!("{:<24}{}", "dead letters", s.dead_letters);
     say!("{:<24}{}", "blocked aggregates", s.blocked_aggregates);
     say!("{:<24}{}", "unleased partitions", s.unleased_partitions);
+    let horizon = if s.horizon.noteworthy() {
+        format!("HELD, {}", s.horizon.describe())
+    } else {
+        s.horizon.describe()
+    };
+    say!("{:<24}{}", "xmin horizon", horizon);
     if let Some(w) = &s.wal {
         print_wal_slot(w)?;
     }

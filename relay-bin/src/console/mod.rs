@@ -125,6 +125,8 @@ pub(crate) struct Snapshot {
     pub(crate) wal: Option<admin::WalSlot>,
     /// Dead letters grouped by failure (the Failures page).
     pub(crate) failures: failures::Grouped,
+    /// What holds the xmin horizon back (a banner on the Overview).
+    pub(crate) horizon: admin::Horizon,
 }
 
 impl Console {
@@ -152,7 +154,9 @@ async fn read_snapshot(
     let by_type = admin::backlog_by_type(pool, schema).await?;
     let wal = admin::wal_slot(pool, schema).await?;
     let failures = failures::refreshed(pool, schema, previous.map(|p| &p.failures)).await?;
+    let horizon = admin::horizon(pool, schema).await?;
     Ok(Snapshot {
+        horizon,
         wal,
         failures,
         taken_at: Utc::now(),

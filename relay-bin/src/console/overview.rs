@@ -17,6 +17,13 @@ pub(crate) async fn overview(state: ConsoleState, headers: HeaderMap) -> PageRes
     let this_minute = s.rates.last().map_or(0, |r| r.published);
     let body = html! {
         h1 { "Overview" }
+        @if s.horizon.noteworthy() {
+            div.flash.warn id="horizon-held" {
+                strong { "The xmin horizon is held: " } (s.horizon.describe()) ". "
+                "No vacuum may remove the rows of published events until it ends; the outbox grows on disk meanwhile (the relays keep their pace). "
+                "End the session if it is forgotten (" code { "pg_terminate_backend(pid)" } "). See OPERATIONS.md, \"A held xmin horizon\"."
+            }
+        }
         div.cards {
             (card("backlog", "Backlog", &count(g.backlog), "events in the outbox", g.backlog > 0, false))
             (card("oldest-due", "Oldest due", &age(g.oldest_due_age_s), "longest an unordered event has been due", g.oldest_due_age_s > 60.0, false))
