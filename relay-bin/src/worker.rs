@@ -101,7 +101,13 @@ impl Relay {
             );
             return Ok(BatchReport::default());
         }
+        let taken = events.len();
         let events = inner.quarantine.isolate(events);
+        if events.len() < taken {
+            // The rest stay in the outbox, unlocked at commit, where the
+            // claim's cursor has passed them.
+            inner.floor.rewind();
+        }
         if events.is_empty() {
             bounded("COMMIT", t, tx.commit()).await?;
             return Ok(BatchReport::default());

@@ -818,16 +818,17 @@ async fn a_claim_planned_on_an_empty_outbox_reads_it_through_its_indexes() {
     let claims = [
         Prepared {
             name: "batch",
-            types: "(uuid, int4, int4, int4, int4[], text[], text[], int8, int4)",
+            types: "(uuid, int4, int4, int4, int4[], text[], text[], int8, int4, timestamptz, uuid)",
             args: format!(
-                "('{}', 1, 0, 125, '{{}}', '{{}}', '{{}}', 500, 1000)",
-                relay.id()
+                "('{}', 1, 0, 125, '{{}}', '{{}}', '{{}}', 500, 1000, NULL, '{}')",
+                relay.id(),
+                uuid::Uuid::nil()
             ),
         },
         Prepared {
             name: "plain",
-            types: "(int8)",
-            args: "(500)".to_owned(),
+            types: "(int8, timestamptz, uuid)",
+            args: format!("(500, NULL, '{}')", uuid::Uuid::nil()),
         },
     ];
     for (claim, sql) in claims.iter().zip([batch, unordered]) {

@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use lapin::{Channel, Connection};
 use outbox::OrderedAggregates;
 use outbox_relay::{Relay, RelayConfig};
-use sqlx::PgPool;
+use sqlx::{AssertSqlSafe, PgPool};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -353,4 +353,67 @@ pub(crate) fn stop_child(child: &mut Child) -> Result<()> {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     Ok(())
+}
+
+/// Rounds of a backlog of `n` inserted through the table contract (or, with
+/// the log's capture, the log) into one schema, each drained by the relay
+/// binary started for it (events/s between 5% and 100% published, as
+/// [`drain_process`]); with `hold`, one `REPEATABLE READ` transaction in
+/// the same database holds its snapshot from before the first round to the
+/// end, so no vacuum may remove a published event's row. Returns each
+/// round's rate and the outbox's size on disk after the last (bytes).
+pub(crate) async fn horizon_rounds(
+    pool: &PgPool,
+    database_url: &str,
+    url: &str,
+    n: usize,
+    rounds: usize,
+    hold: bool,
+) -> Result<(Vec<f64>, i64)> {
+    let schema = fresh_schema(pool, "horizon").await?;
+    let conn = connect(url).await?;
+    let name = format!("bench.horizon.{}", suffix());
+    topology(&conn, &name).await?;
+    let ch = conn.create_channel().await?;
+    let mut held = None;
+    if hold {
+        use sqlx::Connection as _;
+        let mut c = sqlx::PgConnection::connect(database_url).await?;
+        sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
+            .execute(&mut c)
+            .await?;
+        held = Some(c);
+    }
+    let mut rates = Vec::new();
+    for round in 0..rounds {
+        ch.queue_purge(name.as_str().into(), Default::default())
+            .await?;
+        fill_outbox(pool, &schema, n, OrderedAggregates::None, 1_000).await?;
+        let mut child = spawn_relay(database_url, url, &schema, &name, None)?;
+        let warm = (n / 20) as u64;
+        let timed = time_queue_fill(&ch, &name, warm, n as u64, STALL).await;
+        let emptied = wait_outbox_empty(pool, &schema, STALL).await;
+        stop_child(&mut child)?;
+        let (a, b) = timed?;
+        emptied?;
+        let rate = (n as u64 - warm) as f64 / b.duration_since(a).as_secs_f64();
+        eprintln!(
+            "bench:   horizon {}: round {}: {rate:.0} events/s",
+            if hold { "held" } else { "clean" },
+            round + 1
+        );
+        rates.push(rate);
+    }
+    let bytes: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT pg_total_relation_size('\"{schema}\".outbox')"
+    )))
+    .fetch_one(pool)
+    .await?;
+    if let Some(mut c) = held {
+        sqlx::raw_sql("ROLLBACK").execute(&mut c).await?;
+    }
+    drop_queue(&conn, &name).await?;
+    drop_schema(pool, &schema).await?;
+    let _ = conn.close(200, "done".into()).await;
+    Ok((rates, bytes))
 }
