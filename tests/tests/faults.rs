@@ -1302,6 +1302,18 @@ async fn matrix_cell(capture: Capture, producer: Producer, ordered: bool, on: On
         .await
         .unwrap();
     }
+    // One cell of each capture runs with the xmin horizon held from
+    // before its first event to after its oracle (a report left open in
+    // the same database): no vacuum may remove a published row meanwhile.
+    let held = if on == On::Node
+        && !ordered
+        && ((capture == Capture::Wal) == (producer == Producer::Rust))
+    {
+        cell = format!("{cell} (xmin horizon held)");
+        Some(hold_horizon(&w.db.pool).await)
+    } else {
+        None
+    };
     let consumer = w.consumer(&format!("c-{}", suffix())).await;
     let stop_producing = CancellationToken::new();
     let producing = produce_cell(
@@ -1420,6 +1432,16 @@ async fn matrix_cell(capture: Capture, producer: Producer, ordered: bool, on: On
         );
     }
     assert_eq!(dead.len(), expected_dead, "{cell}: dead letters {dead:?}");
+    if let Some(mut held) = held {
+        let still: Option<String> = sqlx::query_scalar(
+            "SELECT backend_xmin::text FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+        )
+        .fetch_one(&mut held)
+        .await
+        .unwrap();
+        assert!(still.is_some(), "{cell}: the snapshot was let go early");
+        sqlx::raw_sql("ROLLBACK").execute(&mut held).await.unwrap();
+    }
     assert!(
         gap < to - from,
         "{cell}: publishing paused for the whole time bad inputs were in flight ({gap:?})"
@@ -1437,6 +1459,20 @@ async fn matrix_cell(capture: Capture, producer: Producer, ordered: bool, on: On
         node_stopped.map_or(String::new(), |n| format!("; {n}"))
     );
     w.cleanup().await;
+}
+
+/// A `REPEATABLE READ` transaction that holds its snapshot, on a connection
+/// of its own.
+async fn hold_horizon(pool: &PgPool) -> PgConnection {
+    use sqlx::Connection as _;
+    let mut held = PgConnection::connect_with(&pool.connect_options())
+        .await
+        .unwrap();
+    sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
+        .execute(&mut held)
+        .await
+        .unwrap();
+    held
 }
 
 /// The matrix's silent-link cell of one capture: a relay process whose
