@@ -103,13 +103,14 @@ impl Relay {
         }
         let taken = events.len();
         let events = inner.quarantine.isolate(events);
-        if events.len() < taken {
-            // The rest stay in the outbox, unlocked at commit, where the
-            // claim's cursor has passed them.
-            inner.floor.rewind();
-        }
+        // The rest stay in the outbox, unlocked at commit, where the
+        // claim's cursor may have passed them: rewound once they are.
+        let set_aside = events.len() < taken;
         if events.is_empty() {
             bounded("COMMIT", t, tx.commit()).await?;
+            if set_aside {
+                inner.floor.rewind();
+            }
             return Ok(BatchReport::default());
         }
         session.in_flight = events.iter().map(|e| e.id).collect();
@@ -138,6 +139,9 @@ impl Relay {
         )
         .await?;
         bounded("COMMIT", t, tx.commit()).await?;
+        if set_aside {
+            inner.floor.rewind();
+        }
         let committed = start.elapsed();
         // Settled: a panic from here on is not this batch's.
         drop(on_panic);

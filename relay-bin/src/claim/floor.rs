@@ -62,6 +62,10 @@ pub(crate) const MARGIN: Duration = Duration::from_secs(1);
 /// How often one worker of the relay claims from the index's beginning.
 pub(crate) const SWEEP: Duration = Duration::from_secs(5);
 
+/// How long after a rewind claims start at the beginning and leave the
+/// cursor where it is.
+pub(crate) const REWIND_HOLD: Duration = Duration::from_secs(1);
+
 /// A key of the claim index: `(available_at, id)`.
 pub(crate) type Key = (DateTime<Utc>, Uuid);
 
@@ -89,6 +93,9 @@ pub(crate) struct Floor {
     swept_ms: AtomicI64,
     /// [`SWEEP`], in milliseconds (a test may stretch it).
     sweep_ms: AtomicI64,
+    /// Until when (milliseconds since `started`) a rewind holds the
+    /// cursor at the beginning.
+    held_until_ms: AtomicI64,
     /// The floor task's readings (one task reads, every 500 ms).
     readings: std::sync::Mutex<Readings>,
     started: std::time::Instant,
@@ -109,6 +116,8 @@ struct Cursor {
 pub(crate) struct Claim {
     pub(crate) start: Start,
     rewinds: u64,
+    /// Begun within a rewind's hold: it does not move the cursor.
+    held: bool,
 }
 
 /// What the last reading saw: its clock, and each holder's bound
@@ -131,6 +140,7 @@ impl Floor {
             cursor: std::sync::Mutex::new(Cursor::default()),
             swept_ms: AtomicI64::new(0),
             sweep_ms: AtomicI64::new(SWEEP.as_millis() as i64),
+            held_until_ms: AtomicI64::new(0),
             readings: std::sync::Mutex::new(Readings::default()),
             started: std::time::Instant::now(),
             sql: AssertSqlSafe(format!(
@@ -162,14 +172,20 @@ impl Floor {
         self.cursor.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A batch of this relay rolled back rows it had claimed: the cursor
-    /// may have passed them (other claims skipped them while locked), so
-    /// the next claim starts at the beginning, and no claim begun before
-    /// moves the cursor.
+    /// Rows a batch of this relay had claimed are back in the outbox
+    /// unsent (its transaction rolled back, or committed with part of
+    /// them set aside): the cursor may have passed them (other claims
+    /// skipped them while locked). For [`REWIND_HOLD`] every claim starts
+    /// at the beginning and none moves the cursor, so that claims which
+    /// still saw them locked (a rollback reaches the server a moment after
+    /// the batch gave up) cannot move it past them again; no claim begun
+    /// before moves it either.
     pub(crate) fn rewind(&self) {
         let mut c = self.cursor();
         c.rewinds += 1;
         c.key = beginning();
+        let until = self.started.elapsed().as_millis() as i64 + REWIND_HOLD.as_millis() as i64;
+        self.held_until_ms.fetch_max(until, Ordering::AcqRel);
     }
 
     /// Testing only: how often one worker claims from the beginning.
@@ -187,9 +203,15 @@ impl Floor {
         let mut claim = Claim {
             start: c.key,
             rewinds: c.rewinds,
+            held: false,
         };
         drop(c);
         let now = self.started.elapsed().as_millis() as i64;
+        if now < self.held_until_ms.load(Ordering::Acquire) {
+            claim.start = beginning();
+            claim.held = true;
+            return claim;
+        }
         let swept = self.swept_ms.load(Ordering::Acquire);
         if now - swept >= self.sweep_ms.load(Ordering::Relaxed)
             && self
@@ -215,7 +237,7 @@ impl Floor {
             (Some(floor), Some(last)) => Some(last.min((floor, Uuid::nil()))),
         };
         let mut c = self.cursor();
-        if c.rewinds == claim.rewinds {
+        if c.rewinds == claim.rewinds && !claim.held {
             c.key = key;
         }
     }
@@ -357,7 +379,13 @@ mod tests {
         assert_eq!(before.start, Some(at(60)));
         floor.rewind();
         floor.advance(before, Some(at(80)));
-        assert_eq!(floor.start().start, None);
+        // Within the hold: from the beginning, and the cursor stays.
+        let held = floor.start();
+        assert_eq!(held.start, None);
+        floor.advance(held, Some(at(70)));
+        assert_eq!(floor.cursor().key, None);
+        // After it: claims move it again.
+        floor.held_until_ms.store(0, Ordering::Release);
         floor.advance(floor.start(), Some(at(70)));
         assert_eq!(floor.start().start, Some(at(70)));
     }
