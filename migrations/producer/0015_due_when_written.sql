@@ -14,5 +14,5 @@
 --
 -- Only the default changes (no rewrite, no lock beyond a moment's); rows
 -- that set `available_at` themselves keep their value. A value in the past
--- is claimed by the relay's sweep within seconds instead of at once.
+-- is claimed by the relay's sweep (every 1 to 30 s) instead of at once.
 ALTER TABLE outbox ALTER COLUMN available_at SET DEFAULT clock_timestamp();

@@ -180,7 +180,8 @@ impl WorkerSession {
 impl Relay {
     /// Testing only (feature `testing`): how often one worker claims
     /// unordered events from the claim index's beginning, past its cursor
-    /// ([`crate::claim::floor`]; 5 s otherwise). A test that stretches it
+    /// ([`crate::claim::floor`]; otherwise 1 to 30 s, from the last sweep's
+    /// duration). A test that stretches it
     /// sees whether the cursor alone finds every event.
     #[cfg(feature = "testing")]
     pub fn set_claim_sweep(&self, every: std::time::Duration) {

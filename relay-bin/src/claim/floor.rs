@@ -34,8 +34,10 @@
 //!   floor stays unknown, and the claim starts at the beginning, until it
 //!   ends.
 //!
-//! What the floor does not see, a sweep catches: every [`SWEEP`], one
-//! worker of the relay claims from the index's beginning. That covers a row
+//! What the floor does not see, a sweep catches: every second or more
+//! ([`SWEEP`]: fifty times as long as the last sweep took, so a sweep of
+//! an index full of dead entries comes every 10 to 30 s), one claim of the
+//! relay starts at the index's beginning. That covers a row
 //! a producer wrote with an `available_at` of its own in the past, and rows
 //! another relay claimed and then left (it crashed, or its broker failed and
 //! its batch rolled back: this relay's own rollbacks rewind every worker at
@@ -59,8 +61,15 @@ pub(crate) const EVERY: Duration = Duration::from_millis(500);
 /// out, and the order of the clock and the lock table within one reading.
 pub(crate) const MARGIN: Duration = Duration::from_secs(1);
 
-/// How often one worker of the relay claims from the index's beginning.
-pub(crate) const SWEEP: Duration = Duration::from_secs(5);
+/// How often one claim of the relay starts at the index's beginning, at
+/// most and at least: within these, 50 times as long as the last such
+/// claim took, so a sweep costs about 2% of a worker's time whatever the
+/// index holds (a claim walking 3.6 million dead entries takes about a
+/// second; on an index without them, a millisecond).
+pub(crate) const SWEEP: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(30));
+
+/// A sweep's pause over its own duration.
+const SWEEP_PAUSE_PER_COST: u32 = 50;
 
 /// How long after a rewind claims start at the beginning and leave the
 /// cursor where it is.
@@ -91,8 +100,11 @@ pub(crate) struct Floor {
     /// When a worker last claimed from the beginning, milliseconds since
     /// `started`.
     swept_ms: AtomicI64,
-    /// [`SWEEP`], in milliseconds (a test may stretch it).
+    /// Milliseconds from one sweep to the next: within [`SWEEP`], from the
+    /// last sweep's duration (a test may fix it).
     sweep_ms: AtomicI64,
+    /// A test fixed the sweep's period.
+    sweep_fixed: std::sync::atomic::AtomicBool,
     /// Until when (milliseconds since `started`) a rewind holds the
     /// cursor at the beginning.
     held_until_ms: AtomicI64,
@@ -118,6 +130,8 @@ pub(crate) struct Claim {
     rewinds: u64,
     /// Begun within a rewind's hold: it does not move the cursor.
     held: bool,
+    /// The relay's sweep: it starts at the beginning on its turn.
+    sweep: bool,
 }
 
 /// What the last reading saw: its clock, and each holder's bound
@@ -139,7 +153,8 @@ impl Floor {
             at_us: AtomicI64::new(i64::MIN),
             cursor: std::sync::Mutex::new(Cursor::default()),
             swept_ms: AtomicI64::new(0),
-            sweep_ms: AtomicI64::new(SWEEP.as_millis() as i64),
+            sweep_ms: AtomicI64::new(SWEEP.0.as_millis() as i64),
+            sweep_fixed: std::sync::atomic::AtomicBool::new(false),
             held_until_ms: AtomicI64::new(0),
             readings: std::sync::Mutex::new(Readings::default()),
             started: std::time::Instant::now(),
@@ -191,19 +206,31 @@ impl Floor {
     /// Testing only: how often one worker claims from the beginning.
     #[cfg(feature = "testing")]
     pub(crate) fn set_sweep(&self, every: Duration) {
+        self.sweep_fixed.store(true, Ordering::Relaxed);
         self.sweep_ms
             .store(every.as_millis() as i64, Ordering::Relaxed);
     }
 
+    /// A claim that started at the beginning as a sweep took `took`: the
+    /// next sweep comes 50 times that later, within [`SWEEP`].
+    pub(crate) fn swept(&self, claim: Claim, took: Duration) {
+        if claim.sweep && !self.sweep_fixed.load(Ordering::Relaxed) {
+            let pause = (took * SWEEP_PAUSE_PER_COST).clamp(SWEEP.0, SWEEP.1);
+            self.sweep_ms
+                .store(pause.as_millis() as i64, Ordering::Relaxed);
+        }
+    }
+
     /// Where the next claim starts: the cursor, or the beginning when it
-    /// is this claim's turn to sweep (one claim of the relay per
-    /// [`SWEEP`]).
+    /// is this claim's turn to sweep (one claim of the relay per sweep
+    /// period), or while a rewind holds.
     pub(crate) fn start(&self) -> Claim {
         let c = self.cursor();
         let mut claim = Claim {
             start: c.key,
             rewinds: c.rewinds,
             held: false,
+            sweep: false,
         };
         drop(c);
         let now = self.started.elapsed().as_millis() as i64;
@@ -220,6 +247,7 @@ impl Floor {
                 .is_ok()
         {
             claim.start = beginning();
+            claim.sweep = true;
         }
         claim
     }
@@ -399,5 +427,26 @@ mod tests {
         assert_eq!(floor.start().start, None, "its turn to sweep");
         floor.sweep_ms.store(3_600_000, Ordering::Relaxed);
         assert_eq!(floor.start().start, Some(at(60)));
+    }
+
+    #[test]
+    fn a_sweep_comes_fifty_times_its_own_cost_later_within_bounds() {
+        let floor = Floor::new(&Ident::new("schema", "shop").unwrap());
+        let period = |took_ms: u64| {
+            floor.sweep_ms.store(0, Ordering::Relaxed);
+            floor.swept_ms.store(-1_000_000, Ordering::Release);
+            let sweep = floor.start();
+            assert!(sweep.sweep);
+            floor.swept(sweep, Duration::from_millis(took_ms));
+            floor.sweep_ms.load(Ordering::Relaxed)
+        };
+        assert_eq!(period(2), 1_000, "a healthy index: every second");
+        assert_eq!(period(100), 5_000);
+        assert_eq!(period(2_000), 30_000, "never rarer than 30 s");
+        // A claim that is not the sweep leaves the period alone.
+        floor.swept_ms.store(i64::MAX / 2, Ordering::Release);
+        let claim = floor.start();
+        floor.swept(claim, Duration::from_secs(10));
+        assert_eq!(floor.sweep_ms.load(Ordering::Relaxed), 30_000);
     }
 }

@@ -108,6 +108,21 @@ impl Claims {
         floor: &Floor,
     ) -> Result<Vec<OutboxEvent>> {
         let start = floor.start();
+        let began = std::time::Instant::now();
+        let claimed = self.claim_from(conn, held, state, floor, start).await;
+        floor.swept(start, began.elapsed());
+        claimed
+    }
+
+    /// [`Claims::claim`] from `start`.
+    async fn claim_from(
+        &self,
+        conn: &mut PgConnection,
+        held: Option<usize>,
+        state: &mut ClaimState,
+        floor: &Floor,
+        start: Claim,
+    ) -> Result<Vec<OutboxEvent>> {
         if !state.ordered_waiting {
             let rows = sqlx::query(self.unordered.clone())
                 .bind(self.batch_size as i64)
