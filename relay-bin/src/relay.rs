@@ -178,11 +178,11 @@ impl WorkerSession {
 }
 
 impl Relay {
-    /// Testing only (feature `testing`): how often one worker claims
-    /// unordered events from the claim index's beginning, past its cursor
-    /// ([`crate::claim::floor`]; otherwise 1 to 30 s, from the last sweep's
-    /// duration). A test that stretches it
-    /// sees whether the cursor alone finds every event.
+    /// Testing only (feature `testing`): how often one claim starts at the
+    /// claim index's beginning instead of the relay's cursor (otherwise 1
+    /// to 30 s, from the last sweep's duration; docs/OPERATIONS.md, "A
+    /// held xmin horizon"). A test that stretches it sees whether the
+    /// cursor alone finds every event.
     #[cfg(feature = "testing")]
     pub fn set_claim_sweep(&self, every: std::time::Duration) {
         self.inner.floor.set_sweep(every);

@@ -215,7 +215,7 @@ async fn main() -> Result<()> {
             latency_warm: 0.5,
             latency_secs: 1.0,
             memory_n: 1_000,
-            horizon: (2_000, 2),
+            horizon: (1_000, 1),
             console: console::Seed {
                 outbox: 20_000,
                 dead_letters: 2_000,
