@@ -98,7 +98,7 @@ impl Claims {
     /// round): with `unordered.sql` while the worker's last probe found no
     /// ordered event, otherwise (or when this claim's probe finds some and
     /// nothing else was claimed) with `batch.sql`. Unordered events are
-    /// claimed from the worker's cursor on, as `floor` places it. Moves the
+    /// claimed from the relay's cursor on, as `floor` places it. Moves the
     /// worker's cursors and remembers the probe's answer.
     pub(crate) async fn claim(
         &self,
