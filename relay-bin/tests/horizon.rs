@@ -10,29 +10,8 @@ use std::time::Duration;
 
 use e2e::{Collector, TestBroker, TestDb, TestRelay, wait_until};
 use lapin::types::FieldTable;
-use sqlx::{Connection, PgConnection};
 
 const DEADLINE: Duration = Duration::from_secs(60);
-
-/// A `REPEATABLE READ` transaction holding its snapshot (a report, a
-/// forgotten `BEGIN` in psql) in the test's database, on its own connection.
-async fn hold_snapshot(db: &TestDb) -> PgConnection {
-    let mut held = PgConnection::connect_with(&db.pool.connect_options())
-        .await
-        .expect("a connection");
-    sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
-        .execute(&mut held)
-        .await
-        .expect("the snapshot");
-    let xmin: Option<String> = sqlx::query_scalar(
-        "SELECT backend_xmin::text FROM pg_stat_activity WHERE pid = pg_backend_pid()",
-    )
-    .fetch_one(&mut held)
-    .await
-    .expect("its xmin");
-    assert!(xmin.is_some(), "the snapshot holds the horizon");
-    held
-}
 
 /// Index entries the claim index has handed out since the schema began.
 async fn entries_read(db: &TestDb) -> i64 {
@@ -85,7 +64,7 @@ async fn a_held_horizon_does_not_make_claims_walk_the_drained_index_again() {
     let db = TestDb::producer("horizon_claim").await;
     let broker = TestBroker::new("horizon", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
-    let mut held = hold_snapshot(&db).await;
+    let mut held = e2e::hold_snapshot(&db.pool.connect_options()).await;
     let relay = TestRelay::new(&db, &broker)
         .own_pool(&format!("horizon-{}", db.schema), 4)
         .build()
@@ -226,18 +205,13 @@ async fn the_session_holding_the_horizon_is_named_with_the_dead_rows_it_keeps() 
         .await
         .unwrap();
     outbox::migrate(&pool, "public").await.unwrap();
-    let mut held = PgConnection::connect_with(
+    let mut held = e2e::hold_snapshot(
         &options
             .clone()
             .database(&name)
             .application_name("a forgotten report"),
     )
-    .await
-    .unwrap();
-    sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
-        .execute(&mut held)
-        .await
-        .unwrap();
+    .await;
     let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut held)
         .await

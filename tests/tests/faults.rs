@@ -1310,7 +1310,7 @@ async fn matrix_cell(capture: Capture, producer: Producer, ordered: bool, on: On
         && ((capture == Capture::Wal) == (producer == Producer::Rust))
     {
         cell = format!("{cell} (xmin horizon held)");
-        Some(hold_horizon(&w.db.pool).await)
+        Some(e2e::hold_snapshot(&w.db.pool.connect_options()).await)
     } else {
         None
     };
@@ -1459,20 +1459,6 @@ async fn matrix_cell(capture: Capture, producer: Producer, ordered: bool, on: On
         node_stopped.map_or(String::new(), |n| format!("; {n}"))
     );
     w.cleanup().await;
-}
-
-/// A `REPEATABLE READ` transaction that holds its snapshot, on a connection
-/// of its own.
-async fn hold_horizon(pool: &PgPool) -> PgConnection {
-    use sqlx::Connection as _;
-    let mut held = PgConnection::connect_with(&pool.connect_options())
-        .await
-        .unwrap();
-    sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
-        .execute(&mut held)
-        .await
-        .unwrap();
-    held
 }
 
 /// The matrix's silent-link cell of one capture: a relay process whose

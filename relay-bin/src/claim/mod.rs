@@ -109,38 +109,29 @@ impl Claims {
     ) -> Result<Vec<OutboxEvent>> {
         let start = floor.start();
         let began = std::time::Instant::now();
-        let claimed = self.claim_from(conn, held, state, floor, start).await;
+        let claimed = async {
+            if !state.ordered_waiting {
+                let rows = sqlx::query(self.unordered.clone())
+                    .bind(self.batch_size as i64)
+                    .bind(start.start.map(|k| k.0))
+                    .bind(start.start.map_or(Uuid::nil(), |k| k.1))
+                    .fetch_all(&mut *conn)
+                    .await?;
+                let (waiting, rows) = probed(&rows)?;
+                state.ordered_waiting = waiting;
+                // Rows this transaction locked would come back from the
+                // ordered claim's unordered part too: claim again only if
+                // there are none.
+                if !waiting || !rows.is_empty() {
+                    floor.advance(start, last_unordered(&rows));
+                    return Ok(rows.into_iter().map(|r| r.event.into()).collect());
+                }
+            }
+            self.claim_all(conn, held, state, floor, start).await
+        }
+        .await;
         floor.swept(start, began.elapsed());
         claimed
-    }
-
-    /// [`Claims::claim`] from `start`.
-    async fn claim_from(
-        &self,
-        conn: &mut PgConnection,
-        held: Option<usize>,
-        state: &mut ClaimState,
-        floor: &Floor,
-        start: Claim,
-    ) -> Result<Vec<OutboxEvent>> {
-        if !state.ordered_waiting {
-            let rows = sqlx::query(self.unordered.clone())
-                .bind(self.batch_size as i64)
-                .bind(start.start.map(|k| k.0))
-                .bind(start.start.map_or(Uuid::nil(), |k| k.1))
-                .fetch_all(&mut *conn)
-                .await?;
-            let (waiting, rows) = probed(&rows)?;
-            state.ordered_waiting = waiting;
-            // Rows this transaction locked would come back from the
-            // ordered claim's unordered part too: claim again only if
-            // there are none.
-            if !waiting || !rows.is_empty() {
-                floor.advance(start, last_unordered(&rows));
-                return Ok(rows.into_iter().map(|r| r.event.into()).collect());
-            }
-        }
-        self.claim_all(conn, held, state, floor, start).await
     }
 
     /// The due chains of the worker's partitions, then unordered events in

@@ -332,3 +332,26 @@ pub async fn locked_rows(pool: &PgPool, table: &str) -> i64 {
     tx.rollback().await.expect("rollback");
     all - free
 }
+
+/// A `REPEATABLE READ` transaction holding its snapshot, and with it the
+/// database's xmin horizon (a long report, a forgotten `BEGIN` in psql),
+/// on a connection of its own to `options`; checked to hold one. Ends
+/// with `ROLLBACK` on it, or when it is dropped.
+pub async fn hold_snapshot(options: &PgConnectOptions) -> sqlx::PgConnection {
+    use sqlx::Connection as _;
+    let mut held = sqlx::PgConnection::connect_with(options)
+        .await
+        .expect("a connection");
+    sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
+        .execute(&mut held)
+        .await
+        .expect("the snapshot");
+    let xmin: Option<String> = sqlx::query_scalar(
+        "SELECT backend_xmin::text FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+    )
+    .fetch_one(&mut held)
+    .await
+    .expect("its xmin");
+    assert!(xmin.is_some(), "the snapshot holds the horizon");
+    held
+}

@@ -20,7 +20,7 @@ mod wait;
 pub use assert::{assert_applied_once, assert_contract};
 pub use broker::{TestBroker, connect, connect_any, declare_tap_queue, depth, settled_depth};
 pub use collect::{Collector, Received, SeqLog};
-pub use db::{TestDb, drop_orphan_slots, drop_slot, locked_rows, pool};
+pub use db::{TestDb, drop_orphan_slots, drop_slot, hold_snapshot, locked_rows, pool};
 pub use effect::RecordEffect;
 pub use env::{amqp_url, database_url, suffix};
 pub use http::{HttpReply, http_get, post_json};
