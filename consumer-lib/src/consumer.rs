@@ -158,7 +158,19 @@ impl Consumer {
         if !self.wait_migrated(&shutdown).await? {
             return Ok(());
         }
-        self.supervise(&shutdown).await
+        // The inbox's day partitions, prepared ahead beside the sessions.
+        let upkeep = shutdown.child_token();
+        let prepare = crate::retention::prepare_days_hourly(
+            self.inner.pool.clone(),
+            self.inner.schema.clone(),
+            upkeep.clone(),
+        );
+        let supervised = async {
+            let r = self.supervise(&shutdown).await;
+            upkeep.cancel();
+            r
+        };
+        tokio::join!(supervised, prepare).0
     }
 
     #[cfg(feature = "signal")]

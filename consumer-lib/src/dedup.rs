@@ -9,11 +9,15 @@ pub(crate) struct Inbox {
     consumer: String,
     /// Records a batch of keys; returns those not seen before. Keys are
     /// sorted by the caller so two transactions inserting overlapping sets
-    /// take their row locks in the same order (no deadlock).
+    /// take their row locks in the same order (no deadlock). A key's
+    /// partition is `inbox_event_time(key)`, a function of the key alone;
+    /// records from before migration 3 are looked up in version 1's `inbox`.
     claim: SqlStr,
     /// Removes the records of events whose handler did not succeed, so
-    /// their redelivery runs again. Also the last statement before COMMIT:
-    /// it fails if the transaction is aborted, where COMMIT would silently
+    /// their redelivery runs again, and parks them: a copy of each is on
+    /// its way to the retry or dead-letter queue, and retention keeps what
+    /// that copy could meet. Also the last statement before COMMIT: it
+    /// fails if the transaction is aborted, where COMMIT would silently
     /// roll back.
     forget: SqlStr,
 }
@@ -24,14 +28,20 @@ impl Inbox {
         Self {
             consumer: consumer.to_owned(),
             claim: AssertSqlSafe(format!(
-                "INSERT INTO {s}.inbox (consumer, event_id) \
-                 SELECT $1, k FROM unnest($2::text[]) AS k \
-                 ON CONFLICT (consumer, event_id) DO NOTHING \
+                "INSERT INTO {s}.inbox_processed (consumer, event_id, event_at) \
+                 SELECT $1, k, {s}.inbox_event_time(k) FROM unnest($2::text[]) AS k \
+                 WHERE NOT EXISTS (SELECT 1 FROM {s}.inbox o WHERE o.consumer = $1 AND o.event_id = k) \
+                 ON CONFLICT (consumer, event_id, event_at) DO NOTHING \
                  RETURNING event_id"
             ))
             .into_sql_str(),
             forget: AssertSqlSafe(format!(
-                "DELETE FROM {s}.inbox WHERE consumer = $1 AND event_id = ANY($2::text[])"
+                "WITH gone AS ( \
+                     DELETE FROM {s}.inbox_processed WHERE consumer = $1 AND event_id = ANY($2::text[]) \
+                 ) \
+                 INSERT INTO {s}.inbox_parked (consumer, event_id, event_at) \
+                 SELECT $1, k, {s}.inbox_event_time(k) FROM unnest($2::text[]) AS k \
+                 ON CONFLICT (consumer, event_id) DO UPDATE SET parked_at = now()"
             ))
             .into_sql_str(),
         }

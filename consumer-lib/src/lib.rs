@@ -99,7 +99,10 @@ pub use crate::consumer::Consumer;
 pub use crate::error::{Error, Result};
 pub use crate::event::{Event, HEADER_DEFERRAL_COUNT, HEADER_DELIVERY_COUNT, MAX_DEDUP_KEY_BYTES};
 pub use crate::handler::{BatchHandler, BatchOutcome, Conflict, Handler, Outcome};
-pub use crate::retention::{DEFAULT_RETENTION, RetentionTask, cleanup_inbox};
+pub use crate::retention::{
+    DAYS_AHEAD, DEFAULT_RETENTION, Held, RetentionReport, RetentionTask, cleanup_inbox,
+    inbox_retention,
+};
 pub use crate::telemetry::ConsumerStats;
 pub use crate::topology::{
     DEFAULT_DELIVERY_LIMIT, MAX_PARTITIONS, OrderedTopology, QueueType, TopologyConfig,

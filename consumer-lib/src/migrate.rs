@@ -16,5 +16,10 @@ pub(crate) const CONSUMER: MigrationSet = MigrationSet {
             name: "inbox_sequences",
             sql: include_str!("../migrations/0002_inbox_sequences.sql"),
         },
+        Migration {
+            version: 3,
+            name: "inbox_by_time",
+            sql: include_str!("../migrations/0003_inbox_by_time.sql"),
+        },
     ],
 };

@@ -113,7 +113,7 @@ async fn a_batch_that_keeps_failing_is_split_and_only_the_culprit_waits() {
     // Another session holds the blocked event's inbox row.
     let mut holder = env.pool.begin().await.unwrap();
     sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO {}.inbox (consumer, event_id) VALUES ('svc', $1)",
+        "INSERT INTO {0}.inbox_processed (consumer, event_id, event_at) VALUES ('svc', $1, {0}.inbox_event_time($1))",
         env.schema
     )))
     .bind(&blocked)

@@ -288,7 +288,7 @@ async fn a_gap_waits_for_the_missing_event() {
     assert_eq!(deferral_counts(&env, "a").await, [0, 0, 1]);
     assert_eq!(c.consumer.stats().retried, 1);
     assert_eq!(last_seq(&env, "a").await, Some(3));
-    assert_eq!(env.count("{s}.inbox").await, 3);
+    assert_eq!(env.count("{s}.inbox_processed").await, 3);
     c.stop().await;
     env.teardown().await;
 }
@@ -312,10 +312,10 @@ async fn stale_and_duplicate_copies_are_acked_without_effect() {
     assert_eq!((s.processed, s.stale, s.retried), (3, 2, 0));
     // Stale events were not applied: they keep no inbox row.
     for copy in &copy_ids {
-        let sql = format!("{{s}}.inbox WHERE event_id = '{copy}'");
+        let sql = format!("{{s}}.inbox_processed WHERE event_id = '{copy}'");
         assert_eq!(env.count(&sql).await, 0);
     }
-    assert_eq!(env.count("{s}.inbox").await, 3);
+    assert_eq!(env.count("{s}.inbox_processed").await, 3);
     // A zombie relay republishes 1 and 2 under their own ids: duplicates.
     let ids: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT event_id FROM {}.applied ORDER BY n LIMIT 2",
@@ -443,7 +443,11 @@ async fn held_back_and_gapped_events_end_in_the_dlq_with_their_reason() {
     assert_eq!(applied(&env, "a").await, [1]);
     assert!(applied(&env, "c").await.is_empty());
     assert_eq!(last_seq(&env, "a").await, Some(1));
-    assert_eq!(env.count("{s}.inbox").await, 1, "only the applied event");
+    assert_eq!(
+        env.count("{s}.inbox_processed").await,
+        1,
+        "only the applied event"
+    );
     c.stop().await;
     env.teardown().await;
 }

@@ -273,7 +273,10 @@ async fn payload_field_dedup_key() {
     wait_until("all settled", || async { c.consumer.stats().acked() == 3 }).await;
     let s = c.consumer.stats();
     assert_eq!((s.processed, s.duplicates, s.poison), (1, 1, 1));
-    assert_eq!(env.count("{s}.inbox WHERE event_id = '42'").await, 1);
+    assert_eq!(
+        env.count("{s}.inbox_processed WHERE event_id = '42'").await,
+        1
+    );
     let dlq = env.take(&format!("{}.dlq", env.queue), 1).await;
     assert!(text(header(&dlq[0], "x-dead-letter-reason")).contains("/order_id"));
     c.stop().await;

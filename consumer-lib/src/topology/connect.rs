@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 /// ([`outbox_core::amqp::connect_any`], as the consumer's sessions do),
 /// runs `declare` on the connection and closes it. A transient failure
 /// moves on to the next node: at most one attempt per URL.
-pub(super) async fn at_any_node<T>(
+pub(crate) async fn at_any_node<T>(
     amqp_url: &SecretUrl,
     timeout: Duration,
     declare: impl AsyncFn(&Connection) -> Result<T>,

@@ -12,6 +12,7 @@ mod declare;
 mod ordered;
 mod queue;
 
+pub(crate) use self::connect::at_any_node;
 pub(crate) use self::declare::declare_retry_queues;
 pub use self::ordered::{
     MAX_PARTITIONS, OrderedTopology, declare_ordered_topology, declare_ordered_topology_at,

@@ -44,6 +44,18 @@ pub struct Env {
 
 impl Env {
     pub async fn new() -> Env {
+        Self::migrated(true).await
+    }
+
+    /// An environment whose inbox is at version 2 (the release before the
+    /// inbox partitioned by time): version 1's `inbox` and the sequences,
+    /// applied as that release applied them.
+    #[allow(dead_code)]
+    pub async fn at_version_2() -> Env {
+        Self::migrated(false).await
+    }
+
+    async fn migrated(latest: bool) -> Env {
         let suffix = &uuid::Uuid::new_v4().simple().to_string()[..12];
         let pool = PgPoolOptions::new()
             .max_connections(4)
@@ -51,7 +63,30 @@ impl Env {
             .await
             .unwrap();
         let schema = format!("t_c_{suffix}");
-        outbox_consumer::migrate(&pool, &schema).await.unwrap();
+        if latest {
+            outbox_consumer::migrate(&pool, &schema).await.unwrap();
+        } else {
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "CREATE SCHEMA {schema};
+                 CREATE TABLE {schema}.outbox_toolkit_migrations (
+                     migration_set text NOT NULL, version integer NOT NULL, name text NOT NULL,
+                     applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (migration_set, version));
+                 INSERT INTO {schema}.outbox_toolkit_migrations (migration_set, version, name)
+                 VALUES ('consumer', 1, 'inbox'), ('consumer', 2, 'inbox_sequences');
+                 SET LOCAL search_path = {schema};"
+            )))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+            for sql in [
+                include_str!("../../migrations/0001_inbox.sql"),
+                include_str!("../../migrations/0002_inbox_sequences.sql"),
+            ] {
+                sqlx::raw_sql(sql).execute(&mut *tx).await.unwrap();
+            }
+            tx.commit().await.unwrap();
+        }
         sqlx::raw_sql(AssertSqlSafe(format!(
             "CREATE TABLE {schema}.effects (event_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
              CREATE TABLE {schema}.stock (sku text PRIMARY KEY, qty bigint NOT NULL);

@@ -448,11 +448,11 @@ async fn seed_consumer(pool: &PgPool, schema: &str, archived: i64) -> Result<()>
                     now() - interval '3 hours', 1, now() - interval '3 hours' + g * interval '50 ms'
              FROM generate_series(1, {archived}) g"
         ),
-        format!("INSERT INTO {s}.inbox (consumer, event_id, processed_at)
-                 SELECT c, id::text, published_at + interval '1 second' FROM {s}.outbox_published,
+        format!("INSERT INTO {s}.inbox_processed (consumer, event_id, event_at, processed_at)
+                 SELECT c, id::text, {s}.inbox_event_time(id::text), published_at + interval '1 second' FROM {s}.outbox_published,
                         (VALUES ('stock'), ('billing')) v(c) WHERE c = 'billing' OR hashtext(id::text) % 100 <> 0"),
         format!("VACUUM ANALYZE {s}.outbox_published"),
-        format!("VACUUM ANALYZE {s}.inbox"),
+        format!("VACUUM ANALYZE {s}.inbox_processed"),
     ] {
         sqlx::raw_sql(AssertSqlSafe(sql)).execute(pool).await?;
     }

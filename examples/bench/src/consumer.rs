@@ -261,7 +261,7 @@ async fn effects(pool: &PgPool, schema: &str) -> Result<u64> {
 
 async fn inbox_rows(pool: &PgPool, schema: &str) -> Result<u64> {
     let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM \"{schema}\".inbox"
+        "SELECT count(*) FROM \"{schema}\".inbox_processed"
     )))
     .fetch_one(pool)
     .await?;
@@ -475,7 +475,7 @@ async fn hand_written(
         )
         .await?;
     let inbox = format!(
-        "INSERT INTO \"{schema}\".inbox (consumer, event_id) SELECT 'bench', k FROM unnest($1::text[]) AS k ON CONFLICT (consumer, event_id) DO NOTHING RETURNING event_id"
+        "INSERT INTO \"{schema}\".inbox_processed (consumer, event_id, event_at) SELECT 'bench', k, \"{schema}\".inbox_event_time(k) FROM unnest($1::text[]) AS k ON CONFLICT (consumer, event_id, event_at) DO NOTHING RETURNING event_id"
     );
     let update = update_sql(&schema);
     let together = format!(

@@ -298,7 +298,7 @@ impl Facts {
 /// Rows of `consumer` in the inbox of the demo's schema in `pool`.
 async fn inbox_rows(pool: &PgPool, consumer: &str) -> Result<u64> {
     let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM {SCHEMA}.inbox WHERE consumer = $1"
+        "SELECT count(*) FROM {SCHEMA}.inbox_processed WHERE consumer = $1"
     )))
     .bind(consumer)
     .fetch_one(pool)

@@ -129,7 +129,7 @@ struct Rates {
     error: Option<String>,
 }
 
-const PROCESSED_LAST_MINUTE: &str = "SELECT consumer, count(*) FROM {inbox}.inbox
+const PROCESSED_LAST_MINUTE: &str = "SELECT consumer, count(*) FROM {inbox}.inbox_processed
      WHERE processed_at >= now() - interval '1 minute' GROUP BY consumer ORDER BY consumer";
 
 /// Reads the processed rates every `--refresh`.

@@ -34,12 +34,16 @@ const FRESH: Duration = Duration::from_secs(30);
 const LISTED: i64 = 100;
 
 /// The events of the window with no inbox row for `$1`: the archive's
-/// time index, the routing key's topic pattern (`$4`, NULL: all), and one
-/// anti-join with the inbox.
+/// time index, the routing key's topic pattern (`$4`, NULL: all), and
+/// anti-joins with the inbox (its records, and those version 1's table
+/// kept from before the consumer's migration 3).
 const MISSING: &str = "FROM {archive}.outbox_published p
      WHERE p.published_at >= $2 AND p.published_at < $3
        AND ($4::text IS NULL OR coalesce(p.routing_key, p.aggregate_type || '.' || p.event_type) ~ $4)
-       AND NOT EXISTS (SELECT 1 FROM {inbox}.inbox i WHERE i.consumer = $1 AND i.event_id = p.id::text)";
+       AND NOT EXISTS (SELECT 1 FROM {inbox}.inbox_processed i
+                       WHERE i.consumer = $1 AND i.event_id = p.id::text
+                         AND i.event_at = {inbox}.inbox_event_time(p.id::text))
+       AND NOT EXISTS (SELECT 1 FROM {inbox}.inbox o WHERE o.consumer = $1 AND o.event_id = p.id::text)";
 
 const LIST_MISSING: &str =
     "SELECT p.id, p.published_at, p.aggregate_type, p.aggregate_id, p.event_type,

@@ -288,7 +288,7 @@ impl World {
 
     pub(crate) async fn processed(&self, ids: &[String]) -> i64 {
         sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT count(*) FROM \"{}\".inbox WHERE consumer = 'stock' AND event_id = ANY($1)",
+            "SELECT count(*) FROM \"{}\".inbox_processed WHERE consumer = 'stock' AND event_id = ANY($1)",
             self.db.schema
         )))
         .bind(ids)
@@ -299,7 +299,7 @@ impl World {
 
     pub(crate) async fn mark_processed(&self, ids: &[String]) {
         sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO \"{}\".inbox (consumer, event_id) SELECT 'stock', unnest($1::text[])",
+            "INSERT INTO \"{0}\".inbox_processed (consumer, event_id, event_at) SELECT 'stock', k, \"{0}\".inbox_event_time(k) FROM unnest($1::text[]) k",
             self.db.schema
         )))
         .bind(ids)
