@@ -290,9 +290,23 @@ impl Progress {
 /// contenders, that each has exactly one inbox row and one effect.
 async fn run(pool: &PgPool, url: &str, queue: &str, n: usize, who: Contender) -> Result<f64> {
     let stop = CancellationToken::new();
-    let schema = match who {
-        Contender::Raw(_) => None,
+    let large = large_inbox();
+    let schema = match (who, &large) {
+        (Contender::Raw(_), _) => None,
+        (_, Some(large)) => {
+            // Only this run's effects and records are counted.
+            sqlx::query(AssertSqlSafe(format!(
+                "UPDATE \"{large}\".stock SET qty = 0"
+            )))
+            .execute(pool)
+            .await?;
+            Some(large.clone())
+        }
         _ => Some(consumer_schema(pool).await?),
+    };
+    let records_before = match &large {
+        Some(s) => inbox_rows(pool, s).await?,
+        None => 0,
     };
     let acked = Arc::new(AtomicU64::new(0));
     let tasks: Vec<JoinHandle<Result<()>>> = match (who, &schema) {
@@ -345,12 +359,15 @@ async fn run(pool: &PgPool, url: &str, queue: &str, n: usize, who: Contender) ->
     }
     let secs = timed?;
     if let Some(s) = &schema {
-        let (effects, inbox) = (effects(pool, s).await?, inbox_rows(pool, s).await?);
+        let effects = effects(pool, s).await?;
+        let inbox = inbox_rows(pool, s).await? - records_before;
         anyhow::ensure!(
             effects == n as u64 && inbox == n as u64,
             "{who:?}: {effects} effects and {inbox} inbox rows for {n} messages"
         );
-        drop_schema(pool, s).await?;
+        if large.is_none() {
+            drop_schema(pool, s).await?;
+        }
     }
     let conn = connect(url).await?;
     let ch = conn.create_channel().await?;
@@ -729,4 +746,148 @@ pub(crate) async fn library_rates(
         }
     }
     Ok((batch, per_event))
+}
+
+/// The schema whose inbox the library's runs use instead of a fresh one
+/// (the large-inbox rounds), or `None`.
+static LARGE_INBOX: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+fn large_inbox() -> Option<String> {
+    LARGE_INBOX.lock().map(|s| s.clone()).unwrap_or(None)
+}
+
+fn use_large_inbox(schema: Option<String>) {
+    if let Ok(mut s) = LARGE_INBOX.lock() {
+        *s = schema;
+    }
+}
+
+/// A consumer schema whose inbox holds `per_day` records of today (keys
+/// dated from midnight to now, as `Outbox::enqueue` writes them) and
+/// `per_day` of a day ten days ago, for the consumer name the library
+/// runs use. Returns the schema and the old day's partition.
+async fn seeded_inbox(pool: &PgPool, per_day: u64) -> Result<(String, String)> {
+    let schema = consumer_schema(pool).await?;
+    let s = format!("\"{schema}\"");
+    let old = (chrono::Utc::now() - chrono::Duration::days(10)).date_naive();
+    let part = format!("inbox_p{}", old.format("%Y%m%d"));
+    let from = old.and_hms_opt(0, 0, 0).unwrap_or_default().and_utc();
+    let seed = |start: String, span_ms: String| {
+        format!(
+            "INSERT INTO {s}.inbox_processed (consumer, event_id, event_at)
+             SELECT 'bench', k, {s}.inbox_event_time(k) FROM (
+                 SELECT substr(h, 1, 8) || '-' || substr(h, 9, 4) || '-7000-8000-' || lpad(to_hex(i), 12, '0') AS k
+                 FROM (SELECT i, lpad(to_hex(({start}) + i * ({span_ms}) / {per_day}), 12, '0') AS h
+                       FROM generate_series(1, {per_day}) i) t) keys"
+        )
+    };
+    let ms = |t: &str| format!("(extract(epoch FROM {t}) * 1000)::bigint");
+    for sql in [
+        format!(
+            "CREATE TABLE {s}.{part} PARTITION OF {s}.inbox_processed FOR VALUES FROM ('{}') TO ('{}')",
+            from.to_rfc3339(),
+            (from + chrono::Duration::days(1)).to_rfc3339()
+        ),
+        seed(
+            format!("{}::bigint", from.timestamp_millis()),
+            "86399000::bigint".to_owned(),
+        ),
+        seed(
+            ms("date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"),
+            format!(
+                "({} - {})",
+                ms("now()"),
+                ms("date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'")
+            ),
+        ),
+        format!("VACUUM ANALYZE {s}.inbox_processed"),
+    ] {
+        sqlx::raw_sql(AssertSqlSafe(sql)).execute(pool).await?;
+    }
+    Ok((schema, part))
+}
+
+/// What the large-inbox rounds measured.
+pub(crate) struct LargeInbox {
+    pub(crate) empty: Stats,
+    pub(crate) large: Stats,
+    /// Records in the inbox during the large rounds.
+    pub(crate) records: u64,
+    /// Seconds retention took to remove the old day.
+    pub(crate) retention_s: f64,
+    /// The largest DELETE retention ran, in rows.
+    pub(crate) retention_rows_deleted: u64,
+}
+
+/// The library's batch handler over `n` messages, `rounds` times with an
+/// empty inbox and with a seeded one (`per_day` records of today and of a
+/// day ten days ago), alternating; then retention removes the old day.
+pub(crate) async fn large_inbox_rates(
+    pool: &PgPool,
+    url: &str,
+    n: usize,
+    rounds: usize,
+    per_day: u64,
+    preload: PublishTuning,
+) -> Result<LargeInbox> {
+    eprintln!("bench: seeding an inbox with {} records", 2 * per_day);
+    let seeding = Instant::now();
+    let (schema, part) = seeded_inbox(pool, per_day).await?;
+    eprintln!(
+        "bench:   seeded in {:.0} s",
+        seeding.elapsed().as_secs_f64()
+    );
+    let records = inbox_rows(pool, &schema).await?;
+    let (mut empty, mut large) = (Stats::default(), Stats::default());
+    let measuring = async {
+        for round in 0..rounds {
+            for k in 0..2 {
+                let with_large = (k + round) % 2 == 1;
+                use_large_inbox(with_large.then(|| schema.clone()));
+                let rate = measured(pool, url, n, Contender::LibraryBatch, preload).await;
+                use_large_inbox(None);
+                let rate = rate?;
+                let what = if with_large { "large" } else { "empty" };
+                eprintln!(
+                    "bench:   round {} {what} inbox ({n}): {rate:.0}/s",
+                    round + 1
+                );
+                if with_large {
+                    large.push(rate)
+                } else {
+                    empty.push(rate)
+                }
+            }
+        }
+        anyhow::Ok(())
+    };
+    let measured_rounds = measuring.await;
+    let retention = async {
+        let started = Instant::now();
+        let report = outbox_consumer::inbox_retention(
+            pool,
+            &schema,
+            None,
+            outbox_consumer::DEFAULT_RETENTION,
+        )
+        .await?;
+        let secs = started.elapsed().as_secs_f64();
+        anyhow::ensure!(
+            report.days_dropped == vec![part.clone()],
+            "retention dropped {:?}, not {part}",
+            report.days_dropped
+        );
+        anyhow::Ok((secs, report.rows_deleted))
+    }
+    .await;
+    drop_schema(pool, &schema).await?;
+    measured_rounds?;
+    let (retention_s, retention_rows_deleted) = retention?;
+    Ok(LargeInbox {
+        empty,
+        large,
+        records,
+        retention_s,
+        retention_rows_deleted,
+    })
 }

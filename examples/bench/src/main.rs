@@ -111,7 +111,7 @@ struct Args {
     child_relayer: Option<Vec<String>>,
 }
 
-const SECTIONS: [&str; 15] = [
+const SECTIONS: [&str; 16] = [
     "relay",
     "growth",
     "ordered",
@@ -127,6 +127,7 @@ const SECTIONS: [&str; 15] = [
     "wal-write",
     "wal-latency",
     "horizon",
+    "inbox",
 ];
 
 /// Counts and durations; `--smoke` shrinks all of them.
@@ -150,6 +151,8 @@ struct Sizes {
     memory_n: usize,
     /// Events per round, and rounds, of the held-horizon drain.
     horizon: (usize, usize),
+    /// Messages per large-inbox run, and records seeded per day (two days).
+    inbox: (usize, u64),
     console: console::Seed,
     /// `--latency-relay-in-process`.
     latency_in_process: bool,
@@ -216,6 +219,7 @@ async fn main() -> Result<()> {
             latency_secs: 1.0,
             memory_n: 1_000,
             horizon: (1_000, 1),
+            inbox: (1_000, 5_000),
             console: console::Seed {
                 outbox: 20_000,
                 dead_letters: 2_000,
@@ -244,6 +248,7 @@ async fn main() -> Result<()> {
             latency_secs: 10.0,
             memory_n: 50_000,
             horizon: (200_000, 4),
+            inbox: (100_000, 10_000_000),
             console: console::Seed {
                 outbox: 2_000_000,
                 dead_letters: 200_000,
@@ -326,6 +331,9 @@ async fn main() -> Result<()> {
     if run("horizon") {
         horizon_section(&mut r, &pool, &args.database_url, url, &sizes).await?;
     }
+    if run("inbox") {
+        inbox_section(&mut r, &pool, url, &sizes, best_publish).await?;
+    }
     r.tuning("load_average_at_end", load_average());
     r.print();
     r.write(&args.out, args.smoke)?;
@@ -385,6 +393,55 @@ async fn horizon_section(
             );
         }
     }
+    Ok(())
+}
+
+/// The consumer's batch handler with an inbox of 20 million records (ten
+/// million of today, ten million of a day past the window) against an
+/// empty one, then retention removing the old day.
+async fn inbox_section(
+    r: &mut Report,
+    pool: &sqlx::PgPool,
+    url: &str,
+    sizes: &Sizes,
+    preload: PublishTuning,
+) -> Result<()> {
+    let (n, per_day) = sizes.inbox;
+    let rounds = sizes.rounds.min(3);
+    let m = consumer::large_inbox_rates(pool, url, n, rounds, per_day, preload).await?;
+    r.stats(
+        "inbox_empty_per_s",
+        &m.empty,
+        "library batch handler effects/s, empty inbox",
+        "",
+    );
+    r.stats(
+        "inbox_large_per_s",
+        &m.large,
+        &format!(
+            "library batch handler effects/s, {} inbox records",
+            m.records
+        ),
+        "",
+    );
+    r.add(
+        "inbox_large_dedup_ratio",
+        m.large.median() / m.empty.median(),
+        "inbox_large_dedup_ratio (large inbox / empty, medians)",
+        ">= 0.9",
+    );
+    r.add(
+        "inbox_retention_s",
+        m.retention_s,
+        &format!("inbox_retention_s (a day of {per_day} records removed)"),
+        "<= 1",
+    );
+    r.add(
+        "inbox_retention_rows_deleted",
+        m.retention_rows_deleted as f64,
+        "  rows DELETEd by that pass (the day went whole)",
+        "",
+    );
     Ok(())
 }
 
