@@ -103,6 +103,8 @@ DECLARE
     part text;
     made int := 0;
 BEGIN
+    -- One caller at a time per schema (consumers start together).
+    PERFORM pg_advisory_xact_lock(hashtext(current_schema() || '.inbox_prepare_days'));
     FOR i IN 0 .. ahead LOOP
         day := today + i;
         part := 'inbox_p' || to_char(day, 'YYYYMMDD');
@@ -134,6 +136,7 @@ LANGUAGE plpgsql SET search_path FROM CURRENT SET lock_timeout = '100ms' AS $$
 DECLARE
     part text;
 BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext(current_schema() || '.inbox_drop_days'));
     FOR part IN
         SELECT c.relname FROM pg_inherits h JOIN pg_class c ON c.oid = h.inhrelid
         WHERE h.inhparent = 'inbox_processed'::regclass AND c.relname ~ '^inbox_p[0-9]{8}$'

@@ -84,5 +84,10 @@ pub(crate) const PRODUCER: MigrationSet = MigrationSet {
             name: "due_when_written",
             sql: include_str!("../migrations/0015_due_when_written.sql"),
         },
+        Migration {
+            version: 16,
+            name: "archive_by_day",
+            sql: include_str!("../migrations/0016_archive_by_day.sql"),
+        },
     ],
 };

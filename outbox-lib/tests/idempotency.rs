@@ -314,6 +314,33 @@ async fn an_expired_key_counts_as_absent_and_cleanup_removes_it() {
     assert_eq!(cleanup_idempotency_keys(&pool, &schema).await.unwrap(), 1);
     assert_eq!(cleanup_idempotency_keys(&pool, &schema).await.unwrap(), 0);
     assert_eq!(count(&pool, &schema, "idempotency_keys").await, 1);
+    // At volume: never a DELETE of more than 1,000 rows (each statement's
+    // rows counted by a trigger).
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".idempotency_keys (scope, key, fingerprint, expires_at)
+         SELECT 's', 'k-' || g, decode(repeat('00', 32), 'hex'), now() - interval '1 hour'
+         FROM generate_series(1, 2500) g;
+         CREATE TABLE \"{schema}\".deletes (n bigint NOT NULL);
+         CREATE FUNCTION \"{schema}\".count_deletes() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN INSERT INTO \"{schema}\".deletes SELECT count(*) FROM gone; RETURN NULL; END $$;
+         CREATE TRIGGER count_deletes AFTER DELETE ON \"{schema}\".idempotency_keys
+             REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION \"{schema}\".count_deletes();"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        cleanup_idempotency_keys(&pool, &schema).await.unwrap(),
+        2500
+    );
+    let largest: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT max(n) FROM \"{schema}\".deletes"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(largest <= 1_000, "a DELETE of {largest} rows");
+    assert_eq!(count(&pool, &schema, "idempotency_keys").await, 1);
     assert!(matches!(
         cleanup_idempotency_keys(&pool, "Bad-Schema").await,
         Err(Error::InvalidIdentifier { .. })

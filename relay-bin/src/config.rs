@@ -52,8 +52,12 @@ pub struct RelayConfig {
     pub database_timeout: Duration,
     /// Largest payload published; bigger events are dead-lettered at once.
     pub max_payload_bytes: usize,
-    /// Keep delivered events in `outbox_published` instead of deleting them.
+    /// Keep delivered events in `outbox_archive` instead of deleting them.
     pub archive: bool,
+    /// With `archive`: how long the archive keeps a day. Past it the day is
+    /// dropped whole (and version 1's `outbox_published` trimmed in
+    /// chunks). Default 7 days.
+    pub archive_retention: Duration,
     /// How long a shutdown may spend finishing the batches in flight;
     /// past it [`Relay::run`](crate::Relay::run) abandons them (rolled
     /// back, their events stay in the outbox) and returns
@@ -128,6 +132,7 @@ impl Default for RelayConfig {
             database_timeout: Duration::from_secs(10),
             max_payload_bytes: outbox::DEFAULT_MAX_PAYLOAD_BYTES,
             archive: false,
+            archive_retention: Duration::from_secs(7 * 24 * 3600),
             drain_timeout: Duration::from_secs(30),
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(10),

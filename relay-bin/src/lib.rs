@@ -78,6 +78,7 @@
 pub mod admin;
 #[cfg(all(feature = "cli", not(feature = "testing")))]
 mod admin;
+mod archive;
 mod broker;
 mod claim;
 #[cfg(feature = "cli")]

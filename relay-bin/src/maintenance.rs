@@ -53,6 +53,28 @@ impl Relay {
         }
     }
 
+    /// With `--archive`: the archive's upkeep ([`crate::archive`]) now and
+    /// every [`crate::archive::EVERY`] until `stop`; a pass that fails is
+    /// tried again at the next.
+    pub(crate) async fn keep_archive(&self, stop: CancellationToken) {
+        let inner = &self.inner;
+        if !inner.config.archive {
+            return;
+        }
+        while !stop.is_cancelled() {
+            let retention = inner.config.archive_retention;
+            let t = inner.config.database_timeout;
+            match crate::archive::upkeep(&inner.pool, &inner.schema, retention, t).await {
+                Ok(pass) if !pass.dropped.is_empty() || pass.deleted > 0 => {
+                    tracing::info!(days = ?pass.dropped, deleted = pass.deleted, "archive retention");
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "archive upkeep failed; next pass in an hour"),
+            }
+            sleep_or_cancel(crate::archive::EVERY, &stop).await;
+        }
+    }
+
     /// Rounds until `stop`.
     pub(crate) async fn maintain(&self, stop: CancellationToken) {
         while !stop.is_cancelled() {

@@ -136,12 +136,17 @@ impl Relay {
         // Leases and stats beside the workers, while the session lasts: a
         // relay without a broker lets its partitions go to others. (The
         // first round is the first worker's, once its channel is open.)
-        // And the claims' floor, read from the lock table.
+        // And the claims' floor, read from the lock table; and, with
+        // --archive, the archive's days.
         workers.spawn({
             let relay = self.clone();
             let stop = session_stop.clone();
             async move {
-                tokio::join!(relay.maintain(stop.clone()), relay.track_floor(stop));
+                tokio::join!(
+                    relay.maintain(stop.clone()),
+                    relay.track_floor(stop.clone()),
+                    relay.keep_archive(stop)
+                );
                 Ok(())
             }
         });

@@ -400,7 +400,7 @@ async fn a_channel_failing_under_one_worker_restarts_every_worker() {
     // The fault landed: the culprit failed once (its channel closed under
     // the batch), then was delivered.
     let attempts: i32 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT attempts FROM \"{}\".outbox_published WHERE id = $1",
+        "SELECT attempts FROM \"{}\".outbox_archive WHERE id = $1",
         db.schema
     )))
     .bind(culprit)

@@ -654,6 +654,24 @@ pub(crate) fn on_own_runtime<T: Send + 'static>(
         .expect("the OS refused a thread")
 }
 
+/// A `REPEATABLE READ` transaction left open in the database of
+/// `database_url` (a forgotten report): no vacuum there may remove a row
+/// deleted after it began, until [`release_snapshot`].
+pub(crate) async fn hold_snapshot(database_url: &str) -> Result<sqlx::PgConnection> {
+    use sqlx::Connection as _;
+    let mut c = sqlx::PgConnection::connect(database_url).await?;
+    sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
+        .execute(&mut c)
+        .await?;
+    Ok(c)
+}
+
+/// Ends a [`hold_snapshot`] transaction.
+pub(crate) async fn release_snapshot(mut c: sqlx::PgConnection) -> Result<()> {
+    sqlx::raw_sql("ROLLBACK").execute(&mut c).await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -443,15 +443,15 @@ async fn seed_consumer(pool: &PgPool, schema: &str, archived: i64) -> Result<()>
     let s = format!("\"{schema}\"");
     for sql in [
         format!(
-            "INSERT INTO {s}.outbox_published (id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts, published_at)
+            "INSERT INTO {s}.outbox_archive (id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts, published_at)
              SELECT gen_random_uuid(), 'order', 'o-' || g, 'OrderPlaced', jsonb_build_object('n', g), '{{}}',
                     now() - interval '3 hours', 1, now() - interval '3 hours' + g * interval '50 ms'
              FROM generate_series(1, {archived}) g"
         ),
         format!("INSERT INTO {s}.inbox_processed (consumer, event_id, event_at, processed_at)
-                 SELECT c, id::text, {s}.inbox_event_time(id::text), published_at + interval '1 second' FROM {s}.outbox_published,
+                 SELECT c, id::text, {s}.inbox_event_time(id::text), published_at + interval '1 second' FROM {s}.outbox_archive,
                         (VALUES ('stock'), ('billing')) v(c) WHERE c = 'billing' OR hashtext(id::text) % 100 <> 0"),
-        format!("VACUUM ANALYZE {s}.outbox_published"),
+        format!("VACUUM ANALYZE {s}.outbox_archive"),
         format!("VACUUM ANALYZE {s}.inbox_processed"),
     ] {
         sqlx::raw_sql(AssertSqlSafe(sql)).execute(pool).await?;

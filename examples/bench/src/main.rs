@@ -63,7 +63,8 @@ struct Args {
     out: std::path::PathBuf,
     /// Run only these sections (relay, growth, ordered, write,
     /// write-causes, latency, consumer, quorum, console, wal, wal-drain,
-    /// wal-growth, wal-write, wal-latency, horizon); all by default.
+    /// wal-growth, wal-write, wal-latency, horizon, horizon-latency, inbox);
+    /// all by default.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The table's latency section runs the relay's code on a runtime of
@@ -111,7 +112,7 @@ struct Args {
     child_relayer: Option<Vec<String>>,
 }
 
-const SECTIONS: [&str; 16] = [
+const SECTIONS: [&str; 17] = [
     "relay",
     "growth",
     "ordered",
@@ -128,6 +129,7 @@ const SECTIONS: [&str; 16] = [
     "wal-latency",
     "horizon",
     "inbox",
+    "horizon-latency",
 ];
 
 /// Counts and durations; `--smoke` shrinks all of them.
@@ -153,6 +155,9 @@ struct Sizes {
     horizon: (usize, usize),
     /// Messages per large-inbox run, and records seeded per day (two days).
     inbox: (usize, u64),
+    /// Seconds of each open-loop run at 500 events/s, clean and with a
+    /// snapshot held (after the warm-up).
+    horizon_latency_secs: f64,
     console: console::Seed,
     /// `--latency-relay-in-process`.
     latency_in_process: bool,
@@ -220,6 +225,7 @@ async fn main() -> Result<()> {
             memory_n: 1_000,
             horizon: (1_000, 1),
             inbox: (1_000, 5_000),
+            horizon_latency_secs: 2.0,
             console: console::Seed {
                 outbox: 20_000,
                 dead_letters: 2_000,
@@ -249,6 +255,7 @@ async fn main() -> Result<()> {
             memory_n: 50_000,
             horizon: (200_000, 4),
             inbox: (100_000, 10_000_000),
+            horizon_latency_secs: 600.0,
             console: console::Seed {
                 outbox: 2_000_000,
                 dead_letters: 200_000,
@@ -331,6 +338,9 @@ async fn main() -> Result<()> {
     if run("horizon") {
         horizon_section(&mut r, &pool, &args.database_url, url, &sizes).await?;
     }
+    if run("horizon-latency") {
+        horizon_latency_section(&mut r, &pool, &args.database_url, url, &sizes).await?;
+    }
     if run("inbox") {
         inbox_section(&mut r, &pool, url, &sizes, best_publish).await?;
     }
@@ -363,7 +373,7 @@ async fn horizon_section(
         }
         .await;
         common::use_wal_capture(false);
-        let ((clean, clean_bytes), (held, held_bytes)) = both?;
+        let ((clean, clean_bytes, _), (held, held_bytes, released_bytes)) = both?;
         let mean = clean.iter().sum::<f64>() / clean.len() as f64;
         let last = *held.last().unwrap_or(&f64::NAN);
         r.stats(
@@ -391,8 +401,79 @@ async fn horizon_section(
                 "  outbox on disk after the held rounds / after the clean ones",
                 "",
             );
+            r.add(
+                "outbox_size_after_release",
+                released_bytes as f64 / clean_bytes.max(1) as f64,
+                "outbox_size_after_release (on disk a minute after the snapshot's release / clean)",
+                "<= 2",
+            );
         }
     }
+    Ok(())
+}
+
+/// The relay binary's commit-to-publish latency at 500 events/s over ten
+/// minutes with a snapshot held from before the first event, against the
+/// same run with nothing held: p99 over p99.
+async fn horizon_latency_section(
+    r: &mut Report,
+    pool: &sqlx::PgPool,
+    database_url: &str,
+    url: &str,
+    sizes: &Sizes,
+) -> Result<()> {
+    let secs = sizes.horizon_latency_secs;
+    let mut p99 = [f64::NAN; 2];
+    for (i, hold) in [false, true].into_iter().enumerate() {
+        eprintln!(
+            "bench: latency at 500 events/s for {secs:.0} s, {}",
+            if hold {
+                "a snapshot held"
+            } else {
+                "nothing held"
+            }
+        );
+        let held = if hold {
+            Some(common::hold_snapshot(database_url).await?)
+        } else {
+            None
+        };
+        let res = latency::latency(
+            pool,
+            database_url,
+            url,
+            latency::Relayer::Binary,
+            500.0,
+            sizes.latency_warm,
+            secs,
+            false,
+        )
+        .await;
+        if let Some(c) = held {
+            common::release_snapshot(c).await?;
+        }
+        let res = res?;
+        for (sample, samples) in &res.samples {
+            if *sample == "publish_latency" {
+                let pct = latency::percentiles(sample, samples);
+                p99[i] = pct[2].1;
+                let key = if hold {
+                    "horizon_held"
+                } else {
+                    "horizon_clean"
+                };
+                for (k, v) in pct {
+                    r.add(&format!("{key}_{k}"), v, &format!("{key}_{k}"), "");
+                }
+            }
+        }
+    }
+    r.add(
+        "horizon_latency_p99_ratio",
+        p99[1] / p99[0],
+        "horizon_latency_p99_ratio (publish p99, snapshot held / nothing held)",
+        "<= 1.5",
+    );
     Ok(())
 }
 

@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use lapin::{Channel, Connection};
 use outbox::OrderedAggregates;
 use outbox_relay::{Relay, RelayConfig};
-use sqlx::{AssertSqlSafe, PgPool};
+use sqlx::{AssertSqlSafe, PgPool, SqlSafeStr};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -369,21 +369,17 @@ pub(crate) async fn horizon_rounds(
     n: usize,
     rounds: usize,
     hold: bool,
-) -> Result<(Vec<f64>, i64)> {
+) -> Result<(Vec<f64>, i64, i64)> {
     let schema = fresh_schema(pool, "horizon").await?;
     let conn = connect(url).await?;
     let name = format!("bench.horizon.{}", suffix());
     topology(&conn, &name).await?;
     let ch = conn.create_channel().await?;
-    let mut held = None;
-    if hold {
-        use sqlx::Connection as _;
-        let mut c = sqlx::PgConnection::connect(database_url).await?;
-        sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
-            .execute(&mut c)
-            .await?;
-        held = Some(c);
-    }
+    let held = if hold {
+        Some(hold_snapshot(database_url).await?)
+    } else {
+        None
+    };
     let mut rates = Vec::new();
     for round in 0..rounds {
         ch.queue_purge(name.as_str().into(), Default::default())
@@ -404,16 +400,24 @@ pub(crate) async fn horizon_rounds(
         );
         rates.push(rate);
     }
-    let bytes: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+    let size = AssertSqlSafe(format!(
         "SELECT pg_total_relation_size('\"{schema}\".outbox')"
-    )))
-    .fetch_one(pool)
-    .await?;
-    if let Some(mut c) = held {
-        sqlx::raw_sql("ROLLBACK").execute(&mut c).await?;
+    ))
+    .into_sql_str();
+    let bytes: i64 = sqlx::query_scalar(size.clone()).fetch_one(pool).await?;
+    // Released: what the outbox comes back to within a minute, with no
+    // VACUUM FULL (autovacuum and the relay's own traffic only).
+    let mut after = bytes;
+    if let Some(c) = held {
+        release_snapshot(c).await?;
+        let until = std::time::Instant::now() + Duration::from_secs(60);
+        while std::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            after = sqlx::query_scalar(size.clone()).fetch_one(pool).await?;
+        }
     }
     drop_queue(&conn, &name).await?;
     drop_schema(pool, &schema).await?;
     let _ = conn.close(200, "done".into()).await;
-    Ok((rates, bytes))
+    Ok((rates, bytes, after))
 }

@@ -138,8 +138,8 @@ pub fn downstream_key(scope: &str, key: &IdempotencyKey) -> Uuid {
     Uuid::new_v5(&DOWNSTREAM_KEY_NAMESPACE, &name)
 }
 
-/// Deletes expired idempotency records from `schema` in batches and
-/// returns how many it deleted. Expired records already count as absent
+/// Deletes expired idempotency records from `schema`, at most 1,000 a
+/// statement, and returns how many it deleted. Expired records already count as absent
 /// when read, so this only reclaims space; run it periodically (hourly is
 /// plenty).
 pub async fn cleanup_idempotency_keys(pool: &PgPool, schema: &str) -> Result<u64> {
@@ -150,10 +150,12 @@ pub async fn cleanup_idempotency_keys(pool: &PgPool, schema: &str) -> Result<u64
         t = table(&schema)
     ))
     .into_sql_str();
-    Ok(outbox_core::db::delete_in_chunks(pool, 10_000, |chunk| {
-        sqlx::query(sql.clone()).bind(chunk)
-    })
-    .await?)
+    Ok(
+        outbox_core::db::delete_in_chunks(pool, 1_000, |chunk| {
+            sqlx::query(sql.clone()).bind(chunk)
+        })
+        .await?,
+    )
 }
 
 /// The service's handle on its idempotency keys. Cheap to clone; create

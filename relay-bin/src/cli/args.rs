@@ -315,9 +315,16 @@ pub(super) struct RunArgs {
     /// Largest payload published; bigger events are dead-lettered.
     #[arg(long, env = "OUTBOX_MAX_PAYLOAD_BYTES", default_value_t = outbox::DEFAULT_MAX_PAYLOAD_BYTES)]
     pub(super) max_payload_bytes: usize,
-    /// Keep delivered events in `outbox_published` instead of deleting them.
+    /// Keep delivered events in `outbox_archive` instead of deleting them:
+    /// partitioned by the day of publication, each day dropped whole once
+    /// older than --archive-retention.
     #[arg(long, env = "OUTBOX_ARCHIVE")]
     pub(super) archive: bool,
+    /// How long the archive keeps a day of published events (with
+    /// --archive). Keep it at least as long as the consumers' inbox
+    /// retention: the console's reconciliation reads both.
+    #[arg(long, env = "OUTBOX_ARCHIVE_RETENTION", default_value = "7d", value_parser = humantime::parse_duration)]
+    pub(super) archive_retention: Duration,
     /// On SIGTERM/SIGINT, how long to finish the batches in flight.
     #[arg(long, env = "OUTBOX_DRAIN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub(super) drain_timeout: Duration,

@@ -71,6 +71,7 @@ fn relay_config(url: &str, schema: &Ident, r: &RunArgs) -> RelayConfig {
         database_timeout: r.database_timeout,
         max_payload_bytes: r.max_payload_bytes,
         archive: r.archive,
+        archive_retention: r.archive_retention,
         drain_timeout: r.drain_timeout,
         lease_ttl: r.lease_ttl,
         ..RelayConfig::default()

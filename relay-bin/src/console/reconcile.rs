@@ -1,5 +1,5 @@
 //! Reconciliation: for a consumer name and a time window, the events the
-//! relay published (the archive `outbox_published`, kept with `run
+//! relay published (the archive `outbox_archive`, and version 1's `outbox_published`, kept with `run
 //! --archive`) that have no inbox row for that consumer, "published, not
 //! processed"; and one action that publishes them again to that
 //! consumer's queue, as the relay built them (same `message_id`: the
@@ -34,10 +34,18 @@ const FRESH: Duration = Duration::from_secs(30);
 const LISTED: i64 = 100;
 
 /// The events of the window with no inbox row for `$1`: the archive's
-/// time index, the routing key's topic pattern (`$4`, NULL: all), and
+/// time index (the archive by day, and version 1's table a relay of an
+/// earlier release may still fill), the routing key's topic pattern (`$4`, NULL: all), and
 /// anti-joins with the inbox (its records, and those version 1's table
 /// kept from before the consumer's migration 3).
-const MISSING: &str = "FROM {archive}.outbox_published p
+const MISSING: &str = "FROM (
+         SELECT id, published_at, aggregate_type, aggregate_id, event_type, payload, headers,
+                exchange, routing_key, created_at, attempts, aggregate_seq
+         FROM {archive}.outbox_archive
+         UNION ALL
+         SELECT id, published_at, aggregate_type, aggregate_id, event_type, payload, headers,
+                exchange, routing_key, created_at, attempts, aggregate_seq
+         FROM {archive}.outbox_published) p
      WHERE p.published_at >= $2 AND p.published_at < $3
        AND ($4::text IS NULL OR coalesce(p.routing_key, p.aggregate_type || '.' || p.event_type) ~ $4)
        AND NOT EXISTS (SELECT 1 FROM {inbox}.inbox_processed i

@@ -1,6 +1,7 @@
--- Move delivered events to outbox_published. $1 ids.
+-- Move delivered events to the archive (`outbox_archive`, partitioned by
+-- the day of publication; docs/OUTBOX_TABLE.md). $1 ids.
 WITH d AS (DELETE FROM {schema}.outbox WHERE id = ANY($1) RETURNING *)
-INSERT INTO {schema}.outbox_published ({event_columns}, attempts)
+INSERT INTO {schema}.outbox_archive ({event_columns}, attempts)
 SELECT {event_columns}, attempts + 1
 FROM d
-ON CONFLICT (id) DO NOTHING
+ON CONFLICT DO NOTHING

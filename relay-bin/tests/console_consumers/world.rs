@@ -323,7 +323,7 @@ pub(crate) async fn archived(
         "order"
     };
     sqlx::query_scalar(AssertSqlSafe(format!(
-        "INSERT INTO \"{}\".outbox_published
+        "INSERT INTO \"{}\".outbox_archive
              (id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts, published_at)
          SELECT gen_random_uuid(), $1, 'o-' || g, $2, jsonb_build_object('n', g), '{{\"x-tenant\": \"acme\"}}',
                 now() - $4 * interval '1 minute', 1, now() - $4 * interval '1 minute' + g * interval '1 second'
