@@ -66,7 +66,7 @@ fmt: ## format the code
 demo: services ## the whole story on this machine: migrate, produce, relay, consume, report
 	$(CARGO) run --release -q -p demo
 
-bench: services cluster ## benchmark against the local services (a few minutes); writes target/bench/results.json
+bench: services cluster ## benchmark against the local services (about 85 minutes; `--only` in docs/BENCHMARKS.md runs a part); writes target/bench/results.json
 	$(CARGO) build --release -q -p relay-bin -p bench
 	$(TARGET_DIR)/release/bench --out target/bench/results.json
 
