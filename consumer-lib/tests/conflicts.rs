@@ -224,7 +224,7 @@ async fn a_serialization_failure_of_the_inbox_claim_reruns_the_batch_at_once() {
              END IF;
              RETURN NULL;
          END $$;
-         CREATE TRIGGER fail_first_claim BEFORE INSERT ON {s}.inbox
+         CREATE TRIGGER fail_first_claim BEFORE INSERT ON {s}.inbox_processed
              FOR EACH STATEMENT EXECUTE FUNCTION {s}.fail_first_claim();"
     )))
     .execute(&env.pool)

@@ -236,7 +236,7 @@ async fn each_consumer_name_has_its_own_dedup_state() {
     })
     .await;
     assert_eq!(env.count("{s}.effects").await, 2);
-    assert_eq!(env.count("{s}.inbox").await, 2);
+    assert_eq!(env.count("{s}.inbox_processed").await, 2);
     a.stop().await;
     b.stop().await;
     env.teardown().await;

@@ -106,7 +106,7 @@ async fn transient_failure_twice_then_success_gives_one_effect_via_the_retry_que
         1,
         "the failed attempts were rolled back"
     );
-    assert_eq!(env.count("{s}.inbox").await, 1);
+    assert_eq!(env.count("{s}.inbox_processed").await, 1);
     c.stop().await;
     env.teardown().await;
 }
@@ -138,7 +138,7 @@ async fn out_of_retries_lands_in_the_dlq() {
     );
     assert_eq!(env.count("{s}.effects").await, 0);
     assert_eq!(
-        env.count("{s}.inbox").await,
+        env.count("{s}.inbox_processed").await,
         0,
         "a dead-lettered event can be replayed"
     );
@@ -169,7 +169,7 @@ async fn permanent_failure_lands_in_the_dlq_with_its_reason() {
     })
     .await;
     assert_eq!(env.count("{s}.effects").await, 0);
-    assert_eq!(env.count("{s}.inbox").await, 0);
+    assert_eq!(env.count("{s}.inbox_processed").await, 0);
     c.stop().await;
     env.teardown().await;
 }
@@ -212,7 +212,7 @@ async fn one_failing_event_does_not_undo_its_batch() {
     assert_eq!(c.consumer.stats().processed, 50);
     assert_eq!(c.consumer.stats().rejected, 50);
     assert_eq!(env.count("{s}.effects").await, 50);
-    assert_eq!(env.count("{s}.inbox").await, 50);
+    assert_eq!(env.count("{s}.inbox_processed").await, 50);
     assert_eq!(env.take(&format!("{}.dlq", env.queue), 50).await.len(), 50);
     c.stop().await;
     env.teardown().await;
