@@ -216,7 +216,8 @@ async fn drop_days(pool: &PgPool, s: &str, before: DateTime<Utc>) -> Result<(Vec
 }
 
 /// Deletes `table`'s records processed before `before`, at most [`CHUNK`]
-/// rows a statement.
+/// rows a statement, walking `processed_at` forward (a statement never
+/// walks the dead entries of the ones before it).
 async fn delete_chunks(
     pool: &PgPool,
     s: &str,
@@ -225,19 +226,26 @@ async fn delete_chunks(
     before: DateTime<Utc>,
 ) -> Result<u64> {
     let sql = format!(
-        "DELETE FROM {s}.{table} WHERE ctid = ANY(ARRAY(
-             SELECT ctid FROM {s}.{table}
-             WHERE processed_at < $1 AND ($2::text IS NULL OR consumer = $2)
-             LIMIT $3))"
+        "WITH gone AS (
+             DELETE FROM {s}.{table} WHERE ctid = ANY(ARRAY(
+                 SELECT ctid FROM {s}.{table}
+                 WHERE processed_at >= coalesce($1, '-infinity') AND processed_at < $2
+                   AND ($3::text IS NULL OR consumer = $3)
+                 ORDER BY processed_at LIMIT $4))
+             RETURNING processed_at)
+         SELECT count(*), max(processed_at) FROM gone"
     );
     let sql = AssertSqlSafe(sql).into_sql_str();
-    Ok(outbox_core::db::delete_in_chunks(pool, CHUNK, |chunk| {
-        sqlx::query(sql.clone())
-            .bind(before)
-            .bind(consumer)
-            .bind(chunk)
-    })
-    .await?)
+    Ok(
+        outbox_core::db::delete_in_chunks(pool, CHUNK, |cursor, chunk| {
+            sqlx::query_as(sql.clone())
+                .bind(cursor)
+                .bind(before)
+                .bind(consumer)
+                .bind(chunk)
+        })
+        .await?,
+    )
 }
 
 /// Forgets the parked copies of `consumer` parked before `before`: its

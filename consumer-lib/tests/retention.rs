@@ -187,6 +187,75 @@ async fn retention_drops_days_past_the_window_whole_and_deletes_the_rest_in_smal
     env.teardown().await;
 }
 
+/// `table`'s sequential scans and the index entries its indexes returned,
+/// after `pool`'s one backend has flushed its statistics.
+async fn scans(pool: &sqlx::PgPool, schema: &str, table: &str) -> (i64, i64) {
+    // The flush happens when the backend goes idle after this statement;
+    // the next statement on the same backend starts after it.
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query_as(
+        "SELECT t.seq_scan, coalesce(sum(i.idx_tup_read), 0)::bigint
+         FROM pg_stat_user_tables t LEFT JOIN pg_stat_user_indexes i ON i.relid = t.relid
+         WHERE t.schemaname = $1 AND t.relname = $2 GROUP BY t.seq_scan",
+    )
+    .bind(schema)
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_retention_under_a_held_horizon_walks_each_record_once() {
+    use sqlx::Connection;
+    let env = Env::new().await;
+    const N: i64 = 10_000;
+    exec(
+        &env,
+        &format!(
+            "INSERT INTO {{s}}.inbox_processed (consumer, event_id, event_at, processed_at)
+             SELECT 'a', 'order-' || i, '-infinity', now() - interval '9 days' + i * interval '1 ms'
+             FROM generate_series(1, {N}) i;
+             ANALYZE {{s}}.inbox_processed;"
+        ),
+    )
+    .await;
+    // A long report holds the horizon: no entry of a deleted record can be
+    // removed or marked dead, so a chunk that starts at the oldest entry
+    // walks every earlier chunk's records again.
+    let mut report = sqlx::PgConnection::connect(&common::db_url())
+        .await
+        .unwrap();
+    sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
+        .execute(&mut report)
+        .await
+        .unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&common::db_url())
+        .await
+        .unwrap();
+    let before = scans(&pool, &env.schema, "inbox_untimed").await;
+    let done = inbox_retention(&pool, &env.schema, None, DEFAULT_RETENTION)
+        .await
+        .unwrap();
+    let after = scans(&pool, &env.schema, "inbox_untimed").await;
+    drop(report);
+    assert_eq!(done.rows_deleted, N as u64);
+    assert_eq!(after.0, before.0, "no sequential scan of the records");
+    let walked = after.1 - before.1;
+    // Ten chunks: once each is N entries; from the oldest each time, 5.5 N.
+    assert!(
+        walked <= 2 * N,
+        "retention walked {walked} index entries to delete {N} records"
+    );
+    pool.close().await;
+    env.teardown().await;
+}
+
 /// Rejects every event: each goes to the dead-letter queue, parked.
 struct RejectAll;
 

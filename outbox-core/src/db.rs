@@ -1,10 +1,11 @@
 //! Database helpers: which errors are worth retrying, and deleting in
 //! chunks.
 
+use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use sqlx::Postgres;
 use sqlx::postgres::PgArguments;
-use sqlx::query::Query;
+use sqlx::query::QueryAs;
 
 /// Whether a sqlx error is worth retrying: connection loss, a closed or
 /// exhausted pool, serialisation failures, deadlocks, a server shutting
@@ -22,26 +23,87 @@ pub fn is_transient(e: &sqlx::Error) -> bool {
     }
 }
 
-/// Runs a chunked `DELETE` until a chunk deletes fewer than `chunk` rows,
-/// and returns how many rows it deleted in all. `statement` builds the
-/// statement for one chunk, given the chunk size to bind as its `LIMIT`
-/// (`DELETE FROM t WHERE ctid = ANY(ARRAY(SELECT ctid FROM t WHERE ...
-/// LIMIT $n))`), so cleanup never holds long locks or builds one huge
-/// transaction.
+/// A chunked `DELETE` that walks its table's time index forward: each
+/// statement starts where the previous one stopped, so the index entries
+/// of rows already deleted are not walked again. Without it every chunk
+/// starts at the oldest entry, and while a long transaction holds the xmin
+/// horizon (no vacuum may remove those entries) a pass of `n` chunks walks
+/// `n²/2` chunks' worth of dead entries.
+///
+/// The statement deletes at most `$2` rows whose time is at or after the
+/// cursor `$1` (`NULL` at first: from the oldest), in time order, and
+/// returns how many and the latest time among them:
+///
+/// ```sql
+/// WITH gone AS (
+///     DELETE FROM t WHERE ctid = ANY(ARRAY(
+///         SELECT ctid FROM t WHERE at >= coalesce($1, '-infinity') AND at < $3
+///         ORDER BY at LIMIT $2))
+///     RETURNING at)
+/// SELECT count(*), max(at) FROM gone
+/// ```
+///
+/// Rows sharing the boundary's time stay at or after the next cursor, so
+/// none is skipped; only their dead entries are walked twice.
+#[derive(Debug, Clone, Copy)]
+pub struct ChunkWalk {
+    cursor: Option<DateTime<Utc>>,
+    chunk: i64,
+    deleted: u64,
+    done: bool,
+}
+
+impl ChunkWalk {
+    /// A walk from the oldest time, `chunk` rows a statement.
+    pub fn new(chunk: i64) -> Self {
+        Self {
+            cursor: None,
+            chunk: chunk.max(1),
+            deleted: 0,
+            done: false,
+        }
+    }
+
+    /// The next statement's binds: the cursor and the chunk size; `None`
+    /// once a statement deleted fewer rows than a chunk.
+    pub fn next(&self) -> Option<(Option<DateTime<Utc>>, i64)> {
+        (!self.done).then_some((self.cursor, self.chunk))
+    }
+
+    /// Takes a statement's result: how many rows it deleted and the latest
+    /// time among them.
+    pub fn advance(&mut self, (deleted, last): (i64, Option<DateTime<Utc>>)) {
+        self.deleted += u64::try_from(deleted).unwrap_or(0);
+        if let Some(last) = last {
+            self.cursor = self.cursor.max(Some(last));
+        }
+        self.done = deleted < self.chunk;
+    }
+
+    /// Rows deleted so far.
+    pub fn deleted(&self) -> u64 {
+        self.deleted
+    }
+}
+
+/// Runs a [`ChunkWalk`] to its end and returns how many rows it deleted.
+/// `statement` builds one chunk's statement from the cursor and the chunk
+/// size (the shape in [`ChunkWalk`]), so cleanup never holds long locks,
+/// never builds one huge transaction and never walks a dead entry twice.
 pub async fn delete_in_chunks<'q, F>(
     pool: &PgPool,
     chunk: i64,
     mut statement: F,
 ) -> sqlx::Result<u64>
 where
-    F: FnMut(i64) -> Query<'q, Postgres, PgArguments>,
+    F: FnMut(Option<DateTime<Utc>>, i64) -> QueryAs<'q, Postgres, Chunk, PgArguments>,
 {
-    let mut total = 0;
-    loop {
-        let n = statement(chunk).execute(pool).await?.rows_affected();
-        total += n;
-        if n < chunk as u64 {
-            return Ok(total);
-        }
+    let mut walk = ChunkWalk::new(chunk);
+    while let Some((cursor, chunk)) = walk.next() {
+        walk.advance(statement(cursor, chunk).fetch_one(pool).await?);
     }
+    Ok(walk.deleted())
 }
+
+/// One chunk's result: rows deleted, the latest time among them.
+pub type Chunk = (i64, Option<DateTime<Utc>>);

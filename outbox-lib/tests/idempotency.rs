@@ -349,6 +349,46 @@ async fn an_expired_key_counts_as_absent_and_cleanup_removes_it() {
 }
 
 #[tokio::test]
+async fn key_retention_under_a_held_horizon_walks_each_expired_entry_once() {
+    let (setup, schema) = migrated("idem_walk").await;
+    const N: i64 = 10_000;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".idempotency_keys (scope, key, fingerprint, expires_at)
+         SELECT 's', 'k-' || g, decode(repeat('00', 32), 'hex'), now() - interval '2 hours' + g * interval '1 ms'
+         FROM generate_series(1, {N}) g"
+    )))
+    .execute(&setup)
+    .await
+    .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ANALYZE \"{schema}\".idempotency_keys"
+    )))
+    .execute(&setup)
+    .await
+    .unwrap();
+    // A long report: while it runs no entry of a deleted row can be
+    // removed or marked dead, so a chunk that starts at the oldest entry
+    // walks every earlier chunk's rows again.
+    let report = hold_snapshot().await;
+    let pool = single_pool().await;
+    let before = scans(&pool, &schema, "idempotency_keys").await;
+    assert_eq!(
+        cleanup_idempotency_keys(&pool, &schema).await.unwrap(),
+        N as u64
+    );
+    let after = scans(&pool, &schema, "idempotency_keys").await;
+    drop(report);
+    assert_eq!(after.0, before.0, "no sequential scan of the keys");
+    let walked = after.1 - before.1;
+    // Ten chunks: once each is N entries; from the oldest each time, 5.5 N.
+    assert!(
+        walked <= 2 * N,
+        "retention walked {walked} index entries to delete {N} keys"
+    );
+    drop_schema(&setup, &schema).await;
+}
+
+#[tokio::test]
 async fn two_phase_crash_after_the_external_call_resumes_with_the_same_downstream_key() {
     let (pool, schema) = migrated("idem_2pc").await;
     // The fake payment gateway dedups on the downstream key, like Stripe.

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use outbox::Ident;
+use outbox_core::db::ChunkWalk;
 use sqlx::PgPool;
 
 use crate::db::bounded;
@@ -67,26 +68,32 @@ pub(crate) async fn upkeep(
     for table in ["outbox_published", "outbox_archive_other"] {
         let sql = render(
             &format!(
-                "DELETE FROM {{schema}}.{table} WHERE ctid = ANY(ARRAY(
-                     SELECT ctid FROM {{schema}}.{table} WHERE published_at < $1 LIMIT $2))"
+                "WITH gone AS (
+                     DELETE FROM {{schema}}.{table} WHERE ctid = ANY(ARRAY(
+                         SELECT ctid FROM {{schema}}.{table}
+                         WHERE published_at >= coalesce($1, '-infinity') AND published_at < $2
+                         ORDER BY published_at LIMIT $3))
+                     RETURNING published_at)
+                 SELECT count(*), max(published_at) FROM gone"
             ),
             schema,
         );
-        loop {
-            let n = bounded("trimming the archive", bound, async {
-                let done = sqlx::query(sql.clone())
-                    .bind(cutoff)
-                    .bind(CHUNK)
-                    .execute(pool)
-                    .await?;
-                Ok::<_, Error>(done.rows_affected())
+        let mut walk = ChunkWalk::new(CHUNK);
+        while let Some((cursor, chunk)) = walk.next() {
+            let done = bounded("trimming the archive", bound, async {
+                Ok::<_, Error>(
+                    sqlx::query_as(sql.clone())
+                        .bind(cursor)
+                        .bind(cutoff)
+                        .bind(chunk)
+                        .fetch_one(pool)
+                        .await?,
+                )
             })
             .await?;
-            deleted += n;
-            if n < CHUNK as u64 {
-                break;
-            }
+            walk.advance(done);
         }
+        deleted += walk.deleted();
     }
     Ok(Pass {
         prepared,

@@ -139,20 +139,27 @@ pub fn downstream_key(scope: &str, key: &IdempotencyKey) -> Uuid {
 }
 
 /// Deletes expired idempotency records from `schema`, at most 1,000 a
-/// statement, and returns how many it deleted. Expired records already count as absent
+/// statement, oldest first, each statement starting where the last one
+/// stopped (so a held xmin horizon does not make a pass walk its own dead
+/// entries again), and returns how many it deleted. Expired records already count as absent
 /// when read, so this only reclaims space; run it periodically (hourly is
 /// plenty).
 pub async fn cleanup_idempotency_keys(pool: &PgPool, schema: &str) -> Result<u64> {
     let schema = Ident::new("schema", schema)?;
     let sql = AssertSqlSafe(format!(
-        "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
-             SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1))",
+        "WITH gone AS (
+             DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+                 SELECT ctid FROM {t}
+                 WHERE expires_at >= coalesce($1, '-infinity') AND expires_at <= now()
+                 ORDER BY expires_at LIMIT $2))
+             RETURNING expires_at)
+         SELECT count(*), max(expires_at) FROM gone",
         t = table(&schema)
     ))
     .into_sql_str();
     Ok(
-        outbox_core::db::delete_in_chunks(pool, 1_000, |chunk| {
-            sqlx::query(sql.clone()).bind(chunk)
+        outbox_core::db::delete_in_chunks(pool, 1_000, |cursor, chunk| {
+            sqlx::query_as(sql.clone()).bind(cursor).bind(chunk)
         })
         .await?,
     )
