@@ -216,8 +216,9 @@ async fn drop_days(pool: &PgPool, s: &str, before: DateTime<Utc>) -> Result<(Vec
 }
 
 /// Deletes `table`'s records processed before `before`, at most [`CHUNK`]
-/// rows a statement, walking `processed_at` forward (a statement never
-/// walks the dead entries of the ones before it).
+/// rows a statement, walking `processed_at` forward (a statement does
+/// not walk the dead entries of the ones before it, apart from rows that
+/// share a boundary's time).
 async fn delete_chunks(
     pool: &PgPool,
     s: &str,
@@ -229,11 +230,11 @@ async fn delete_chunks(
         "WITH gone AS (
              DELETE FROM {s}.{table} WHERE ctid = ANY(ARRAY(
                  SELECT ctid FROM {s}.{table}
-                 WHERE processed_at >= coalesce($1, '-infinity') AND processed_at < $2
+                 WHERE processed_at >= coalesce($1::timestamptz, '-infinity') AND processed_at < $2
                    AND ($3::text IS NULL OR consumer = $3)
                  ORDER BY processed_at LIMIT $4))
              RETURNING processed_at)
-         SELECT count(*), max(processed_at) FROM gone"
+         SELECT count(*), max(processed_at) FILTER (WHERE processed_at > '-infinity') FROM gone"
     );
     let sql = AssertSqlSafe(sql).into_sql_str();
     Ok(

@@ -32,19 +32,24 @@ pub fn is_transient(e: &sqlx::Error) -> bool {
 ///
 /// The statement deletes at most `$2` rows whose time is at or after the
 /// cursor `$1` (`NULL` at first: from the oldest), in time order, and
-/// returns how many and the latest time among them:
+/// returns how many and the latest time among them, leaving out
+/// `-infinity` (set by hand; chrono cannot hold it, and the cursor starts
+/// there anyway):
 ///
 /// ```sql
 /// WITH gone AS (
 ///     DELETE FROM t WHERE ctid = ANY(ARRAY(
-///         SELECT ctid FROM t WHERE at >= coalesce($1, '-infinity') AND at < $3
+///         SELECT ctid FROM t WHERE at >= coalesce($1::timestamptz, '-infinity') AND at < $3
 ///         ORDER BY at LIMIT $2))
 ///     RETURNING at)
-/// SELECT count(*), max(at) FROM gone
+/// SELECT count(*), max(at) FILTER (WHERE at > '-infinity') FROM gone
 /// ```
 ///
 /// Rows sharing the boundary's time stay at or after the next cursor, so
-/// none is skipped; only their dead entries are walked twice.
+/// none is skipped; the dead entries of rows sharing one time are walked
+/// again by each statement that starts at that time (a group of equal
+/// times larger than a chunk, such as one transaction's rows, costs more
+/// than its size).
 #[derive(Debug, Clone, Copy)]
 pub struct ChunkWalk {
     cursor: Option<DateTime<Utc>>,
@@ -89,7 +94,8 @@ impl ChunkWalk {
 /// Runs a [`ChunkWalk`] to its end and returns how many rows it deleted.
 /// `statement` builds one chunk's statement from the cursor and the chunk
 /// size (the shape in [`ChunkWalk`]), so cleanup never holds long locks,
-/// never builds one huge transaction and never walks a dead entry twice.
+/// never builds one huge transaction and walks each dead entry once
+/// (apart from those sharing a boundary's time).
 pub async fn delete_in_chunks<'q, F>(
     pool: &PgPool,
     chunk: i64,

@@ -385,6 +385,16 @@ async fn key_retention_under_a_held_horizon_walks_each_expired_entry_once() {
         walked <= 2 * N,
         "retention walked {walked} index entries to delete {N} keys"
     );
+    // A record expired by hand with '-infinity' (no time chrono can hold)
+    // is deleted like any other.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".idempotency_keys (scope, key, fingerprint, expires_at)
+         VALUES ('s', 'by-hand', decode(repeat('00', 32), 'hex'), '-infinity')"
+    )))
+    .execute(&setup)
+    .await
+    .unwrap();
+    assert_eq!(cleanup_idempotency_keys(&pool, &schema).await.unwrap(), 1);
     drop_schema(&setup, &schema).await;
 }
 

@@ -71,10 +71,10 @@ pub(crate) async fn upkeep(
                 "WITH gone AS (
                      DELETE FROM {{schema}}.{table} WHERE ctid = ANY(ARRAY(
                          SELECT ctid FROM {{schema}}.{table}
-                         WHERE published_at >= coalesce($1, '-infinity') AND published_at < $2
+                         WHERE published_at >= coalesce($1::timestamptz, '-infinity') AND published_at < $2
                          ORDER BY published_at LIMIT $3))
                      RETURNING published_at)
-                 SELECT count(*), max(published_at) FROM gone"
+                 SELECT count(*), max(published_at) FILTER (WHERE published_at > '-infinity') FROM gone"
             ),
             schema,
         );

@@ -150,10 +150,10 @@ pub async fn cleanup_idempotency_keys(pool: &PgPool, schema: &str) -> Result<u64
         "WITH gone AS (
              DELETE FROM {t} WHERE ctid = ANY(ARRAY(
                  SELECT ctid FROM {t}
-                 WHERE expires_at >= coalesce($1, '-infinity') AND expires_at <= now()
+                 WHERE expires_at >= coalesce($1::timestamptz, '-infinity') AND expires_at <= now()
                  ORDER BY expires_at LIMIT $2))
              RETURNING expires_at)
-         SELECT count(*), max(expires_at) FROM gone",
+         SELECT count(*), max(expires_at) FILTER (WHERE expires_at > '-infinity') FROM gone",
         t = table(&schema)
     ))
     .into_sql_str();
