@@ -113,3 +113,25 @@ where
 
 /// One chunk's result: rows deleted, the latest time among them.
 pub type Chunk = (i64, Option<DateTime<Utc>>);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_walk_resumes_at_the_latest_time_deleted_and_ends_on_a_short_chunk() {
+        let at = |s: i64| DateTime::<Utc>::from_timestamp(s, 0);
+        let mut walk = ChunkWalk::new(2);
+        assert_eq!(walk.next(), Some((None, 2)));
+        walk.advance((2, at(10)));
+        assert_eq!(walk.next(), Some((at(10), 2)));
+        // Only '-infinity' rows (no time to report): the cursor stays.
+        walk.advance((2, None));
+        assert_eq!(walk.next(), Some((at(10), 2)));
+        walk.advance((1, at(12)));
+        assert_eq!(walk.next(), None);
+        assert_eq!(walk.deleted(), 5);
+        // A chunk size below one still deletes.
+        assert_eq!(ChunkWalk::new(0).next(), Some((None, 1)));
+    }
+}
