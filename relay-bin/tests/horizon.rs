@@ -244,7 +244,10 @@ async fn the_session_holding_the_horizon_is_named_with_the_dead_rows_it_keeps() 
     assert_eq!(oldest.pid, Some(pid));
     assert_eq!(oldest.name, "a forgotten report");
     assert_eq!(oldest.state.as_deref(), Some("idle in transaction"));
-    assert!(oldest.age_xids >= 2, "{oldest:?}");
+    // The transactions begun since the snapshot, cluster-wide: at least
+    // the write above (alone on the server, exactly that one; 2 was
+    // asserted before and failed whenever this test ran alone).
+    assert!(oldest.age_xids >= 1, "{oldest:?}");
     assert!(oldest.age_s.is_some_and(|s| s >= 0.0), "{oldest:?}");
     // Let go: nothing holds it any more.
     sqlx::raw_sql("ROLLBACK").execute(&mut held).await.unwrap();
