@@ -11,6 +11,8 @@ pub struct Outage {
     dependency: &'static str,
     component: String,
     since: Mutex<Option<Instant>>,
+    /// When the last outage ended.
+    recovered: Mutex<Option<Instant>>,
 }
 
 impl Outage {
@@ -20,7 +22,23 @@ impl Outage {
             dependency,
             component: component.into(),
             since: Mutex::new(None),
+            recovered: Mutex::new(None),
         }
+    }
+
+    /// Records a failure of an attempt begun at `began`. One begun before
+    /// the last outage ended (it waited on a connection that died in it,
+    /// while another attempt already succeeded) belongs to that outage:
+    /// logged at debug level, no new outage opened.
+    pub fn failed_since(&self, began: Instant, error: &dyn std::error::Error) {
+        let recovered = *self.recovered.lock().unwrap_or_else(|p| p.into_inner());
+        if recovered.is_some_and(|r| began < r) && !self.is_down() {
+            let (component, dependency) = (self.component.as_str(), self.dependency);
+            let error = error_chain(error);
+            tracing::debug!(component, dependency, %error, "failed in the outage that ended");
+            return;
+        }
+        self.failed(error);
     }
 
     /// Records a failure; logs only the first of an outage.
@@ -40,6 +58,7 @@ impl Outage {
     pub fn ok(&self) {
         let mut since = self.since.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(t) = since.take() {
+            *self.recovered.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
             let (component, dependency) = (self.component.as_str(), self.dependency);
             tracing::info!(
                 component,
@@ -69,4 +88,26 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
         src = c.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_begun_before_the_recovery_opens_no_new_outage() {
+        let outage = Outage::new("database", "test");
+        let e = std::io::Error::other("connection lost");
+        let early = Instant::now();
+        outage.failed_since(early, &e);
+        assert!(outage.is_down());
+        outage.ok();
+        assert!(!outage.is_down());
+        // Began before the recovery: the outage that ended.
+        outage.failed_since(early, &e);
+        assert!(!outage.is_down());
+        // Began after it: a new outage.
+        outage.failed_since(Instant::now(), &e);
+        assert!(outage.is_down());
+    }
 }
