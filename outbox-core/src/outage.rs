@@ -31,12 +31,17 @@ impl Outage {
     /// while another attempt already succeeded) belongs to that outage:
     /// logged at debug level, no new outage opened.
     pub fn failed_since(&self, began: Instant, error: &dyn std::error::Error) {
-        let recovered = *self.recovered.lock().unwrap_or_else(|p| p.into_inner());
-        if recovered.is_some_and(|r| began < r) && !self.is_down() {
-            let (component, dependency) = (self.component.as_str(), self.dependency);
-            let error = error_chain(error);
-            tracing::debug!(component, dependency, %error, "failed in the outage that ended");
-            return;
+        {
+            // Under `since`'s lock, which `ok` holds while it records the
+            // recovery: no recovery slips in between.
+            let since = self.since.lock().unwrap_or_else(|p| p.into_inner());
+            let recovered = *self.recovered.lock().unwrap_or_else(|p| p.into_inner());
+            if since.is_none() && recovered.is_some_and(|r| began < r) {
+                let (component, dependency) = (self.component.as_str(), self.dependency);
+                let error = error_chain(error);
+                tracing::debug!(component, dependency, %error, "failed in the outage that ended");
+                return;
+            }
         }
         self.failed(error);
     }

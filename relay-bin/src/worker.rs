@@ -227,6 +227,7 @@ impl Relay {
             // Mark wake-ups seen *before* claiming: one that arrives during
             // the claim then makes the wait below return at once.
             wake.borrow_and_update();
+            let began = std::time::Instant::now();
             let Some(batch) = self.guarded_batch(&mut session).await? else {
                 continue;
             };
@@ -261,7 +262,7 @@ impl Relay {
                 }
                 Err(e) => {
                     inner.health.database.store(false, Ordering::Relaxed);
-                    inner.db_outage.failed(&e);
+                    inner.db_outage.failed_since(began, &e);
                     sleep_or_cancel(db_backoff.next_delay(), &stop).await;
                 }
             }
