@@ -32,14 +32,11 @@ test: ## run every test (unit, database, broker, end-to-end, browser, the cluste
 	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^disruptive_/) and not test(/^disruptive_broker_alarm/)'
 	@# The fault suite on a local three-node RabbitMQ cluster (started on
 	@# demand), and beside it the five-minute alarm on the shared broker (it
-	@# blocks only that broker's publishers; the cluster suite has its own)
-	@# and the doc tests (rustdoc compiles each: CPU while the two mostly wait).
+	@# blocks only that broker's publishers; the cluster suite has its own).
 	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^disruptive_broker_alarm/)' & alarm=$$!; \
-	$(CARGO) test -q --workspace --all-features --doc & doc=$$!; \
 	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^cluster_/)'; cluster=$$?; \
-	wait $$alarm; alarm=$$?; wait $$doc; doc=$$?; \
-	echo "make test: cluster suite $$cluster, alarm $$alarm, doc tests $$doc (0 is a pass)"; \
-	test $$cluster -eq 0 -a $$alarm -eq 0 -a $$doc -eq 0
+	wait $$alarm; alarm=$$?; test $$cluster -eq 0 -a $$alarm -eq 0
+	$(CARGO) test --workspace --all-features --doc
 
 test-cluster: cluster ## the fault suite on the three-node cluster with quorum queues (stops and starts its nodes; runs alone)
 	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^cluster_/)'
