@@ -10,9 +10,17 @@ use std::time::Instant;
 pub struct Outage {
     dependency: &'static str,
     component: String,
-    since: Mutex<Option<Instant>>,
+    state: Mutex<State>,
+}
+
+/// One lock for both instants: a failure is judged against the recovery
+/// it may have raced with, atomically.
+#[derive(Debug, Default)]
+struct State {
+    /// When the outage in progress began.
+    since: Option<Instant>,
     /// When the last outage ended.
-    recovered: Mutex<Option<Instant>>,
+    recovered: Option<Instant>,
 }
 
 impl Outage {
@@ -21,38 +29,42 @@ impl Outage {
         Self {
             dependency,
             component: component.into(),
-            since: Mutex::new(None),
-            recovered: Mutex::new(None),
+            state: Mutex::new(State::default()),
         }
     }
 
-    /// Records a failure of an attempt begun at `began`. One begun before
-    /// the last outage ended (it waited on a connection that died in it,
-    /// while another attempt already succeeded) belongs to that outage:
-    /// logged at debug level, no new outage opened.
-    pub fn failed_since(&self, began: Instant, error: &dyn std::error::Error) {
-        {
-            // Under `since`'s lock, which `ok` holds while it records the
-            // recovery: no recovery slips in between.
-            let since = self.since.lock().unwrap_or_else(|p| p.into_inner());
-            let recovered = *self.recovered.lock().unwrap_or_else(|p| p.into_inner());
-            if since.is_none() && recovered.is_some_and(|r| began < r) {
-                let (component, dependency) = (self.component.as_str(), self.dependency);
-                let error = error_chain(error);
-                tracing::debug!(component, dependency, %error, "failed in the outage that ended");
-                return;
-            }
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records a failure of an attempt begun at `began`; returns whether it
+    /// counts. One begun before the last outage ended (it waited on a
+    /// connection that died in it, while another attempt already
+    /// succeeded) belongs to that outage: logged at debug level, no new
+    /// outage opened, and `false` (the dependency is not down again).
+    pub fn failed_since(&self, began: Instant, error: &dyn std::error::Error) -> bool {
+        let mut state = self.state();
+        if state.since.is_none() && state.recovered.is_some_and(|r| began < r) {
+            let (component, dependency) = (self.component.as_str(), self.dependency);
+            let error = error_chain(error);
+            tracing::debug!(component, dependency, %error, "failed in the outage that ended");
+            return false;
         }
-        self.failed(error);
+        self.record(&mut state, error);
+        true
     }
 
     /// Records a failure; logs only the first of an outage.
     pub fn failed(&self, error: &dyn std::error::Error) {
-        let mut since = self.since.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.state();
+        self.record(&mut state, error);
+    }
+
+    fn record(&self, state: &mut State, error: &dyn std::error::Error) {
         let error = error_chain(error);
         let (component, dependency) = (self.component.as_str(), self.dependency);
-        if since.is_none() {
-            *since = Some(Instant::now());
+        if state.since.is_none() {
+            state.since = Some(Instant::now());
             tracing::warn!(component, dependency, %error, "{dependency} unavailable; retrying with backoff");
         } else {
             tracing::debug!(component, dependency, %error, "still unavailable");
@@ -61,9 +73,9 @@ impl Outage {
 
     /// Records a success; logs the end of an outage.
     pub fn ok(&self) {
-        let mut since = self.since.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(t) = since.take() {
-            *self.recovered.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        let mut state = self.state();
+        if let Some(t) = state.since.take() {
+            state.recovered = Some(Instant::now());
             let (component, dependency) = (self.component.as_str(), self.dependency);
             tracing::info!(
                 component,
@@ -76,10 +88,7 @@ impl Outage {
 
     /// Whether an outage is in progress.
     pub fn is_down(&self) -> bool {
-        self.since
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_some()
+        self.state().since.is_some()
     }
 }
 
@@ -104,15 +113,15 @@ mod tests {
         let outage = Outage::new("database", "test");
         let e = std::io::Error::other("connection lost");
         let early = Instant::now();
-        outage.failed_since(early, &e);
+        assert!(outage.failed_since(early, &e));
         assert!(outage.is_down());
         outage.ok();
         assert!(!outage.is_down());
         // Began before the recovery: the outage that ended.
-        outage.failed_since(early, &e);
+        assert!(!outage.failed_since(early, &e));
         assert!(!outage.is_down());
         // Began after it: a new outage.
-        outage.failed_since(Instant::now(), &e);
+        assert!(outage.failed_since(Instant::now(), &e));
         assert!(outage.is_down());
     }
 }

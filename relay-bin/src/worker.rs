@@ -261,8 +261,12 @@ impl Relay {
                     return Err(e);
                 }
                 Err(e) => {
-                    inner.health.database.store(false, Ordering::Relaxed);
-                    inner.db_outage.failed_since(began, &e);
+                    // A failure of a batch begun before another worker
+                    // saw the database back is of the outage that ended:
+                    // /readyz does not go down again for it.
+                    if inner.db_outage.failed_since(began, &e) {
+                        inner.health.database.store(false, Ordering::Relaxed);
+                    }
                     sleep_or_cancel(db_backoff.next_delay(), &stop).await;
                 }
             }

@@ -73,6 +73,7 @@ impl Consumer {
             statement_bound: cfg.lock_timeout + cfg.database_timeout,
         };
         loop {
+            let began = std::time::Instant::now();
             match self.transact(&batch).await {
                 Ok(v) => {
                     me.database.ok();
@@ -84,7 +85,9 @@ impl Consumer {
                 // Nothing committed, nothing acked: retry the same
                 // deliveries once the database is back.
                 Err(Failure::Database(e)) if database_unreachable(&e) => {
-                    me.database.failed(&Error::Database(e));
+                    // Begun before another batch saw the database back:
+                    // of the outage that ended (no second warning).
+                    me.database.failed_since(began, &Error::Database(e));
                     if !pause(shutdown, &mut backoff).await {
                         return Err(Stopped::Shutdown);
                     }
