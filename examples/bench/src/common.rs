@@ -654,6 +654,22 @@ pub(crate) fn on_own_runtime<T: Send + 'static>(
         .expect("the OS refused a thread")
 }
 
+/// Waits for a contender's thread ([`on_own_runtime`]) to end, without a blocking
+/// task, so a caller's timeout leaves nothing behind that would hold the
+/// runtime's shutdown.
+pub(crate) async fn join<T: Send + 'static>(h: std::thread::JoinHandle<Result<T>>) -> Result<T> {
+    wait_until_finished(&h).await;
+    h.join()
+        .map_err(|_| anyhow::anyhow!("a contender's thread panicked"))?
+}
+
+/// Returns once the thread of `h` has ended.
+pub(crate) async fn wait_until_finished<T>(h: &std::thread::JoinHandle<T>) {
+    while !h.is_finished() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A `REPEATABLE READ` transaction left open in the database of
 /// `database_url` (a forgotten report): no vacuum there may remove a row
 /// deleted after it began, until [`release_snapshot`].

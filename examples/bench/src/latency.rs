@@ -356,22 +356,6 @@ pub(crate) struct LatencyRun {
     pub(crate) stages: Vec<(&'static str, f64)>,
 }
 
-/// Waits for a hand-written relayer's thread to end, without a blocking
-/// task, so a caller's timeout leaves nothing behind that would hold the
-/// runtime's shutdown.
-async fn join<T: Send + 'static>(h: std::thread::JoinHandle<Result<T>>) -> Result<T> {
-    wait_until_finished(&h).await;
-    h.join()
-        .map_err(|_| anyhow::anyhow!("the hand-written relayer panicked"))?
-}
-
-/// Returns once the thread of `h` has ended.
-async fn wait_until_finished<T>(h: &std::thread::JoinHandle<T>) {
-    while !h.is_finished() {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Offers `rate` events/s for `warm + secs` seconds with the default
 /// wake-up, moved to the broker by `relayer`; the first `warm` seconds
 /// are not counted. With `stages`, the relayer's batches are recorded and

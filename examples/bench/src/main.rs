@@ -1595,7 +1595,8 @@ async fn latency_section(
         latency::Relayer::Minimal(latency::TABLE_LOOPS, sizes.latency_hand_written_burden)
     } else {
         // As many batches on the wire as the relay's reader allows when
-        // events trickle in (64): with 4, a reader of one-event batches
+        // events trickle in (64, the reader's bound; the event budget
+        // 500 x 64 never binds): with 4, a reader of one-event batches
         // waited for confirms that the relay does not wait for, and its
         // p50 was 1.3 times the relay's.
         latency::Relayer::MinimalWal(ReaderTuning {

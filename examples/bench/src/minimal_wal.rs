@@ -24,7 +24,9 @@ use crate::minimal::contract_properties;
 use crate::relay::Backlog;
 
 /// How the hand-written reader batches: up to `batch` events per batch,
-/// up to `window` batches unconfirmed.
+/// up to `batch * window` events unconfirmed (in at most
+/// [`MOST_BATCHES_ON_WIRE`] batches: a batch is what was ready, often
+/// fewer than `batch`), as the relay counts its window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ReaderTuning {
     pub(crate) batch: usize,
@@ -37,25 +39,29 @@ impl std::fmt::Display for ReaderTuning {
     }
 }
 
-/// What the sweep tries; the best one is the design ceiling.
+/// What the sweep tries; the best one is the design ceiling. The relay's
+/// own default (batch 500, four batches' worth on the wire) is one.
 pub(crate) const READER_SWEEP: [ReaderTuning; 4] = [
     ReaderTuning {
         batch: 250,
-        window: 4,
+        window: 8,
     },
     ReaderTuning {
         batch: 500,
         window: 4,
     },
     ReaderTuning {
-        batch: 1000,
-        window: 2,
+        batch: 500,
+        window: 8,
     },
     ReaderTuning {
         batch: 1000,
         window: 8,
     },
 ];
+
+/// Batches on the wire at most, however small (the relay's bound too).
+const MOST_BATCHES_ON_WIRE: usize = 64;
 
 /// The content of an `outbox_emit` message (docs/WAL_CAPTURE.md), the
 /// fields the message needs.
@@ -92,21 +98,35 @@ fn source(url: &str, slot: &str) -> Result<ReplicationConfig> {
     Ok(c.with_buffer_size(4096))
 }
 
-/// Publishes one message's event; its confirm.
-async fn publish(ch: &Channel, exchange: &str, content: &[u8]) -> Result<PublisherConfirm> {
+/// One message's event, decoded as it is read (the relay decodes in its
+/// read loop too): publishing it is one `basic_publish`.
+struct Prepared {
+    key: String,
+    props: lapin::BasicProperties,
+    payload: Vec<u8>,
+}
+
+fn prepare(content: &[u8]) -> Result<Prepared> {
     let c: Content<'_> = serde_json::from_slice(content)?;
     anyhow::ensure!(
         c.headers.get() == "{}",
         "the minimal reader publishes no event headers"
     );
-    let props = contract_properties(
-        c.id,
-        c.aggregate_type,
-        c.aggregate_id,
-        c.event_type,
-        c.created_at,
-    );
-    let key = wire::default_routing_key(c.aggregate_type, c.event_type);
+    Ok(Prepared {
+        key: wire::default_routing_key(c.aggregate_type, c.event_type),
+        props: contract_properties(
+            c.id,
+            c.aggregate_type,
+            c.aggregate_id,
+            c.event_type,
+            c.created_at,
+        ),
+        payload: c.payload.get().as_bytes().to_vec(),
+    })
+}
+
+/// Publishes one event; its confirm.
+async fn publish(ch: &Channel, exchange: &str, p: Prepared) -> Result<PublisherConfirm> {
     let opts = BasicPublishOptions {
         mandatory: true,
         ..Default::default()
@@ -114,19 +134,36 @@ async fn publish(ch: &Channel, exchange: &str, content: &[u8]) -> Result<Publish
     Ok(ch
         .basic_publish(
             exchange.into(),
-            key.as_str().into(),
+            p.key.as_str().into(),
             opts,
-            c.payload.get().as_bytes(),
-            props,
+            &p.payload,
+            p.props,
         )
         .await?)
 }
 
-/// One batch on the wire: its confirms and the position confirmed to the
-/// slot once they all arrived.
+/// One batch on the wire: its confirms not yet in, and the position
+/// confirmed to the slot once they all arrived.
 struct OnWire {
-    confirms: Vec<PublisherConfirm>,
+    confirms: VecDeque<PublisherConfirm>,
     end: Option<Lsn>,
+}
+
+impl OnWire {
+    /// Takes the confirms that are in, without waiting: true when all are.
+    fn ready(&mut self) -> Result<bool> {
+        while let Some(c) = self.confirms.front_mut() {
+            match c.now_or_never() {
+                Some(c) => {
+                    let c = c?;
+                    anyhow::ensure!(c == Confirmation::Ack(None), "not acked: {c:?}");
+                    self.confirms.pop_front();
+                }
+                None => return Ok(false),
+            }
+        }
+        Ok(true)
+    }
 }
 
 async fn settle(client: &ReplicationClient, b: OnWire) -> Result<()> {
@@ -154,9 +191,10 @@ async fn read(
     let mut wire: VecDeque<OnWire> = VecDeque::new();
     // The batch being read: its messages' contents, published together
     // when it is full or nothing more is ready.
-    let mut contents = Vec::with_capacity(tuning.batch);
+    let mut contents: Vec<Prepared> = Vec::with_capacity(tuning.batch);
     let mut end = None;
     let mut sent = 0;
+    let window = tuning.batch * tuning.window;
     while sent < n || !contents.is_empty() {
         // What is ready, without waiting; when nothing is, send the batch.
         let event = if contents.len() >= tuning.batch {
@@ -173,22 +211,37 @@ async fn read(
             Some(ReplicationEvent::Message {
                 prefix: p, content, ..
             }) if p == prefix => {
-                contents.push(content);
+                contents.push(prepare(&content)?);
                 sent += 1;
             }
             Some(ReplicationEvent::Commit { end_lsn, .. }) => end = Some(end_lsn),
             Some(_) => {}
             None => {
-                if wire.len() >= tuning.window
-                    && let Some(oldest) = wire.pop_front()
+                // Batches whose confirms are all in go first, without
+                // waiting; then the oldest are waited for while the
+                // window is full.
+                while let Some(oldest) = wire.front_mut() {
+                    if !oldest.ready()? {
+                        break;
+                    }
+                    if let Some(b) = wire.pop_front() {
+                        settle(&client, b).await?;
+                    }
+                }
+                while wire.len() >= MOST_BATCHES_ON_WIRE || on_wire(&wire) + contents.len() > window
                 {
+                    let Some(oldest) = wire.pop_front() else {
+                        break;
+                    };
                     settle(&client, oldest).await?;
                 }
-                let publishes = contents.iter().map(|c| publish(&ch, exchange, c)).collect();
+                let publishes = contents
+                    .drain(..)
+                    .map(|c| publish(&ch, exchange, c))
+                    .collect();
                 let confirms = queue_all(publishes).await?;
-                contents.clear();
                 wire.push_back(OnWire {
-                    confirms,
+                    confirms: confirms.into(),
                     end: end.take(),
                 });
             }
@@ -199,6 +252,11 @@ async fn read(
     }
     let _ = client.shutdown().await;
     Ok(())
+}
+
+/// Events on the wire: confirms not yet in.
+fn on_wire(wire: &VecDeque<OnWire>) -> usize {
+    wire.iter().map(|b| b.confirms.len()).sum()
 }
 
 /// The log's latency ceiling: the hand-written reader following the
@@ -240,7 +298,9 @@ pub(crate) fn follow(
 /// The hand-written reader draining a backlog of `n` events in the log
 /// with `tuning`: events/s between 5% and 100% of `n` published (timed on
 /// the queue, as the relay is), and CPU seconds of broker, database and
-/// this process over the same span. Needs the WAL capture on.
+/// this process over the same span. The reader runs on a runtime and a
+/// connection of its own (two workers, as the relay process has), not
+/// beside the harness's timing. Needs the WAL capture on.
 pub(crate) async fn drain_rate(
     pool: &PgPool,
     database_url: &str,
@@ -249,22 +309,27 @@ pub(crate) async fn drain_rate(
     tuning: ReaderTuning,
 ) -> Result<(f64, (f64, f64, f64))> {
     let backlog = Backlog::new(pool, url, n, OrderedAggregates::None, 1_000).await?;
-    let conn = connect(url).await?;
-    let ch = conn.create_channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
     let ident = outbox::Ident::new("schema", &backlog.schema)?;
     let slot = outbox::wal_slot_name(&ident);
     let prefix = outbox::wal_message_prefix(&ident);
     let cpu = CpuSpan::start(std::process::id());
-    let (database_url, exchange) = (database_url.to_owned(), backlog.name.clone());
-    let reader =
-        tokio::spawn(
-            async move { read(&database_url, &slot, &prefix, ch, &exchange, n, tuning).await },
-        );
+    let (database_url, url, exchange) = (
+        database_url.to_owned(),
+        url.to_owned(),
+        backlog.name.clone(),
+    );
+    let reader = on_own_runtime(async move {
+        let conn = connect_contender(&url).await?;
+        let ch = conn.create_channel().await?;
+        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        let read = read(&database_url, &slot, &prefix, ch, &exchange, n, tuning).await;
+        let _ = conn.close(200, "done".into()).await;
+        read
+    });
     let warm = (n / 20) as u64;
     let timed = backlog.time_fill(warm, n as u64).await;
     let cpu = cpu.stop();
-    let read = reader.await?;
+    let read = join(reader).await;
     let secs = timed?;
     read?;
     // The reader stops at its count (the relay keeps reading, so the
@@ -274,7 +339,6 @@ pub(crate) async fn drain_rate(
         depth == n as u64,
         "{depth} messages published for {n} events"
     );
-    let _ = conn.close(200, "done".into()).await;
     backlog.drop(pool).await?;
     Ok(((n as u64 - warm) as f64 / secs, cpu))
 }
