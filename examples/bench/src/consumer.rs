@@ -808,6 +808,16 @@ async fn seeded_inbox(pool: &PgPool, per_day: u64) -> Result<(String, String)> {
     Ok((schema, part))
 }
 
+/// A consumer schema with an empty inbox, prepared as [`seeded_inbox`]'s.
+async fn twin_schema(pool: &PgPool) -> Result<String> {
+    let twin = consumer_schema(pool).await?;
+    if let Err(e) = settled(pool, &twin).await {
+        drop_schema(pool, &twin).await?;
+        return Err(e);
+    }
+    Ok(twin)
+}
+
 /// `schema`'s tables vacuumed and analysed, and every page written out now,
 /// not during the measured runs (their commits would wait on the disk
 /// behind them).
@@ -858,8 +868,13 @@ pub(crate) async fn large_inbox_rates(
     // growing by `n` a run as the seeded one's do. (A fresh schema per
     // run, without statistics and under autovacuum's first passes, once
     // made the empty runs half as fast as the large ones: 1.72.)
-    let twin = consumer_schema(pool).await?;
-    settled(pool, &twin).await?;
+    let twin = match twin_schema(pool).await {
+        Ok(twin) => twin,
+        Err(e) => {
+            drop_schema(pool, &schema).await?;
+            return Err(e);
+        }
+    };
     let (mut empty, mut large) = (Stats::default(), Stats::default());
     let measuring = async {
         for round in 0..rounds {

@@ -2,10 +2,10 @@
 //! slot the way the relay's design does, written by hand. It streams the
 //! slot (pgoutput, logical decoding messages of `outbox_emit`), publishes
 //! each event as the message of the contract with its confirms pipelined
-//! (batches of what is ready, a few batches on the wire), and confirms a
-//! transaction's end position to the slot once every confirm before it has
-//! arrived. Nothing else: no ordered aggregates, no dead letters, no
-//! supervision. Its tuning is swept and the best kept.
+//! (batches of what is ready, a few batches' worth of events on the wire),
+//! and confirms a transaction's end position to the slot once every
+//! confirm before it has arrived. Nothing else: no ordered aggregates, no
+//! dead letters, no supervision. Its tuning is swept and the best kept.
 
 use std::collections::VecDeque;
 
@@ -26,7 +26,10 @@ use crate::relay::Backlog;
 /// How the hand-written reader batches: up to `batch` events per batch,
 /// up to `batch * window` events unconfirmed (in at most
 /// [`MOST_BATCHES_ON_WIRE`] batches: a batch is what was ready, often
-/// fewer than `batch`), as the relay counts its window.
+/// fewer than `batch`). The relay bounds its window the same way, but
+/// counts every event of a batch until the whole batch is confirmed; this
+/// reader counts only the confirms not yet in, so it may hold up to about
+/// one batch more on the wire (which can only help a ceiling).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ReaderTuning {
     pub(crate) batch: usize,
@@ -35,7 +38,11 @@ pub(crate) struct ReaderTuning {
 
 impl std::fmt::Display for ReaderTuning {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "batch {} x {} on the wire", self.batch, self.window)
+        write!(
+            f,
+            "batch {}, {} batches' worth on the wire",
+            self.batch, self.window
+        )
     }
 }
 
