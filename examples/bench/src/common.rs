@@ -541,6 +541,15 @@ pub(crate) fn threads_named(name: &str) -> std::collections::HashSet<String> {
         .collect()
 }
 
+/// A channel of `conn` in confirm mode: every ceiling and raw publisher
+/// publishes with confirms, as the relay does.
+pub(crate) async fn confirm_channel(conn: &Connection) -> Result<lapin::Channel> {
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await?;
+    Ok(ch)
+}
+
 /// Connects to the broker for a contender on [`on_own_runtime`] and
 /// renames the IO thread lapin starts for it to [`CONTENDER_THREAD`], so
 /// [`thread_cpu_seconds`] counts it as the relay process's own is

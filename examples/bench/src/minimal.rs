@@ -10,7 +10,7 @@
 
 use anyhow::Result;
 use chrono::{DateTime, Utc};
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation};
 use outbox::{OrderedAggregates, wire};
@@ -350,8 +350,7 @@ pub(crate) fn follow(
         let conn = connect_contender(&url).await?;
         let mut loops = Vec::new();
         for _ in 0..tuning.loops {
-            let ch = conn.create_channel().await?;
-            ch.confirm_select(ConfirmSelectOptions::default()).await?;
+            let ch = confirm_channel(&conn).await?;
             let (pool, statements, exchange) = (pool.clone(), statements.clone(), exchange.clone());
             let (mut woken, stop) = (wake.subscribe(), stop.clone());
             let stages = stages.clone();
@@ -411,8 +410,7 @@ pub(crate) async fn drain_rate(
     let cpu = CpuSpan::start(std::process::id());
     let mut tasks = Vec::new();
     for _ in 0..tuning.loops {
-        let ch = conn.create_channel().await?;
-        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        let ch = confirm_channel(&conn).await?;
         tasks.push(tokio::spawn(drain_loop(
             loops_pool.clone(),
             ch,

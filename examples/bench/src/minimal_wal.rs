@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 
 use anyhow::{Context, Result};
 use futures_util::FutureExt;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::BasicPublishOptions;
 use lapin::{Channel, Confirmation, PublisherConfirm};
 use outbox::{OrderedAggregates, wire};
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
@@ -283,8 +283,7 @@ pub(crate) fn follow(
 ) -> std::thread::JoinHandle<Result<()>> {
     on_own_runtime(async move {
         let conn = connect_contender(&url).await?;
-        let ch = conn.create_channel().await?;
-        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        let ch = confirm_channel(&conn).await?;
         let ident = outbox::Ident::new("schema", &schema)?;
         let slot = outbox::wal_slot_name(&ident);
         let prefix = outbox::wal_message_prefix(&ident);
@@ -327,8 +326,7 @@ pub(crate) async fn drain_rate(
     );
     let reader = on_own_runtime(async move {
         let conn = connect_contender(&url).await?;
-        let ch = conn.create_channel().await?;
-        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        let ch = confirm_channel(&conn).await?;
         let read = read(&database_url, &slot, &prefix, ch, &exchange, n, tuning).await;
         let _ = conn.close(200, "done".into()).await;
         read

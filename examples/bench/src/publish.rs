@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::BasicPublishOptions;
 use lapin::{Confirmation, Connection};
 use tokio::sync::Barrier;
 
@@ -79,8 +79,7 @@ pub(crate) async fn publish(
     let start = Arc::new(Barrier::new(channels + 1));
     let mut tasks = Vec::new();
     for c in 0..channels {
-        let ch = conn.create_channel().await?;
-        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        let ch = confirm_channel(conn).await?;
         let share = n / channels + usize::from(c < n % channels);
         let (body, props, start) = (body.clone(), props.clone(), start.clone());
         let (exchange, routing_key) = (exchange.to_owned(), routing_key.to_owned());
