@@ -89,5 +89,10 @@ pub(crate) const PRODUCER: MigrationSet = MigrationSet {
             name: "archive_by_day",
             sql: include_str!("../migrations/0016_archive_by_day.sql"),
         },
+        Migration {
+            version: 17,
+            name: "ordered_due_idx",
+            sql: include_str!("../migrations/0017_ordered_due_idx.sql"),
+        },
     ],
 };

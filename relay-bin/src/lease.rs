@@ -6,7 +6,7 @@
 //! a broker session (a relay that cannot publish lets its leases lapse).
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox::Ident;
@@ -30,6 +30,9 @@ pub(crate) struct Leases {
     last_round: tokio::sync::Mutex<Option<Instant>>,
     /// Partitions held after the last round (`usize::MAX`: none yet).
     held: AtomicUsize,
+    /// The same, one bit each (the workers' ordered walks compare it with
+    /// what they served: claim/ordered.rs).
+    mask: AtomicU64,
     /// The broker node last written to `outbox_relays`.
     recorded_node: Mutex<Option<String>>,
 }
@@ -45,16 +48,14 @@ impl Leases {
             record_broker: render(include_str!("lease/record_broker.sql"), schema),
             last_round: tokio::sync::Mutex::new(None),
             held: AtomicUsize::new(usize::MAX),
+            mask: AtomicU64::new(0),
             recorded_node: Mutex::new(None),
         }
     }
 
-    /// Partitions held after the last round; `None` before the first.
-    pub(crate) fn held(&self) -> Option<usize> {
-        match self.held.load(Ordering::Relaxed) {
-            usize::MAX => None,
-            n => Some(n),
-        }
+    /// The partitions held after the last round, one bit each.
+    pub(crate) fn mask(&self) -> u64 {
+        self.mask.load(Ordering::Acquire)
     }
 
     /// How often a round is due: a third of the lease TTL.
@@ -84,6 +85,11 @@ impl Leases {
         *last = Some(Instant::now());
         match held {
             Ok(held) => {
+                let mask = held
+                    .iter()
+                    .filter(|p| (0..64).contains(*p))
+                    .fold(0u64, |m, p| m | 1 << p);
+                self.mask.store(mask, Ordering::Release);
                 self.record_broker_node(pool, node).await;
                 metrics::gauge!("outbox_relay_partitions_leased").set(held.len() as f64);
                 if self.held.swap(held.len(), Ordering::Relaxed) != held.len() {
@@ -121,6 +127,8 @@ impl Leases {
     /// Gives up this relay's leases at once (on shutdown), so survivors do
     /// not wait for them to expire.
     pub(crate) async fn release(&self, pool: &PgPool) {
+        // Held no more (or soon, should the release fail).
+        self.mask.store(0, Ordering::Release);
         if let Err(e) = sqlx::query(self.release.clone())
             .bind(self.relay)
             .execute(pool)

@@ -100,6 +100,10 @@ pub(crate) struct Inner {
     /// Below which no unordered event can still be claimed
     /// ([`crate::claim::floor`]).
     pub(crate) floor: crate::claim::floor::Floor,
+    /// Each worker's ordered claim state while no session holds it: a
+    /// worker's next session (after the broker's return) takes it up, so
+    /// its walk does not start at the index's beginning again.
+    pub(crate) ordered: Vec<std::sync::Mutex<crate::claim::ordered::Ordered>>,
     pub(crate) settle_sql: crate::settle::Statements,
     pub(crate) wake: watch::Sender<u64>,
     pub(crate) health: Arc<Health>,
@@ -165,7 +169,7 @@ impl WorkerSession {
     /// events, or it made none yet), not the unordered events' alone.
     #[cfg(feature = "testing")]
     pub fn claims_ordered(&self) -> bool {
-        self.claim.ordered_waiting
+        self.claim.claims_ordered()
     }
 
     /// Testing only (feature `testing`): closes the connection (bounded by
@@ -217,6 +221,9 @@ impl Relay {
                 begin: begin_async_commit(&config),
                 claims: crate::claim::Claims::new(&schema, id, config.batch_size),
                 floor: crate::claim::floor::Floor::new(&schema),
+                ordered: (0..config.workers.max(1))
+                    .map(|_| Default::default())
+                    .collect(),
                 leases: Leases::new(&schema, id, &config.name, config.lease_ttl),
                 stats: Arc::new(Stats::new(&schema)),
                 quarantine: Quarantine::new(
@@ -276,18 +283,20 @@ impl Relay {
     }
 
     /// Testing only (feature `testing`): the statement that opens every
-    /// batch's transaction and the two claims' texts: the full claim, with
-    /// `$1..$9` as `claim/batch.sql` documents them, and the claim while no
-    /// ordered event waits, with `$1` as `claim/unordered.sql` documents it
-    /// (for tests of the claims' plans).
+    /// batch's transaction and the claims' texts, with their parameters as
+    /// each file documents them: the full claim (`claim/batch.sql`), the
+    /// claim while no ordered event waits (`claim/unordered.sql`) and the
+    /// walk over ordered events (`claim/walk.sql`), for tests of the
+    /// claims' plans.
     #[cfg(feature = "testing")]
-    pub fn batch_statements(&self) -> (String, String, String) {
-        let (batch, unordered) = self.inner.claims.sql();
-        (
+    pub fn batch_statements(&self) -> [String; 4] {
+        let [batch, unordered, walk] = self.inner.claims.sql();
+        [
             self.inner.begin.as_str().to_owned(),
             batch.to_owned(),
             unordered.to_owned(),
-        )
+            walk.to_owned(),
+        ]
     }
 
     #[cfg(feature = "testing")]

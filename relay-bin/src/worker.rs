@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::db::{bounded, discard};
 use crate::error::{Error, Result};
+use crate::health::lock;
 use crate::message::OutboxEvent;
 use crate::publish::{self, Publisher, Receipt};
 use crate::relay::{BatchReport, Relay, WorkerSession};
@@ -85,7 +86,7 @@ impl Relay {
             t,
             inner.claims.claim(
                 &mut tx,
-                inner.leases.held(),
+                inner.leases.mask(),
                 &mut session.claim,
                 &inner.floor,
             ),
@@ -106,6 +107,10 @@ impl Relay {
         // The rest stay in the outbox, unlocked at commit, where the
         // claim's cursor may have passed them: rewound once they are.
         let set_aside = events.len() < taken;
+        if set_aside {
+            // Their aggregates' turn comes again (claim/ordered.rs).
+            session.claim.ordered.requeue_last();
+        }
         if events.is_empty() {
             bounded("COMMIT", t, tx.commit()).await?;
             if set_aside {
@@ -141,6 +146,11 @@ impl Relay {
         bounded("COMMIT", t, tx.commit()).await?;
         if set_aside {
             inner.floor.rewind();
+        }
+        if settled.delivered < events.len() {
+            // Events left in the outbox (retried, held back, not sent):
+            // their aggregates are claimed again, not left to the sweep.
+            session.claim.ordered.requeue_last();
         }
         let committed = start.elapsed();
         // Settled: a panic from here on is not this batch's.
@@ -200,6 +210,21 @@ impl Relay {
         }
         let publisher = Publisher::open(&conn, cfg.broker_timeout).await?;
         let mut session = WorkerSession::new(conn, publisher, worker, cfg.workers);
+        let slot = &inner.ordered[worker % inner.ordered.len()];
+        session.claim.ordered = std::mem::take(&mut *lock(slot));
+        let worked = self.work_session(&mut session, stop).await;
+        *lock(slot) = std::mem::take(&mut session.claim.ordered);
+        worked
+    }
+
+    /// [`Relay::work`] on its session.
+    async fn work_session(
+        &self,
+        session: &mut WorkerSession,
+        stop: CancellationToken,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let cfg = &inner.config;
         inner.health.broker.store(true, Ordering::Relaxed);
         inner.broker_outage.ok();
         // The session's first maintenance round, before the first claim
@@ -228,7 +253,7 @@ impl Relay {
             // the claim then makes the wait below return at once.
             wake.borrow_and_update();
             let began = std::time::Instant::now();
-            let Some(batch) = self.guarded_batch(&mut session).await? else {
+            let Some(batch) = self.guarded_batch(session).await? else {
                 continue;
             };
             match batch {
@@ -249,7 +274,7 @@ impl Relay {
                     if quiet {
                         session.db = None;
                     }
-                    quiet = !self.idle(&mut session, &mut wake, &stop).await?;
+                    quiet = !self.idle(session, &mut wake, &stop).await?;
                 }
                 Err(e) if e.is_broker() && blocked_now(&session.conn) => {
                     // The block landed on the batch: it was rolled back,
@@ -288,6 +313,7 @@ impl Relay {
             // Its rows are back in the outbox where other workers'
             // cursors may have passed them while they were locked.
             self.inner.floor.rewind();
+            session.claim.ordered.requeue_last();
         }
         if let Some((conn, _)) = session.db.take_if(|_| !matches!(batch, Ok(Ok(_)))) {
             // Its connection may be silent or mid-transaction. After the

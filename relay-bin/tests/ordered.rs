@@ -356,11 +356,13 @@ async fn leases_are_renewed_while_a_rebalance_waits_for_batches_in_flight() {
     broker.cleanup().await;
 }
 
-/// Heads that are backing off do not make a claim walk every aggregate: a
-/// claim looks at a bounded number per partition and its cursor moves past
-/// them, so a due aggregate behind many blocked ones is still reached.
+/// Heads that are backing off cost a claim nothing: a worker walks only
+/// the ordered events that are due, so a due aggregate behind many blocked
+/// ones of its partition goes in the first claim. (Before migration 17 a
+/// claim looked at 64 aggregates of a partition, due or not, and reached
+/// it in the second.)
 #[tokio::test]
-async fn a_claim_walks_past_many_blocked_aggregates_in_bounded_steps() {
+async fn blocked_aggregates_cost_a_claim_nothing() {
     let db = TestDb::producer("ord_walk").await;
     let broker = TestBroker::new("ord_walk", FieldTable::default()).await;
     let log = SeqLog::start(&broker.queue);
@@ -388,13 +390,12 @@ async fn a_claim_walks_past_many_blocked_aggregates_in_bounded_steps() {
         .build()
         .await;
     let mut session = relay.connect().await.unwrap();
-    // One claim looks at 64 aggregates of a partition at most (none due
-    // among the first 64 here), so it publishes nothing...
     let first = relay.run_once(&mut session).await.unwrap();
-    assert_eq!(first.claimed, 0, "the walk stops before the due aggregate");
-    // ...and the next one resumes where it stopped and reaches it.
-    let second = relay.run_once(&mut session).await.unwrap();
-    assert_eq!(second.claimed, 1);
+    assert_eq!(
+        first.claimed, 1,
+        "the due aggregate's event in the first claim"
+    );
+    assert_eq!(relay.run_once(&mut session).await.unwrap().claimed, 0);
     wait_until(DEADLINE, "the due aggregate's event", || async {
         log.entries().iter().any(|(a, _)| a.starts_with("zz-"))
     })
@@ -556,6 +557,75 @@ async fn a_worker_switches_claims_as_ordered_events_come_and_go() {
     }
     assert_eq!(db.count("outbox").await, 0);
     session.close(Duration::from_secs(5)).await;
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+/// Migration 17 (the index the ordered walk reads) applied while ordered
+/// events are written and published: its `CREATE INDEX` holds producers'
+/// inserts and the relay's claims for a moment, and nothing is lost or
+/// reordered. The schema is taken back to version 16 under a running
+/// relay (the index dropped, its record removed), then migrated again
+/// between two waves of writers.
+#[tokio::test]
+async fn migration_17_with_ordered_events_in_flight_loses_nothing_and_keeps_their_order() {
+    const AGGREGATES: usize = 20;
+    const WAVES: usize = 40;
+    const PER_TX: usize = 10;
+    let db = TestDb::producer("ord_migrate").await;
+    let broker = TestBroker::new("ord_migrate", FieldTable::default()).await;
+    let log = SeqLog::start(&broker.queue);
+    let s = db.schema.clone();
+    outbox::set_ordered(&db.pool, &s, outbox::ALL_TYPES, true)
+        .await
+        .unwrap();
+    let relay = ordered_relay(&db, &broker).build().await;
+    let running = TestRelay::spawn(&relay);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP INDEX \"{s}\".outbox_ordered_due_idx;
+         DELETE FROM \"{s}\".outbox_toolkit_migrations WHERE migration_set = 'producer' AND version = 17;"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let writers = tokio::spawn({
+        let (pool, s) = (db.pool.clone(), s.clone());
+        async move {
+            for wave in 0..WAVES {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+                     SELECT 'account', 'a-' || ((i + {wave}) % {AGGREGATES}), 'Changed', '{{}}'
+                     FROM generate_series(1, {PER_TX}) i"
+                )))
+                .execute(&pool)
+                .await
+                .unwrap();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    });
+    // Migrated while the first writers write and the relay publishes.
+    wait_until(DEADLINE, "some events published", || async {
+        log.len() >= 50
+    })
+    .await;
+    let applied = outbox::migrate(&db.pool, &s).await.unwrap();
+    assert_eq!(applied, [17], "migration 17 applied again");
+    writers.await.unwrap();
+    let total = WAVES * PER_TX;
+    wait_until(DEADLINE, "every event published", || async {
+        db.count("outbox").await == 0
+    })
+    .await;
+    running.stop().await;
+    log.drain(Duration::from_secs(30)).await;
+    let (first, _) = log.first_arrivals();
+    let published: usize = first.values().map(Vec::len).sum();
+    assert_eq!(published, total, "every event on the wire");
+    for (aggregate, seqs) in first {
+        let expected: Vec<i64> = (1..=seqs.len() as i64).collect();
+        assert_eq!(seqs, expected, "{aggregate} in sequence");
+    }
     db.cleanup().await;
     broker.cleanup().await;
 }

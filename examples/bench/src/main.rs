@@ -112,7 +112,7 @@ struct Args {
     child_relayer: Option<Vec<String>>,
 }
 
-const SECTIONS: [&str; 17] = [
+const SECTIONS: [&str; 18] = [
     "relay",
     "growth",
     "ordered",
@@ -128,6 +128,7 @@ const SECTIONS: [&str; 17] = [
     "wal-write",
     "wal-latency",
     "horizon",
+    "horizon-ordered",
     "inbox",
     "horizon-latency",
 ];
@@ -335,8 +336,9 @@ async fn main() -> Result<()> {
         common::use_wal_capture(false);
         done?;
     }
-    if run("horizon") {
-        horizon_section(&mut r, &pool, &args.database_url, url, &sizes).await?;
+    if run("horizon") || run("horizon-ordered") {
+        let only_ordered = !run("horizon");
+        horizon_section(&mut r, &pool, &args.database_url, url, &sizes, only_ordered).await?;
     }
     if run("horizon-latency") {
         horizon_latency_section(&mut r, &pool, &args.database_url, url, &sizes).await?;
@@ -361,14 +363,32 @@ async fn horizon_section(
     database_url: &str,
     url: &str,
     sizes: &Sizes,
+    only_ordered: bool,
 ) -> Result<()> {
     let (n, rounds) = sizes.horizon;
-    for (wal, prefix, what) in [(false, "", "table"), (true, "wal_", "WAL")] {
+    let variants = [
+        (false, "", "table", OrderedAggregates::None),
+        (
+            false,
+            "ordered_",
+            "table, ordered events",
+            OrderedAggregates::All,
+        ),
+        (true, "wal_", "WAL", OrderedAggregates::None),
+    ];
+    for (wal, prefix, what, ordering) in variants {
+        if only_ordered && ordering == OrderedAggregates::None {
+            continue;
+        }
         common::use_wal_capture(wal);
         eprintln!("bench: {what} capture: {rounds} rounds of {n}, clean, then a snapshot held");
         let both = async {
-            let clean = relay::horizon_rounds(pool, database_url, url, n, rounds, false).await?;
-            let held = relay::horizon_rounds(pool, database_url, url, n, rounds, true).await?;
+            let clean =
+                relay::horizon_rounds(pool, database_url, url, n, rounds, ordering.clone(), false)
+                    .await?;
+            let held =
+                relay::horizon_rounds(pool, database_url, url, n, rounds, ordering.clone(), true)
+                    .await?;
             anyhow::Ok((clean, held))
         }
         .await;
@@ -394,7 +414,7 @@ async fn horizon_section(
             &format!("{prefix}horizon_drain_ratio (last held round / clean mean)"),
             ">= 0.9",
         );
-        if !wal {
+        if !wal && ordering == OrderedAggregates::None {
             r.add(
                 "horizon_outbox_size_ratio",
                 held_bytes as f64 / clean_bytes.max(1) as f64,

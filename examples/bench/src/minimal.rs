@@ -108,7 +108,7 @@ impl Statements {
     ) -> Result<Self> {
         let config = crate::relay::relay_config(url, schema, exchange);
         let relay = outbox_relay::Relay::new(pool.clone(), config).await?;
-        let (begin, _, claim) = relay.batch_statements();
+        let [begin, _, claim, _] = relay.batch_statements();
         let sql = |text: String| AssertSqlSafe(text).into_sql_str();
         Ok(Self {
             begin: sql(begin),
@@ -129,8 +129,14 @@ impl Statements {
                 .fetch_all(tx)
                 .await?);
         }
+        // The relay's claim from the index's beginning, its probe too.
+        let beginning = (None::<chrono::DateTime<chrono::Utc>>, Uuid::nil());
         let claimed = sqlx::query(self.claim.clone())
             .bind(batch as i64)
+            .bind(beginning.0)
+            .bind(beginning.1)
+            .bind(beginning.0)
+            .bind(beginning.1)
             .fetch_all(tx)
             .await?;
         let mut rows = Vec::new();

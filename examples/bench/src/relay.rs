@@ -368,6 +368,7 @@ pub(crate) async fn horizon_rounds(
     url: &str,
     n: usize,
     rounds: usize,
+    ordering: OrderedAggregates,
     hold: bool,
 ) -> Result<(Vec<f64>, i64, i64)> {
     let schema = fresh_schema(pool, "horizon").await?;
@@ -384,7 +385,9 @@ pub(crate) async fn horizon_rounds(
     for round in 0..rounds {
         ch.queue_purge(name.as_str().into(), Default::default())
             .await?;
-        fill_outbox(pool, &schema, n, OrderedAggregates::None, 1_000).await?;
+        // Ordered events: 1,000 aggregates, their sequences going on from
+        // round to round.
+        fill_outbox(pool, &schema, n, ordering.clone(), 1_000).await?;
         let mut child = spawn_relay(database_url, url, &schema, &name, None)?;
         let warm = (n / 20) as u64;
         let timed = time_queue_fill(&ch, &name, warm, n as u64, STALL).await;

@@ -152,6 +152,25 @@ pub async fn skip_events(pool: &PgPool, schema: &Ident, ids: &[Uuid], reason: &s
         .execute(&mut *tx)
         .await?
         .rows_affected();
+    // Each aggregate's next event becomes its head; it may have been due
+    // long before, where the relays' walks passed it while the skipped one
+    // blocked it: its due time is written from the clock, so the walks
+    // find it (relay-bin/src/claim/ordered.rs). One not due yet keeps its
+    // time.
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {s}.outbox o SET available_at = clock_timestamp()
+         FROM (SELECT DISTINCT aggregate_type, aggregate_id FROM {s}.outbox_dead_letters
+               WHERE id = ANY($1) AND aggregate_seq IS NOT NULL) d
+         CROSS JOIN LATERAL (
+             SELECT x.id FROM {s}.outbox x
+             WHERE x.aggregate_type = d.aggregate_type AND x.aggregate_id = d.aggregate_id
+               AND x.aggregate_seq IS NOT NULL
+             ORDER BY x.aggregate_seq LIMIT 1) n
+         WHERE o.id = n.id AND o.available_at <= now()"
+    )))
+    .bind(ids)
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await?;
     Ok(moved)
 }

@@ -69,7 +69,7 @@ pub(crate) const MARGIN: Duration = Duration::from_secs(1);
 pub(crate) const SWEEP: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(30));
 
 /// A sweep's pause over its own duration.
-const SWEEP_PAUSE_PER_COST: u32 = 50;
+pub(crate) const SWEEP_PAUSE_PER_COST: u32 = 50;
 
 /// How long after a rewind claims start at the beginning and leave the
 /// cursor where it is.
@@ -85,6 +85,17 @@ pub(crate) type Start = Option<Key>;
 
 fn beginning() -> Start {
     None
+}
+
+/// Where a cursor goes after a walk that stopped at `last` (`None`: it
+/// reached the end), with the floor at `floor`: the earlier of the two,
+/// never past the floor (unknown: back to the beginning).
+pub(crate) fn bounded(floor: Option<DateTime<Utc>>, last: Option<Key>) -> Start {
+    match (floor, last) {
+        (None, _) => beginning(),
+        (Some(floor), None) => Some((floor, Uuid::nil())),
+        (Some(floor), Some(last)) => Some(last.min((floor, Uuid::nil()))),
+    }
 }
 
 /// The relay's floor and its workers' shared cursor, moved by the floor
@@ -132,6 +143,9 @@ pub(crate) struct Claim {
     held: bool,
     /// The relay's sweep: it starts at the beginning on its turn.
     sweep: bool,
+    /// The floor when it began: one read after the claim could pass a row
+    /// that committed in between.
+    floor: Option<DateTime<Utc>>,
 }
 
 /// What the last reading saw: its clock, and each holder's bound
@@ -211,6 +225,13 @@ impl Floor {
             .store(every.as_millis() as i64, Ordering::Relaxed);
     }
 
+    /// The sweep's period when a test fixed it.
+    pub(crate) fn fixed_sweep(&self) -> Option<Duration> {
+        self.sweep_fixed
+            .load(Ordering::Relaxed)
+            .then(|| Duration::from_millis(self.sweep_ms.load(Ordering::Relaxed) as u64))
+    }
+
     /// A claim that started at the beginning as a sweep took `took`: the
     /// next sweep comes 50 times that later, within [`SWEEP`].
     pub(crate) fn swept(&self, claim: Claim, took: Duration) {
@@ -231,6 +252,7 @@ impl Floor {
             rewinds: c.rewinds,
             held: false,
             sweep: false,
+            floor: self.get(),
         };
         drop(c);
         let now = self.started.elapsed().as_millis() as i64;
@@ -254,16 +276,13 @@ impl Floor {
 
     /// After `claim`: `last`, the greatest key it claimed (if any). Rows
     /// below it were claimed or are locked by other batches; rows below
-    /// the floor cannot commit any more. The cursor moves to the earlier
-    /// of the two, never past the floor (unknown: back to the beginning).
+    /// the floor (as it was when the claim began) cannot commit any more.
+    /// The cursor moves to the earlier of the two, never past the floor
+    /// (unknown: back to the beginning).
     /// Another claim may have moved it since: any of their places is true,
     /// the last one written stands.
     pub(crate) fn advance(&self, claim: Claim, last: Option<Key>) {
-        let key = match (self.get(), last) {
-            (None, _) => beginning(),
-            (Some(floor), None) => Some((floor, Uuid::nil())),
-            (Some(floor), Some(last)) => Some(last.min((floor, Uuid::nil()))),
-        };
+        let key = bounded(claim.floor, last);
         let mut c = self.cursor();
         if c.rewinds == claim.rewinds && !claim.held {
             c.key = key;

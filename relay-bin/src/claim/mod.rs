@@ -1,8 +1,10 @@
 //! The claim stage: a worker locks one batch of due events in its
 //! transaction (`FOR UPDATE SKIP LOCKED`, so relays share the outbox) in
 //! one statement (one round trip): ordered chains of its partitions first
-//! ([`ordered`] plans them and reads them back), then unordered events, the
-//! oldest first (`batch.sql`).
+//! (`batch.sql`; [`ordered`] says which aggregates it asks for, from its
+//! walk over the ordered events that became due, `walk.sql`, a round trip
+//! of its own before each ordered claim), then unordered events, the
+//! oldest first.
 //!
 //! While no ordered event is waiting, a worker claims with `unordered.sql`
 //! instead: the unordered events alone, which spares PostgreSQL planning,
@@ -20,8 +22,6 @@
 pub(crate) mod floor;
 pub(crate) mod ordered;
 
-use std::collections::HashMap;
-
 use outbox::Ident;
 use sqlx::postgres::PgRow;
 use sqlx::{FromRow, PgConnection, Row, SqlStr};
@@ -30,6 +30,7 @@ use uuid::Uuid;
 use crate::error::Result;
 use crate::message::{ClaimedRow, OutboxEvent};
 use floor::{Claim, Floor, Key};
+use ordered::Ordered;
 
 /// The claim stage: its statements for one schema, the relay's id (whose
 /// leases the ordered claim reads) and the batch size.
@@ -39,6 +40,8 @@ pub(crate) struct Claims {
     batch: SqlStr,
     /// `unordered.sql`.
     unordered: SqlStr,
+    /// `walk.sql`.
+    walk: SqlStr,
     relay: Uuid,
     batch_size: usize,
 }
@@ -51,16 +54,11 @@ pub(crate) struct ClaimState {
     /// (`partition % workers == worker`).
     pub(crate) worker: usize,
     pub(crate) workers: usize,
-    /// Per partition, the last aggregate served: the next claim resumes
-    /// after it (round robin over aggregates, wrapping at the end).
-    pub(crate) cursors: HashMap<i32, (String, String)>,
-    /// Expected events per aggregate in a claim (1 to 64): deep aggregates
-    /// fill a batch with fewer heads, which costs fewer index descents per
-    /// event; one-event aggregates need many heads. Learnt from each claim.
-    pub(crate) chain_hint: usize,
+    /// Its walk, queue and sweep of ordered events.
+    pub(crate) ordered: Ordered,
     /// The last claim's probe found ordered events in the outbox (or no
     /// claim was made yet): the next claim is `batch.sql` (otherwise
-    /// `unordered.sql`).
+    /// `unordered.sql`, unless the worker has ordered work queued).
     pub(crate) ordered_waiting: bool,
 }
 
@@ -70,10 +68,14 @@ impl ClaimState {
         Self {
             worker,
             workers,
-            cursors: HashMap::new(),
-            chain_hint: 1,
+            ordered: Ordered::default(),
             ordered_waiting: true,
         }
+    }
+
+    /// The next claim is `batch.sql`.
+    pub(crate) fn claims_ordered(&self) -> bool {
+        self.ordered_waiting || self.ordered.busy()
     }
 }
 
@@ -82,43 +84,59 @@ impl Claims {
         Self {
             batch: crate::sql::render(include_str!("batch.sql"), schema),
             unordered: crate::sql::render(include_str!("unordered.sql"), schema),
+            walk: crate::sql::render(include_str!("walk.sql"), schema),
             relay,
             batch_size,
         }
     }
 
-    /// The claims' texts (`batch.sql` and `unordered.sql`, rendered).
+    /// The claims' texts (`batch.sql`, `unordered.sql` and `walk.sql`,
+    /// rendered).
     #[cfg(feature = "testing")]
-    pub(crate) fn sql(&self) -> (&str, &str) {
-        (self.batch.as_str(), self.unordered.as_str())
+    pub(crate) fn sql(&self) -> [&str; 3] {
+        [
+            self.batch.as_str(),
+            self.unordered.as_str(),
+            self.walk.as_str(),
+        ]
     }
 
-    /// Claims one batch in the worker's transaction `conn`, `held`
-    /// partitions leased by the relay (`None` before its first lease
-    /// round): with `unordered.sql` while the worker's last probe found no
-    /// ordered event, otherwise (or when this claim's probe finds some and
-    /// nothing else was claimed) with `batch.sql`. Unordered events are
-    /// claimed from the relay's cursor on, as `floor` places it. Moves the
-    /// worker's cursors and remembers the probe's answer.
+    /// Claims one batch in the worker's transaction `conn`, with the
+    /// partitions the relay's last lease round held (one bit each),
+    /// `held`:
+    /// with `unordered.sql` while the worker's last probe found no ordered
+    /// event and it has none queued, otherwise (or when this claim's probe
+    /// finds some and nothing else was claimed) with `batch.sql`.
+    /// Unordered events are claimed from the relay's cursor on, as `floor`
+    /// places it. Moves the cursors and remembers the probe's answer.
     pub(crate) async fn claim(
         &self,
         conn: &mut PgConnection,
-        held: Option<usize>,
+        held: u64,
         state: &mut ClaimState,
         floor: &Floor,
     ) -> Result<Vec<OutboxEvent>> {
         let start = floor.start();
         let began = std::time::Instant::now();
+        let share = (0..64)
+            .filter(|p| p % state.workers.max(1) == state.worker)
+            .fold(0u64, |m, p| m | 1 << p);
+        state.ordered.leases(held & share);
+        state.ordered.fix_sweep(floor.fixed_sweep());
         let claimed = async {
-            if !state.ordered_waiting {
+            if !state.claims_ordered() {
+                let (from, sweep) = state.ordered.probe_from();
                 let rows = sqlx::query(self.unordered.clone())
                     .bind(self.batch_size as i64)
                     .bind(start.start.map(|k| k.0))
                     .bind(start.start.map_or(Uuid::nil(), |k| k.1))
+                    .bind(from.map(|k| k.0))
+                    .bind(from.map_or(Uuid::nil(), |k| k.1))
                     .fetch_all(&mut *conn)
                     .await?;
                 let (waiting, rows) = probed(&rows)?;
                 state.ordered_waiting = waiting;
+                state.ordered.probed(sweep, waiting, began.elapsed());
                 // Rows this transaction locked would come back from the
                 // ordered claim's unordered part too: claim again only if
                 // there are none.
@@ -127,53 +145,70 @@ impl Claims {
                     return Ok(rows.into_iter().map(|r| r.event.into()).collect());
                 }
             }
-            self.claim_all(conn, held, state, floor, start).await
+            self.claim_all(conn, state, floor, start).await
         }
         .await;
         floor.swept(start, began.elapsed());
         claimed
     }
 
-    /// The due chains of the worker's partitions, then unordered events in
-    /// the room they left (a quarter of the batch at least: a large ordered
-    /// backlog cannot hold them up): `batch.sql`.
+    /// The walks this claim takes, then the chains of the aggregates
+    /// queued and unordered events in the room they left (a quarter of the
+    /// batch at least: a large ordered backlog cannot hold them up):
+    /// `batch.sql`.
     async fn claim_all(
         &self,
         conn: &mut PgConnection,
-        held: Option<usize>,
         state: &mut ClaimState,
         floor: &Floor,
         start: Claim,
     ) -> Result<Vec<OutboxEvent>> {
-        let plan = ordered::Plan::new(self.batch_size, held, state);
-        let (parts, (types, ids)): (Vec<i32>, (Vec<&str>, Vec<&str>)) = state
-            .cursors
-            .iter()
-            .map(|(p, (t, a))| (*p, (t.as_str(), a.as_str())))
-            .unzip();
+        let limit = Ordered::walk_limit(self.batch_size);
+        for (walk, from) in state.ordered.walks(self.batch_size) {
+            // The floor as it was before the walk's snapshot: one read
+            // after could pass a row that committed in between.
+            let bound = floor.get();
+            let began = std::time::Instant::now();
+            let rows = sqlx::query_as(self.walk.clone())
+                .bind(self.relay)
+                .bind(state.workers as i32)
+                .bind(state.worker as i32)
+                .bind(from.map(|k| k.0))
+                .bind(from.map_or(Uuid::nil(), |k| k.1))
+                .bind(limit as i64)
+                .fetch_all(&mut *conn)
+                .await?;
+            state
+                .ordered
+                .walked(walk, rows, limit, bound, began.elapsed());
+        }
+        let probe = state.ordered.cursor();
+        let (types, ids, after) = state.ordered.request(self.batch_size);
         let rows = sqlx::query(self.batch.clone())
             .bind(self.relay)
             .bind(state.workers as i32)
             .bind(state.worker as i32)
-            .bind(plan.per_partition as i32)
-            .bind(&parts)
             .bind(&types)
             .bind(&ids)
+            .bind(&after)
             .bind(self.batch_size as i64)
-            .bind(plan.scan_per_partition as i32)
             .bind(start.start.map(|k| k.0))
             .bind(start.start.map_or(Uuid::nil(), |k| k.1))
+            .bind(probe.map(|k| k.0))
+            .bind(probe.map_or(Uuid::nil(), |k| k.1))
             .fetch_all(conn)
             .await?;
+        drop((types, ids, after));
+        let held: Vec<i32> = match rows.first() {
+            Some(row) => row.try_get("held")?,
+            None => Vec::new(),
+        };
         let (waiting, rows) = probed(&rows)?;
         state.ordered_waiting = waiting;
         floor.advance(start, last_unordered(&rows));
-        let (mut ordered, unordered): (Vec<ClaimRow>, Vec<ClaimRow>) =
+        let (ordered, unordered): (Vec<ClaimRow>, Vec<ClaimRow>) =
             rows.into_iter().partition(|r| r.partition.is_some());
-        // Chain order: heads in the order the claim walked them, each
-        // aggregate's events in sequence (`batch.sql` sorts nothing).
-        ordered.sort_by_key(|r| (r.ord, r.event.aggregate_seq));
-        let mut events = plan.read_back(ordered, state);
+        let mut events = state.ordered.read_back(ordered, &held, self.batch_size);
         events.extend(unordered.into_iter().map(|r| OutboxEvent::from(r.event)));
         Ok(events)
     }

@@ -1,120 +1,487 @@
 //! Ordered events: each aggregate from its head only, in sequence, from
-//! the partitions this relay leases and this worker serves. The walk over
-//! the heads of a partition is the `outbox_heads` function (migration 3);
-//! here the batch is planned (heads per partition, events per chain, learnt
-//! from each claim), the rows are grouped into chains, and each
-//! partition's cursor moves on (round robin over aggregates).
+//! the partitions this relay leases and this worker serves.
+//!
+//! A published event's row is deleted, but its index entries stay until a
+//! vacuum may remove them, and none may while something holds the xmin
+//! horizon back. So no claim looks for work by walking the aggregates in
+//! key order (that steps over the entries of every ordered event published
+//! since the horizon was taken, on every claim). Instead each worker keeps:
+//!
+//! - **a walk cursor** in `outbox_ordered_due_idx` (`(available_at, id)` of
+//!   ordered events, migration 17). Each walk (`walk.sql`) reads the due
+//!   ordered events of the worker's partitions from the cursor on and
+//!   queues their aggregates; the cursor then moves as the relay's
+//!   unordered cursor does ([`floor`]): to the last key walked, never past
+//!   the floor below which no row can still commit. Only entries written
+//!   since the last walk are read. One walk comes before every ordered
+//!   claim while the queue has room.
+//! - **a queue of aggregates** with due events, claimed in turn: a claim
+//!   (`batch.sql`) asks for the heads of the first aggregates queued, reads
+//!   each one's chain, and puts back at the end those that may have more
+//!   (round robin, so one deep aggregate cannot hold the others back).
+//! - **the last sequence number known gone** per aggregate: a head is its
+//!   lowest sequence number above it, found in one index descent instead
+//!   of stepping over the entries of its published events. A head found
+//!   at `n` means every number below `n` is gone for good (numbers are
+//!   handed out in commit order and the relay never publishes past a
+//!   head), so remembering `n - 1` is safe even if the batch then rolls
+//!   back. A walk that sees an event at or below the number remembered (a
+//!   dead letter replayed into the outbox) lowers it.
+//! - **a sweep**: a walk from the index's beginning, one step every other
+//!   claim, until it reaches the cursor. It finds what the cursor passed
+//!   without queueing: events of partitions the worker did not serve at the
+//!   walk (a lease round that changes the relay's partitions, or fails,
+//!   starts one at once, as does a walk that finds a partition it did not
+//!   see before), rows a producer wrote with an `available_at` of its own
+//!   in the past. Otherwise one
+//!   comes every 1 to 30 s, fifty times as long as the last one took (so
+//!   under a held horizon it costs about 2% of the worker's time, as the
+//!   unordered claim's sweep does). While the worker has no ordered work,
+//!   its sweep is only the unordered claim's probe looking from the
+//!   index's beginning instead of from the cursor.
+//!
+//! Why nothing waits forever: an aggregate leaves the queue only when a
+//! claim finds its chain at an end (no event above its head, or fewer than
+//! it asked for), or its head or a later event not due yet. In the first
+//! case every event the aggregate has was claimed; should the batch fail
+//! or leave some unsent, the worker queues its aggregates again
+//! ([`Ordered::requeue_last`]). In the second, the event not due becomes
+//! due after the cursor: a retry's `available_at` is set from the clock
+//! when it fails, a delayed event's is in the future, and an operator's
+//! skip or retry writes the next head's from the clock. Both are walked
+//! when due.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
 
-use crate::claim::{ClaimRow, ClaimState};
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::claim::ClaimRow;
+use crate::claim::floor::{self, Key, SWEEP, SWEEP_PAUSE_PER_COST, Start};
 use crate::message::OutboxEvent;
 
-/// How one claim reads this worker's partitions, planned from the batch,
-/// the partitions held and the chains the last claims saw.
-pub(crate) struct Plan {
-    batch_size: usize,
-    /// Due heads per partition: the batch spread over this worker's share
-    /// of the relay's partitions.
-    pub(crate) per_partition: usize,
-    /// Aggregates looked at per partition, due or not: bounds the walk
-    /// when many heads are backing off.
-    pub(crate) scan_per_partition: usize,
+/// An aggregate: `(aggregate_type, aggregate_id)`.
+pub(crate) type Aggregate = (String, String);
+
+/// About this many aggregates queued at most (a walk waits for room; a
+/// failed batch's aggregates go back whatever the room), and as many last
+/// sequence numbers remembered (beyond it they are forgotten: a head is
+/// then looked for from the aggregate's first entry, once).
+pub(crate) const CAP: usize = 65_536;
+
+/// Walk rows a claim may read per head it asks for.
+const WALK_PER_HEAD: usize = 4;
+
+/// One worker's ordered claim state (the module's documentation says what
+/// each part is for).
+#[derive(Debug)]
+pub(crate) struct Ordered {
+    /// Where the next walk starts, inclusive; `None`: the beginning.
+    cursor: Start,
+    /// Aggregates with due events, in claim order.
+    pending: VecDeque<Aggregate>,
+    /// The same, to queue each once.
+    queued: HashSet<Aggregate>,
+    /// Per aggregate, a sequence number no event of it at or below is in
+    /// the outbox any more.
+    gone: HashMap<Aggregate, i64>,
+    sweep: Sweep,
+    /// Partitions (one bit each) whose events below the cursor were all
+    /// walked while the worker served them: their aggregates are queued or
+    /// done. A partition the worker serves outside it needs a sweep.
+    covered: u64,
+    /// Aggregates whose events the last claim returned.
+    last: Vec<Aggregate>,
+    /// Expected events per aggregate in a claim (1 to 64): deep aggregates
+    /// fill a batch with fewer heads. Learnt from each claim.
+    chain_hint: usize,
+    /// The sweep's period, fixed by a test (`Relay::set_claim_sweep`).
+    fixed: Option<Duration>,
 }
 
-impl Plan {
-    pub(crate) fn new(batch_size: usize, held: Option<usize>, session: &ClaimState) -> Self {
-        let held = held.map_or(64, |n| n.max(1));
-        let share = held.div_ceil(session.workers).max(1);
-        let per_partition = batch_size.div_ceil(share * session.chain_hint).max(1);
+/// The sweep's state.
+#[derive(Debug)]
+struct Sweep {
+    /// In progress: where its next step starts, what its steps took, and
+    /// the partitions every walk since it began served (those it covers
+    /// once done).
+    at: Option<(Start, Duration, u64)>,
+    /// When the next one is due.
+    next: Instant,
+    /// The next ordered claim takes a step of it.
+    turn: bool,
+}
+
+/// Which walk a claim takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Walk {
+    /// From the worker's cursor.
+    Cursor,
+    /// The sweep's step.
+    Sweep,
+}
+
+/// A row of `walk.sql`: the partitions served, and an event walked (all
+/// `None` on the row that says only the first).
+#[derive(sqlx::FromRow)]
+pub(crate) struct Walked {
+    held: Vec<i32>,
+    available_at: Option<DateTime<Utc>>,
+    id: Option<Uuid>,
+    aggregate_type: Option<String>,
+    aggregate_id: Option<String>,
+    aggregate_seq: Option<i64>,
+}
+
+/// The heads a claim asks for: types, ids and the last number known gone
+/// of each, as `batch.sql` binds them.
+pub(crate) type Request<'a> = (Vec<&'a str>, Vec<&'a str>, Vec<i64>);
+
+impl Default for Ordered {
+    fn default() -> Self {
         Self {
-            batch_size,
-            per_partition,
-            scan_per_partition: (per_partition * 4).max(64),
+            cursor: None,
+            pending: VecDeque::new(),
+            queued: HashSet::new(),
+            gone: HashMap::new(),
+            sweep: Sweep {
+                at: None,
+                next: Instant::now() + SWEEP.0,
+                turn: false,
+            },
+            covered: u64::MAX,
+            last: Vec::new(),
+            chain_hint: 1,
+            fixed: None,
+        }
+    }
+}
+
+impl Ordered {
+    /// Where the next walk starts (also where the probe looks from).
+    pub(crate) fn cursor(&self) -> Start {
+        self.cursor
+    }
+
+    /// Aggregates queued or a sweep in progress: the worker claims with
+    /// `batch.sql` whatever the probe said.
+    pub(crate) fn busy(&self) -> bool {
+        !self.pending.is_empty() || self.sweep.at.is_some()
+    }
+
+    /// Where the unordered claim's probe looks from: the cursor, or the
+    /// index's beginning when a sweep is due (the sweep of a worker with
+    /// no ordered work; [`Ordered::probed`] takes its answer).
+    pub(crate) fn probe_from(&self) -> (Start, bool) {
+        if Instant::now() >= self.sweep.next {
+            (None, true)
+        } else {
+            (self.cursor, false)
         }
     }
 
-    /// The ordered rows of a claim (in chain order) read back: moves the
-    /// worker's cursors and chain hint, and returns the events to publish.
+    /// The unordered claim's probe answered `waiting` after `took`; if it
+    /// looked from the beginning, it was the sweep: with nothing found the
+    /// sweep is done, otherwise the walks take it up.
+    pub(crate) fn probed(&mut self, sweep: bool, waiting: bool, took: Duration) {
+        if !sweep {
+            return;
+        }
+        if waiting {
+            self.start_sweep();
+        } else {
+            self.sweep.next = Instant::now() + self.pause(took);
+        }
+    }
+
+    /// The partitions of this worker the relay's last lease round held
+    /// (one bit each), before a claim: one the worker's walks did not
+    /// cover starts a sweep (they passed its events: the worker did not
+    /// serve it then).
+    pub(crate) fn leases(&mut self, held: u64) {
+        if held & !self.covered != 0 && self.sweep.at.is_none() {
+            self.start_sweep();
+        }
+    }
+
+    /// A statement saw the worker serve `held` (one bit each): what it
+    /// did not serve is covered no more, and a sweep in progress cannot
+    /// cover it.
+    fn served(&mut self, held: u64) {
+        self.covered &= held;
+        if let Some((_, _, through)) = &mut self.sweep.at {
+            *through &= held;
+        }
+    }
+
+    /// The sweep's period as the relay's unordered sweep has it fixed (a
+    /// test's), if it does.
+    pub(crate) fn fix_sweep(&mut self, fixed: Option<Duration>) {
+        if fixed != self.fixed {
+            self.fixed = fixed;
+            if let Some(every) = fixed {
+                self.sweep.next = Instant::now() + every;
+            }
+        }
+    }
+
+    /// The pause after a sweep that took `took`: fifty times as long,
+    /// within [`SWEEP`] (or as fixed).
+    fn pause(&self, took: Duration) -> Duration {
+        self.fixed
+            .unwrap_or_else(|| (took * SWEEP_PAUSE_PER_COST).clamp(SWEEP.0, SWEEP.1))
+    }
+
+    fn start_sweep(&mut self) {
+        self.sweep.at = Some((None, Duration::ZERO, u64::MAX));
+        self.sweep.turn = true;
+    }
+
+    /// Heads a claim of `batch` events asks for.
+    fn heads(&self, batch: usize) -> usize {
+        batch.div_ceil(self.chain_hint).max(1)
+    }
+
+    /// Rows a walk of a claim of `batch` events reads at most.
+    pub(crate) fn walk_limit(batch: usize) -> usize {
+        batch * WALK_PER_HEAD
+    }
+
+    /// The walks this claim takes, each with where it starts: a step of
+    /// the sweep every other claim while one is due or in progress, and
+    /// the cursor's walk, each while the queue has room for what it may
+    /// add (so no aggregate walked is ever dropped). The cursor's walk
+    /// comes at every claim, not only when the queue runs short: a dead
+    /// letter replayed into the outbox is seen before the next claim of
+    /// its aggregate (the walk lowers the number known gone under it).
+    pub(crate) fn walks(&mut self, batch: usize) -> Vec<(Walk, Start)> {
+        let mut walks = Vec::with_capacity(2);
+        let mut room = CAP.saturating_sub(self.pending.len()) / Self::walk_limit(batch);
+        if self.sweep.at.is_none() && Instant::now() >= self.sweep.next {
+            self.start_sweep();
+        }
+        if let Some((at, _, _)) = self.sweep.at {
+            if self.sweep.turn && room > 0 {
+                walks.push((Walk::Sweep, at));
+                room -= 1;
+            }
+            self.sweep.turn = !self.sweep.turn;
+        }
+        if room > 0 {
+            walks.push((Walk::Cursor, self.cursor));
+        }
+        walks
+    }
+
+    /// A walk's rows taken in: their aggregates queued, its cursor moved
+    /// (bounded by `floor`, read before the walk), the sweep ended when it
+    /// reached the cursor. `limit` is what it asked for; `took`, how long
+    /// it ran.
+    pub(crate) fn walked(
+        &mut self,
+        walk: Walk,
+        rows: Vec<Walked>,
+        limit: usize,
+        floor: Option<DateTime<Utc>>,
+        took: Duration,
+    ) {
+        let held = rows.first().map_or(0, |r| mask(&r.held));
+        if held == 0 {
+            // It served no partition (a worker's first walks may come
+            // before its leases): it learnt nothing and moves nothing.
+            return;
+        }
+        self.served(held);
+        let mut seen = 0;
+        let mut last: Option<Key> = None;
+        for r in rows {
+            let (Some(at), Some(id), Some(t), Some(a), Some(seq)) = (
+                r.available_at,
+                r.id,
+                r.aggregate_type,
+                r.aggregate_id,
+                r.aggregate_seq,
+            ) else {
+                continue;
+            };
+            seen += 1;
+            last = Some((at, id));
+            let aggregate = (t, a);
+            if let Some(gone) = self.gone.get_mut(&aggregate)
+                && *gone >= seq
+            {
+                *gone = seq - 1;
+            }
+            self.enqueue(aggregate);
+        }
+        // Fewer rows than asked for: the walk reached the end.
+        let stopped = if seen < limit { None } else { last };
+        match walk {
+            Walk::Cursor => self.cursor = floor::bounded(floor, stopped),
+            Walk::Sweep => self.swept(stopped, took),
+        }
+        // It served a partition the walks before did not cover.
+        self.leases(held);
+    }
+
+    /// A step of the sweep that stopped at `stopped` (`None`: the end).
+    fn swept(&mut self, stopped: Start, took: Duration) {
+        let Some((_, spent, through)) = self.sweep.at else {
+            return;
+        };
+        let spent = spent + took;
+        let done = match (stopped, self.cursor) {
+            (Some(at), Some(cursor)) => at >= cursor,
+            _ => true,
+        };
+        if done {
+            self.covered = through;
+            self.sweep.at = None;
+            self.sweep.next = Instant::now() + self.pause(spent);
+        } else {
+            self.sweep.at = Some((stopped, spent, through));
+        }
+    }
+
+    /// Queues `aggregate` at the end unless it is queued.
+    fn enqueue(&mut self, aggregate: Aggregate) {
+        if !self.queued.contains(&aggregate) {
+            self.queued.insert(aggregate.clone());
+            self.pending.push_back(aggregate);
+        }
+    }
+
+    /// The heads a claim of `batch` events asks for: the first aggregates
+    /// queued.
+    pub(crate) fn request(&self, batch: usize) -> Request<'_> {
+        let mut request: Request<'_> = Default::default();
+        for aggregate in self.pending.iter().take(self.heads(batch)) {
+            request.0.push(aggregate.0.as_str());
+            request.1.push(aggregate.1.as_str());
+            request
+                .2
+                .push(self.gone.get(aggregate).copied().unwrap_or(0));
+        }
+        request
+    }
+
+    /// The ordered rows of a claim of `batch` events read back: the
+    /// aggregates asked for put back at the end of the queue or let go,
+    /// what is gone and the chain hint learnt. Returns the events to
+    /// publish, in chain order.
     pub(crate) fn read_back(
-        &self,
-        rows: Vec<ClaimRow>,
-        session: &mut ClaimState,
+        &mut self,
+        mut rows: Vec<ClaimRow>,
+        held: &[i32],
+        batch: usize,
     ) -> Vec<OutboxEvent> {
-        let claimed = chains(&rows);
-        advance_cursors(
-            &mut session.cursors,
-            &claimed,
-            self.per_partition,
-            self.scan_per_partition,
-        );
-        session.chain_hint = next_chain_hint(session.chain_hint, &claimed, self.batch_size);
+        rows.sort_by_key(|r| (r.ord, r.event.aggregate_seq));
+        let asked = self.heads(batch).min(self.pending.len());
+        if asked > 0 {
+            // Aggregates of a partition it did not serve come back with
+            // nothing and leave the queue: their events are not covered.
+            self.served(mask(held));
+        }
+        let chains = chains(&rows, asked);
+        let due_heads = chains.iter().filter(|c| c.due).count();
+        let n = (batch / due_heads.max(1)).max(1);
+        if self.gone.len() + asked > CAP {
+            self.gone.clear();
+        }
+        self.last.clear();
+        for chain in &chains {
+            let Some(aggregate) = self.pending.pop_front() else {
+                break;
+            };
+            let more = match chain.head {
+                None => false,
+                Some(head) => {
+                    self.gone.insert(aggregate.clone(), head - 1);
+                    if chain.due {
+                        self.last.push(aggregate.clone());
+                    }
+                    // A head being retried goes alone: the rest after it.
+                    // Otherwise a chain as long as asked for may go on.
+                    chain.due && ((chain.retried && chain.read > 1) || chain.due_len >= n)
+                }
+            };
+            if more {
+                self.pending.push_back(aggregate);
+            } else {
+                self.queued.remove(&aggregate);
+            }
+        }
+        let lengths: Vec<usize> = chains.iter().filter(|c| c.due).map(|c| c.due_len).collect();
+        self.chain_hint = next_chain_hint(self.chain_hint, &lengths, batch);
         due_chains(rows)
     }
-}
 
-/// A chain: one aggregate's share of an ordered claim, its head and the
-/// consecutive events behind it.
-struct Chain<'a> {
-    partition: i32,
-    key: (&'a str, &'a str),
-    /// The head is due (a head backing off comes alone, not due).
-    due: bool,
-    /// Due events of the chain.
-    len: usize,
-}
-
-/// The claim's rows grouped by aggregate, in claim order.
-fn chains(rows: &[ClaimRow]) -> Vec<Chain<'_>> {
-    let mut chains: Vec<Chain<'_>> = Vec::new();
-    for r in rows {
-        let key = (
-            r.event.aggregate_type.as_str(),
-            r.event.aggregate_id.as_str(),
-        );
-        match chains.last_mut() {
-            Some(chain) if chain.key == key => chain.len += usize::from(r.due),
-            _ => chains.push(Chain {
-                partition: r.partition.unwrap_or_default(),
-                key,
-                due: r.due,
-                len: usize::from(r.due),
-            }),
+    /// The last claim's events are back in the outbox, or some of them
+    /// (its batch failed, or left events unsent): their aggregates go to
+    /// the front of the queue (those not queued already).
+    pub(crate) fn requeue_last(&mut self) {
+        for aggregate in std::mem::take(&mut self.last).into_iter().rev() {
+            if !self.queued.contains(&aggregate) {
+                self.queued.insert(aggregate.clone());
+                self.pending.push_front(aggregate);
+            }
         }
+    }
+}
+
+/// Partitions as bits.
+fn mask(partitions: &[i32]) -> u64 {
+    partitions
+        .iter()
+        .filter(|p| (0..64).contains(*p))
+        .fold(0, |m, p| m | 1 << p)
+}
+
+/// One aggregate's share of a claim.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Chain {
+    /// Its head's sequence number (`None`: nothing came back for it).
+    head: Option<i64>,
+    /// The head is due.
+    due: bool,
+    /// The head was tried before.
+    retried: bool,
+    /// Rows read.
+    read: usize,
+    /// Due rows from the head on, up to the first not due.
+    due_len: usize,
+}
+
+/// The claim's rows (sorted by `(ord, aggregate_seq)`) per aggregate asked
+/// for, in the order asked (`ord` is 1 for the first).
+fn chains(rows: &[ClaimRow], asked: usize) -> Vec<Chain> {
+    let mut chains = vec![Chain::default(); asked];
+    for r in rows {
+        let Some(chain) = r
+            .ord
+            .and_then(|o| usize::try_from(o - 1).ok())
+            .and_then(|i| chains.get_mut(i))
+        else {
+            continue;
+        };
+        if chain.head.is_none() {
+            chain.head = r.event.aggregate_seq;
+            chain.due = r.due;
+            chain.retried = r.event.attempts > 0;
+        }
+        if r.due && chain.due_len == chain.read {
+            chain.due_len += 1;
+        }
+        chain.read += 1;
     }
     chains
-}
-
-/// Moves each partition's cursor past the last aggregate looked at, or back
-/// to the start when the walk reached the partition's end (fewer than
-/// `per_partition` due heads and fewer than `scan` heads in all).
-fn advance_cursors(
-    cursors: &mut HashMap<i32, (String, String)>,
-    chains: &[Chain<'_>],
-    per_partition: usize,
-    scan: usize,
-) {
-    // Per partition: heads seen, due heads, last head.
-    let mut heads: HashMap<i32, (usize, usize, (&str, &str))> = HashMap::new();
-    for chain in chains {
-        let entry = heads.entry(chain.partition).or_insert((0, 0, chain.key));
-        entry.0 += 1;
-        entry.1 += usize::from(chain.due);
-        entry.2 = chain.key;
-    }
-    cursors.clear();
-    for (partition, (seen, due, (t, a))) in heads {
-        if due >= per_partition || seen >= scan {
-            cursors.insert(partition, (t.to_owned(), a.to_owned()));
-        }
-    }
 }
 
 /// The chain length to plan the next claim with: doubled while most due
 /// heads filled their chain (their aggregates have more queued), else the
 /// average chain seen.
-fn next_chain_hint(hint: usize, chains: &[Chain<'_>], batch: usize) -> usize {
-    let due: Vec<usize> = chains.iter().filter(|r| r.due).map(|r| r.len).collect();
+fn next_chain_hint(hint: usize, due: &[usize], batch: usize) -> usize {
     if due.is_empty() {
         return hint;
     }
@@ -153,4 +520,243 @@ fn due_chains(rows: Vec<ClaimRow>) -> Vec<OutboxEvent> {
         out.push(event.into());
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::ClaimedRow;
+
+    const ALL: u64 = u64::MAX;
+
+    fn at(s: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(s, 0).unwrap()
+    }
+
+    fn walked(held: &[i32], events: &[(i64, &str, i64)]) -> Vec<Walked> {
+        let row = |e: Option<&(i64, &str, i64)>| Walked {
+            held: held.to_vec(),
+            available_at: e.map(|e| at(e.0)),
+            id: e.map(|_| Uuid::now_v7()),
+            aggregate_type: e.map(|_| "account".to_owned()),
+            aggregate_id: e.map(|e| e.1.to_owned()),
+            aggregate_seq: e.map(|e| e.2),
+        };
+        if events.is_empty() {
+            return vec![row(None)];
+        }
+        events.iter().map(|e| row(Some(e))).collect()
+    }
+
+    /// A claim's ordered row: aggregate `a` (asked for at `ord`), its
+    /// `seq`, due or not, tried `attempts` times.
+    fn claimed(ord: i64, a: &str, seq: i64, due: bool, attempts: i32) -> ClaimRow {
+        ClaimRow {
+            event: ClaimedRow {
+                id: Uuid::now_v7(),
+                aggregate_type: "account".into(),
+                aggregate_id: a.into(),
+                event_type: "Changed".into(),
+                payload: "{}".into(),
+                headers: "{}".into(),
+                exchange: None,
+                routing_key: None,
+                created_at: at(0),
+                attempts,
+                aggregate_seq: Some(seq),
+            },
+            available_at: Some(at(0)),
+            due,
+            partition: Some(0),
+            ord: Some(ord),
+        }
+    }
+
+    fn queued(o: &Ordered) -> Vec<&str> {
+        o.pending.iter().map(|(_, a)| a.as_str()).collect()
+    }
+
+    #[test]
+    fn a_walk_queues_each_aggregate_once_and_moves_its_cursor_no_further_than_the_floor() {
+        let mut o = Ordered::default();
+        let rows = walked(&[0], &[(10, "a", 1), (11, "b", 1), (12, "a", 2)]);
+        o.walked(Walk::Cursor, rows, 3, Some(at(100)), Duration::ZERO);
+        assert_eq!(queued(&o), ["a", "b"]);
+        assert_eq!(
+            o.cursor.map(|k| k.0),
+            Some(at(12)),
+            "a full walk stops at its last row"
+        );
+        o.walked(
+            Walk::Cursor,
+            walked(&[0], &[]),
+            3,
+            Some(at(100)),
+            Duration::ZERO,
+        );
+        assert_eq!(
+            o.cursor,
+            Some((at(100), Uuid::nil())),
+            "at the end: the floor"
+        );
+        o.walked(Walk::Cursor, walked(&[0], &[]), 3, None, Duration::ZERO);
+        assert_eq!(o.cursor, None, "floor unknown: the beginning");
+    }
+
+    #[test]
+    fn a_walk_that_serves_no_partition_moves_nothing() {
+        let mut o = Ordered {
+            cursor: Some((at(50), Uuid::nil())),
+            ..Default::default()
+        };
+        o.walked(
+            Walk::Cursor,
+            walked(&[], &[]),
+            3,
+            Some(at(100)),
+            Duration::ZERO,
+        );
+        assert_eq!(o.cursor, Some((at(50), Uuid::nil())));
+        assert_eq!(o.covered, ALL);
+    }
+
+    #[test]
+    fn chains_that_may_go_on_stay_queued_and_ended_ones_leave() {
+        let mut o = Ordered::default();
+        let rows = walked(
+            &[0],
+            &[
+                (1, "deep", 1),
+                (2, "short", 1),
+                (3, "gone", 1),
+                (4, "late", 1),
+            ],
+        );
+        o.walked(Walk::Cursor, rows, 100, Some(at(100)), Duration::ZERO);
+        // A batch of 4 with three due heads: chains of one each.
+        let rows = vec![
+            claimed(1, "deep", 5, true, 0),
+            claimed(2, "short", 1, true, 0),
+            claimed(4, "late", 2, false, 0),
+        ];
+        let events = o.read_back(rows, &[0], 4);
+        assert_eq!(events.len(), 2, "the due heads");
+        // Two due heads of a batch of 4: chains of 2 asked for; "deep" and
+        // "short" came with 1 (ended), "late" is not due (walked again
+        // when it is), "gone" came with nothing.
+        assert_eq!(queued(&o), Vec::<&str>::new());
+        assert_eq!(o.gone.get(&("account".into(), "deep".into())), Some(&4));
+        assert_eq!(o.gone.get(&("account".into(), "late".into())), Some(&1));
+        assert!(!o.gone.contains_key(&("account".into(), "gone".into())));
+    }
+
+    #[test]
+    fn a_full_chain_and_a_retried_head_with_events_behind_it_stay_queued_at_the_end() {
+        let mut o = Ordered::default();
+        let rows = walked(&[0], &[(1, "full", 1), (2, "retried", 1), (3, "ended", 1)]);
+        o.walked(Walk::Cursor, rows, 100, Some(at(100)), Duration::ZERO);
+        // Batch 6, three due heads: n = 2.
+        let rows = vec![
+            claimed(1, "full", 1, true, 0),
+            claimed(1, "full", 2, true, 0),
+            claimed(2, "retried", 7, true, 3),
+            claimed(2, "retried", 8, true, 0),
+            claimed(3, "ended", 1, true, 0),
+        ];
+        let events = o.read_back(rows, &[0], 6);
+        let sent: Vec<(String, Option<i64>)> = events
+            .iter()
+            .map(|e| (e.aggregate_id.clone(), e.aggregate_seq))
+            .collect();
+        assert_eq!(
+            sent,
+            [
+                ("full".into(), Some(1)),
+                ("full".into(), Some(2)),
+                ("retried".into(), Some(7)),
+                ("ended".into(), Some(1))
+            ],
+            "a retried head goes alone"
+        );
+        assert_eq!(queued(&o), ["full", "retried"]);
+        // The batch failed: what ended goes back first.
+        o.requeue_last();
+        assert_eq!(queued(&o), ["ended", "full", "retried"]);
+    }
+
+    #[test]
+    fn a_replayed_event_below_what_is_gone_lowers_it() {
+        let mut o = Ordered::default();
+        o.gone.insert(("account".into(), "a".into()), 9);
+        o.walked(
+            Walk::Cursor,
+            walked(&[0], &[(5, "a", 4)]),
+            10,
+            Some(at(100)),
+            Duration::ZERO,
+        );
+        assert_eq!(o.request(10).2, [3]);
+    }
+
+    #[test]
+    fn a_partition_served_that_the_walks_did_not_cover_is_swept_and_covered_after() {
+        let mut o = Ordered::default();
+        o.walked(
+            Walk::Cursor,
+            walked(&[0], &[]),
+            10,
+            Some(at(100)),
+            Duration::ZERO,
+        );
+        assert_eq!(o.covered, 1);
+        o.leases(1);
+        assert!(o.sweep.at.is_none(), "partition 0 is covered");
+        // Partition 1 leased now: the walk above passed its events.
+        o.leases(0b11);
+        assert!(o.busy(), "a sweep");
+        assert_eq!(o.walks(10)[0], (Walk::Sweep, None));
+        o.walked(
+            Walk::Sweep,
+            walked(&[0, 1], &[(7, "b", 1)]),
+            10,
+            Some(at(100)),
+            Duration::ZERO,
+        );
+        assert!(o.sweep.at.is_none(), "it reached the cursor");
+        assert_eq!(o.covered, 0b11);
+        assert_eq!(queued(&o), ["b"]);
+        // A batch that no longer served partition 1 uncovers it.
+        let _ = o.read_back(Vec::new(), &[0], 10);
+        assert_eq!(o.covered, 1);
+    }
+
+    #[test]
+    fn a_sweep_steps_every_other_claim_until_it_reaches_the_cursor() {
+        let mut o = Ordered::default();
+        o.fix_sweep(Some(Duration::from_secs(3600)));
+        o.cursor = Some((at(50), Uuid::nil()));
+        o.start_sweep();
+        let mut steps = 0;
+        for claim in 0..6 {
+            let walks = o.walks(1);
+            let sweep = walks.iter().find(|w| w.0 == Walk::Sweep).copied();
+            assert_eq!(sweep.is_some(), claim % 2 == 0, "claim {claim}");
+            if let Some((walk, _)) = sweep {
+                steps += 1;
+                let t = 10 * steps;
+                let rows = walked(&[0], &[(t, "x", 1), (t + 1, "y", 1)]);
+                o.walked(walk, rows, 2, Some(at(100)), Duration::ZERO);
+            }
+        }
+        let at_now = o.sweep.at.and_then(|(at, _, _)| at).map(|k| k.0);
+        assert_eq!(at_now, Some(at(31)), "three steps (to 11, 21, 31) of 50");
+        o.walked(
+            Walk::Sweep,
+            walked(&[0], &[(60, "z", 1)]),
+            2,
+            Some(at(100)),
+            Duration::ZERO,
+        );
+        assert!(o.sweep.at.is_none(), "past the cursor: done");
+    }
 }

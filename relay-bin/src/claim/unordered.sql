@@ -4,9 +4,10 @@
 -- started or locked here: with it, a claim took 0.37 ms instead of 0.21
 -- (medians, sqlx's own timings, no ordered event in the outbox).
 --
--- The same probe as `batch.sql` (one look into a partial index) says
--- whether ordered events are waiting: the worker then claims with
--- `batch.sql` until its probe finds none. The probe's row comes back even
+-- The same probe as `batch.sql` (one look into `outbox_ordered_due_idx`
+-- from the worker's walk cursor, ($4, $5)) says whether ordered events are
+-- waiting: the worker then claims with `batch.sql` until its probe finds
+-- none. The probe's row comes back even
 -- when nothing is claimed (then with null event columns), so the answer
 -- is never lost.
 --
@@ -16,7 +17,11 @@
 -- remove while the xmin horizon is held, is not walked again. A null $2
 -- is the index's beginning.
 WITH probe AS MATERIALIZED (
-    SELECT EXISTS (SELECT 1 FROM {schema}.outbox o WHERE o.aggregate_seq IS NOT NULL) AS ordered_waiting),
+    SELECT EXISTS (
+        SELECT 1 FROM {schema}.outbox o
+        WHERE o.aggregate_seq IS NOT NULL
+          AND (o.available_at, o.id) >= (coalesce($4::timestamptz, '-infinity'), $5::uuid)
+    ) AS ordered_waiting),
 claimed AS (
     SELECT {claimed_columns}, available_at, true AS due, NULL::int AS partition, NULL::bigint AS ord
     FROM {schema}.outbox
