@@ -63,8 +63,10 @@ struct Args {
     out: std::path::PathBuf,
     /// Run only these sections (relay, growth, ordered, write,
     /// write-causes, latency, consumer, quorum, console, wal, wal-drain,
-    /// wal-growth, wal-write, wal-latency, horizon, horizon-latency, inbox);
-    /// all by default.
+    /// wal-growth, wal-write, wal-latency, horizon, horizon-ordered,
+    /// horizon-latency, inbox); all by default. `horizon` runs the table
+    /// capture with unordered and with ordered events and the log's;
+    /// `horizon-ordered` the ordered variant alone.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The table's latency section runs the relay's code on a runtime of
