@@ -87,13 +87,17 @@ async fn a_failing_event_blocks_only_its_aggregate_until_skipped() {
     let schema = outbox::Ident::new("schema", &db.schema).unwrap();
     // Fifteen attempts (retries 50 to 200 ms apart): long enough for the
     // floor, a second and a half behind the clock, to pass a's tail.
-    wait_until(DEADLINE, "a listed as blocked after 15 attempts", || async {
-        admin::blocked_aggregates(&db.pool, &schema, 10)
-            .await
-            .unwrap()
-            .first()
-            .is_some_and(|b| b.attempts >= 15)
-    })
+    wait_until(
+        DEADLINE,
+        "a listed as blocked after 15 attempts",
+        || async {
+            admin::blocked_aggregates(&db.pool, &schema, 10)
+                .await
+                .unwrap()
+                .first()
+                .is_some_and(|b| b.attempts >= 15)
+        },
+    )
     .await;
     let blocked = admin::blocked_aggregates(&db.pool, &schema, 10)
         .await
