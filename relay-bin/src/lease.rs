@@ -33,6 +33,13 @@ pub(crate) struct Leases {
     /// The same, one bit each (the workers' ordered walks compare it with
     /// what they served: claim/ordered.rs).
     mask: AtomicU64,
+    /// Bumped whenever the relay may have lost a partition, even for a
+    /// moment: a round that gave one up or failed, one that came more
+    /// than a TTL after the last renewal, the release. The workers then
+    /// forget what they knew of their aggregates (claim/ordered.rs).
+    generation: AtomicU64,
+    /// When the last successful round began (its renewal's time).
+    renewed: Mutex<Option<Instant>>,
     /// The broker node last written to `outbox_relays`.
     recorded_node: Mutex<Option<String>>,
 }
@@ -49,6 +56,8 @@ impl Leases {
             last_round: tokio::sync::Mutex::new(None),
             held: AtomicUsize::new(usize::MAX),
             mask: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
+            renewed: Mutex::new(None),
             recorded_node: Mutex::new(None),
         }
     }
@@ -56,6 +65,16 @@ impl Leases {
     /// The partitions held after the last round, one bit each.
     pub(crate) fn mask(&self) -> u64 {
         self.mask.load(Ordering::Acquire)
+    }
+
+    /// See the field: changes whenever the relay may have lost a
+    /// partition since.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    fn may_have_lost(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
     /// How often a round is due: a third of the lease TTL.
@@ -75,6 +94,7 @@ impl Leases {
         if last.is_some_and(|t| t.elapsed() < self.every()) {
             return false;
         }
+        let began = Instant::now();
         let held: sqlx::Result<Vec<i32>> = sqlx::query_scalar(self.tick.clone())
             .bind(self.relay)
             .bind(&self.name)
@@ -89,7 +109,13 @@ impl Leases {
                     .iter()
                     .filter(|p| (0..64).contains(*p))
                     .fold(0u64, |m, p| m | 1 << p);
-                self.mask.store(mask, Ordering::Release);
+                let lapsed = lock(&self.renewed)
+                    .replace(began)
+                    .is_some_and(|t| began.duration_since(t) > self.ttl);
+                let before = self.mask.swap(mask, Ordering::AcqRel);
+                if lapsed || before & !mask != 0 {
+                    self.may_have_lost();
+                }
                 self.record_broker_node(pool, node).await;
                 metrics::gauge!("outbox_relay_partitions_leased").set(held.len() as f64);
                 if self.held.swap(held.len(), Ordering::Relaxed) != held.len() {
@@ -101,6 +127,7 @@ impl Leases {
                 true
             }
             Err(e) => {
+                self.may_have_lost();
                 tracing::warn!(error = %e, "lease round failed; retrying at the next round");
                 false
             }
@@ -129,6 +156,7 @@ impl Leases {
     pub(crate) async fn release(&self, pool: &PgPool) {
         // Held no more (or soon, should the release fail).
         self.mask.store(0, Ordering::Release);
+        self.may_have_lost();
         if let Err(e) = sqlx::query(self.release.clone())
             .bind(self.relay)
             .execute(pool)

@@ -86,7 +86,7 @@ impl Relay {
             t,
             inner.claims.claim(
                 &mut tx,
-                inner.leases.mask(),
+                (inner.leases.generation(), inner.leases.mask()),
                 &mut session.claim,
                 &inner.floor,
             ),
@@ -263,9 +263,10 @@ impl Relay {
                         inner.health.database.store(true, Ordering::Relaxed);
                         db_backoff.reset();
                     }
-                    if report.claimed > 0 {
+                    if report.claimed > 0 || session.claim.ordered.busy() {
                         // More may be due (a full batch, or commits that
-                        // landed meanwhile): claim again at once.
+                        // landed meanwhile, or ordered work queued or a
+                        // sweep under way): claim again at once.
                         continue;
                     }
                     // An idle worker holds no database connection; one

@@ -145,12 +145,11 @@ async fn a_held_horizon_does_not_make_claims_walk_the_drained_index_again() {
 }
 
 /// The ordered claim under a held horizon, as the unordered one above:
-/// rounds of ordered events (500 aggregates, ten events each a round, their
-/// sequences going on from round to round) drained with a snapshot held
-/// from the start. The index entries read per event stay flat, and every
+/// rounds of ordered events (500 aggregates of ten events each a round)
+/// drained with a snapshot held from the start. The index entries read per event stay flat, and every
 /// aggregate's events go out in sequence. Seen failing with the claim that
 /// walked each partition's aggregates in key order from their first
-/// entries: 8.0, 16.2 and 24.9 entries per event.
+/// entries: 9.4, 16.8 and 69.2 entries per event.
 #[tokio::test]
 async fn a_held_horizon_does_not_make_ordered_claims_walk_published_events_again() {
     const ROUNDS: i64 = 3;
@@ -164,10 +163,14 @@ async fn a_held_horizon_does_not_make_ordered_claims_walk_published_events_again
     let s = &db.schema;
     let mut per_event = Vec::new();
     for round in 0..ROUNDS {
+        // Aggregates of their own each round: a restart of the relay
+        // forgets what its workers knew of their aggregates, and one head
+        // lookup from each aggregate's first entry is the restart's price,
+        // not the horizon's.
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq)
-             SELECT 'account', 'a-' || (i % {AGGREGATES}), 'Changed', jsonb_build_object('i', i),
-                    {round} * {DEPTH} + i / {AGGREGATES} + 1
+             SELECT 'account', 'r{round}-a-' || (i % {AGGREGATES}), 'Changed', jsonb_build_object('i', i),
+                    i / {AGGREGATES} + 1
              FROM generate_series(0, {AGGREGATES} * {DEPTH} - 1) i"
         )))
         .execute(&db.pool)
@@ -199,10 +202,10 @@ async fn a_held_horizon_does_not_make_ordered_claims_walk_published_events_again
     sqlx::raw_sql("ROLLBACK").execute(&mut held).await.unwrap();
     log.drain(Duration::from_secs(60)).await;
     let (first, _) = log.first_arrivals();
-    let expected: Vec<i64> = (1..=ROUNDS * DEPTH).collect();
+    let expected: Vec<i64> = (1..=DEPTH).collect();
     assert_eq!(
         first.len(),
-        AGGREGATES as usize,
+        (ROUNDS * AGGREGATES) as usize,
         "every aggregate published"
     );
     for (aggregate, seqs) in first {

@@ -160,6 +160,13 @@ struct Readings {
 /// when its transaction began if this role may see it.
 type Holder = (String, Option<i64>);
 
+impl Claim {
+    /// The floor when the claim began.
+    pub(crate) fn floor(&self) -> Option<DateTime<Utc>> {
+        self.floor
+    }
+}
+
 impl Floor {
     pub(crate) fn new(schema: &Ident) -> Self {
         let table = format!("{}.outbox", schema.quoted());

@@ -102,8 +102,8 @@ impl Claims {
     }
 
     /// Claims one batch in the worker's transaction `conn`, with the
-    /// partitions the relay's last lease round held (one bit each),
-    /// `held`:
+    /// relay's lease generation and the partitions its last lease round
+    /// held (one bit each):
     /// with `unordered.sql` while the worker's last probe found no ordered
     /// event and it has none queued, otherwise (or when this claim's probe
     /// finds some and nothing else was claimed) with `batch.sql`.
@@ -112,7 +112,7 @@ impl Claims {
     pub(crate) async fn claim(
         &self,
         conn: &mut PgConnection,
-        held: u64,
+        (generation, held): (u64, u64),
         state: &mut ClaimState,
         floor: &Floor,
     ) -> Result<Vec<OutboxEvent>> {
@@ -121,7 +121,7 @@ impl Claims {
         let share = (0..64)
             .filter(|p| p % state.workers.max(1) == state.worker)
             .fold(0u64, |m, p| m | 1 << p);
-        state.ordered.leases(held & share);
+        state.ordered.leases(generation, held & share);
         state.ordered.fix_sweep(floor.fixed_sweep());
         let claimed = async {
             if !state.claims_ordered() {
@@ -136,7 +136,9 @@ impl Claims {
                     .await?;
                 let (waiting, rows) = probed(&rows)?;
                 state.ordered_waiting = waiting;
-                state.ordered.probed(sweep, waiting, began.elapsed());
+                state
+                    .ordered
+                    .probed(sweep, waiting, start.floor(), began.elapsed());
                 // Rows this transaction locked would come back from the
                 // ordered claim's unordered part too: claim again only if
                 // there are none.
@@ -182,7 +184,7 @@ impl Claims {
                 .ordered
                 .walked(walk, rows, limit, bound, began.elapsed());
         }
-        let probe = state.ordered.cursor();
+        let probe = state.ordered.probe_cursor();
         let (types, ids, after) = state.ordered.request(self.batch_size);
         let rows = sqlx::query(self.batch.clone())
             .bind(self.relay)

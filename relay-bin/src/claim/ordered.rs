@@ -26,14 +26,18 @@
 //!   handed out in commit order and the relay never publishes past a
 //!   head), so remembering `n - 1` is safe even if the batch then rolls
 //!   back. A walk that sees an event at or below the number remembered (a
-//!   dead letter replayed into the outbox) lowers it.
+//!   dead letter replayed into the outbox) lowers it. It holds only while
+//!   the worker serves the partition without a break (another relay may
+//!   replay a dead letter meanwhile and fail to publish it), so it is
+//!   forgotten when a statement sees the partition not served, and
+//!   altogether when the relay may have lost a partition
+//!   (`Leases::generation`).
 //! - **a sweep**: a walk from the index's beginning, one step every other
 //!   claim, until it reaches the cursor. It finds what the cursor passed
 //!   without queueing: events of partitions the worker did not serve at the
-//!   walk (a lease round that changes the relay's partitions, or fails,
-//!   starts one at once, as does a walk that finds a partition it did not
-//!   see before), rows a producer wrote with an `available_at` of its own
-//!   in the past. Otherwise one
+//!   walk (one starts at once when the worker serves a partition its walks
+//!   did not cover: a lease moved), rows a producer wrote with an
+//!   `available_at` of its own in the past. Otherwise one
 //!   comes every 1 to 30 s, fifty times as long as the last one took (so
 //!   under a held horizon it costs about 2% of the worker's time, as the
 //!   unordered claim's sweep does). While the worker has no ordered work,
@@ -84,13 +88,23 @@ pub(crate) struct Ordered {
     /// The same, to queue each once.
     queued: HashSet<Aggregate>,
     /// Per aggregate, a sequence number no event of it at or below is in
-    /// the outbox any more.
-    gone: HashMap<Aggregate, i64>,
+    /// the outbox any more, and its partition. True only while the worker
+    /// serves the partition without a break: another relay may replay a
+    /// dead letter below it and fail to publish it. So an entry goes when
+    /// a statement sees its partition not served, and all go when the
+    /// relay's lease generation changes (a partition lost, a round failed
+    /// or late).
+    gone: HashMap<Aggregate, (i64, i32)>,
     sweep: Sweep,
     /// Partitions (one bit each) whose events below the cursor were all
     /// walked while the worker served them: their aggregates are queued or
     /// done. A partition the worker serves outside it needs a sweep.
     covered: u64,
+    /// The relay's lease generation last seen (`Leases::generation`).
+    generation: u64,
+    /// The relay's last lease round gave this worker a partition: while
+    /// not, its probe looks for nothing (its cursor does not move).
+    serving: bool,
     /// Aggregates whose events the last claim returned.
     last: Vec<Aggregate>,
     /// Expected events per aggregate in a claim (1 to 64): deep aggregates
@@ -127,6 +141,8 @@ pub(crate) enum Walk {
 #[derive(sqlx::FromRow)]
 pub(crate) struct Walked {
     held: Vec<i32>,
+    /// The transaction's `now()`, which the walk's `due` was judged by.
+    now: DateTime<Utc>,
     available_at: Option<DateTime<Utc>>,
     id: Option<Uuid>,
     aggregate_type: Option<String>,
@@ -151,6 +167,8 @@ impl Default for Ordered {
                 turn: false,
             },
             covered: u64::MAX,
+            generation: 0,
+            serving: true,
             last: Vec::new(),
             chain_hint: 1,
             fixed: None,
@@ -159,11 +177,6 @@ impl Default for Ordered {
 }
 
 impl Ordered {
-    /// Where the next walk starts (also where the probe looks from).
-    pub(crate) fn cursor(&self) -> Start {
-        self.cursor
-    }
-
     /// Aggregates queued or a sweep in progress: the worker claims with
     /// `batch.sql` whatever the probe said.
     pub(crate) fn busy(&self) -> bool {
@@ -172,19 +185,48 @@ impl Ordered {
 
     /// Where the unordered claim's probe looks from: the cursor, or the
     /// index's beginning when a sweep is due (the sweep of a worker with
-    /// no ordered work; [`Ordered::probed`] takes its answer).
+    /// no ordered work; [`Ordered::probed`] takes its answer), or past
+    /// every event while the worker serves no partition (its cursor does
+    /// not move then, and a probe from it would step over every entry
+    /// published since).
     pub(crate) fn probe_from(&self) -> (Start, bool) {
-        if Instant::now() >= self.sweep.next {
+        if !self.serving {
+            (Some(nowhere()), false)
+        } else if Instant::now() >= self.sweep.next {
             (None, true)
         } else {
             (self.cursor, false)
         }
     }
 
-    /// The unordered claim's probe answered `waiting` after `took`; if it
-    /// looked from the beginning, it was the sweep: with nothing found the
-    /// sweep is done, otherwise the walks take it up.
-    pub(crate) fn probed(&mut self, sweep: bool, waiting: bool, took: Duration) {
+    /// Where `batch.sql`'s probe looks from: the cursor, or past every
+    /// event while the worker serves no partition.
+    pub(crate) fn probe_cursor(&self) -> Start {
+        if self.serving {
+            self.cursor
+        } else {
+            Some(nowhere())
+        }
+    }
+
+    /// The unordered claim's probe answered `waiting` after `took`, with
+    /// the floor as it was when the claim began (`floor`, below the
+    /// transaction's `now()`). No ordered event at all at or after where
+    /// it looked: the cursor may move up to the floor (the probe would
+    /// otherwise step over the entries of the events published just
+    /// before it stopped, at every claim). If it looked from the
+    /// beginning, it was the sweep: with nothing found the sweep is done,
+    /// otherwise the walks take it up.
+    pub(crate) fn probed(
+        &mut self,
+        sweep: bool,
+        waiting: bool,
+        floor: Option<DateTime<Utc>>,
+        took: Duration,
+    ) {
+        if !waiting && self.serving {
+            self.cursor = self.cursor.max(floor::bounded(floor, None));
+        }
         if !sweep {
             return;
         }
@@ -195,24 +237,38 @@ impl Ordered {
         }
     }
 
-    /// The partitions of this worker the relay's last lease round held
-    /// (one bit each), before a claim: one the worker's walks did not
-    /// cover starts a sweep (they passed its events: the worker did not
-    /// serve it then).
-    pub(crate) fn leases(&mut self, held: u64) {
+    /// The relay's lease generation and the partitions of this worker its
+    /// last lease round held (one bit each), before a claim. A new
+    /// generation forgets every number known gone. A partition held that
+    /// the worker's walks did not cover starts a sweep (they passed its
+    /// events: the worker did not serve it then).
+    pub(crate) fn leases(&mut self, generation: u64, held: u64) {
+        if generation != self.generation {
+            self.generation = generation;
+            self.gone.clear();
+        }
+        self.serving = held != 0;
+        self.sweep_if_uncovered(held);
+    }
+
+    /// Starts a sweep (unless one is under way) if the worker serves a
+    /// partition (of `held`, one bit each) its walks did not cover.
+    fn sweep_if_uncovered(&mut self, held: u64) {
         if held & !self.covered != 0 && self.sweep.at.is_none() {
             self.start_sweep();
         }
     }
 
     /// A statement saw the worker serve `held` (one bit each): what it
-    /// did not serve is covered no more, and a sweep in progress cannot
-    /// cover it.
+    /// did not serve is covered no more, a sweep in progress cannot cover
+    /// it, and what was known gone of it is forgotten.
     fn served(&mut self, held: u64) {
         self.covered &= held;
         if let Some((_, _, through)) = &mut self.sweep.at {
             *through &= held;
         }
+        self.gone
+            .retain(|_, (_, partition)| held & mask(&[*partition]) != 0);
     }
 
     /// The sweep's period as the relay's unordered sweep has it fixed (a
@@ -286,6 +342,13 @@ impl Ordered {
         floor: Option<DateTime<Utc>>,
         took: Duration,
     ) {
+        // Due means due at the transaction's start (`now()`): an event
+        // that committed since, with a key between that and the floor,
+        // was not walked. The cursor stays below both.
+        let floor = match (floor, rows.first().map(|r| r.now)) {
+            (Some(floor), Some(now)) => Some(floor.min(now)),
+            (floor, _) => floor,
+        };
         let held = rows.first().map_or(0, |r| mask(&r.held));
         if held == 0 {
             // It served no partition (a worker's first walks may come
@@ -308,7 +371,7 @@ impl Ordered {
             seen += 1;
             last = Some((at, id));
             let aggregate = (t, a);
-            if let Some(gone) = self.gone.get_mut(&aggregate)
+            if let Some((gone, _)) = self.gone.get_mut(&aggregate)
                 && *gone >= seq
             {
                 *gone = seq - 1;
@@ -322,7 +385,7 @@ impl Ordered {
             Walk::Sweep => self.swept(stopped, took),
         }
         // It served a partition the walks before did not cover.
-        self.leases(held);
+        self.sweep_if_uncovered(held);
     }
 
     /// A step of the sweep that stopped at `stopped` (`None`: the end).
@@ -359,9 +422,7 @@ impl Ordered {
         for aggregate in self.pending.iter().take(self.heads(batch)) {
             request.0.push(aggregate.0.as_str());
             request.1.push(aggregate.1.as_str());
-            request
-                .2
-                .push(self.gone.get(aggregate).copied().unwrap_or(0));
+            request.2.push(self.gone.get(aggregate).map_or(0, |g| g.0));
         }
         request
     }
@@ -397,7 +458,8 @@ impl Ordered {
             let more = match chain.head {
                 None => false,
                 Some(head) => {
-                    self.gone.insert(aggregate.clone(), head - 1);
+                    self.gone
+                        .insert(aggregate.clone(), (head - 1, chain.partition));
                     if chain.due {
                         self.last.push(aggregate.clone());
                     }
@@ -430,6 +492,12 @@ impl Ordered {
     }
 }
 
+/// A key after every event's (9999-12-31).
+fn nowhere() -> Key {
+    let end = DateTime::from_timestamp(253_402_300_799, 0).unwrap_or(DateTime::<Utc>::MAX_UTC);
+    (end, Uuid::max())
+}
+
 /// Partitions as bits.
 fn mask(partitions: &[i32]) -> u64 {
     partitions
@@ -443,6 +511,8 @@ fn mask(partitions: &[i32]) -> u64 {
 struct Chain {
     /// Its head's sequence number (`None`: nothing came back for it).
     head: Option<i64>,
+    /// Its partition.
+    partition: i32,
     /// The head is due.
     due: bool,
     /// The head was tried before.
@@ -467,6 +537,7 @@ fn chains(rows: &[ClaimRow], asked: usize) -> Vec<Chain> {
         };
         if chain.head.is_none() {
             chain.head = r.event.aggregate_seq;
+            chain.partition = r.partition.unwrap_or_default();
             chain.due = r.due;
             chain.retried = r.event.attempts > 0;
         }
@@ -536,6 +607,7 @@ mod tests {
     fn walked(held: &[i32], events: &[(i64, &str, i64)]) -> Vec<Walked> {
         let row = |e: Option<&(i64, &str, i64)>| Walked {
             held: held.to_vec(),
+            now: at(1_000),
             available_at: e.map(|e| at(e.0)),
             id: e.map(|_| Uuid::now_v7()),
             aggregate_type: e.map(|_| "account".to_owned()),
@@ -570,6 +642,25 @@ mod tests {
             partition: Some(0),
             ord: Some(ord),
         }
+    }
+
+    impl Ordered {
+        /// The number a claim would ask `aggregate`'s head above.
+        fn request_after(&self, aggregate: &Aggregate) -> i64 {
+            self.gone.get(aggregate).map_or(0, |g| g.0)
+        }
+    }
+
+    /// A walk of up to 10 rows that served `held` and walked `events`,
+    /// the floor at 100.
+    fn step(o: &mut Ordered, walk: Walk, held: &[i32], events: &[(i64, &str, i64)]) {
+        o.walked(
+            walk,
+            walked(held, events),
+            10,
+            Some(at(100)),
+            Duration::ZERO,
+        );
     }
 
     fn queued(o: &Ordered) -> Vec<&str> {
@@ -645,8 +736,14 @@ mod tests {
         // "short" came with 1 (ended), "late" is not due (walked again
         // when it is), "gone" came with nothing.
         assert_eq!(queued(&o), Vec::<&str>::new());
-        assert_eq!(o.gone.get(&("account".into(), "deep".into())), Some(&4));
-        assert_eq!(o.gone.get(&("account".into(), "late".into())), Some(&1));
+        assert_eq!(
+            o.gone.get(&("account".into(), "deep".into())),
+            Some(&(4, 0))
+        );
+        assert_eq!(
+            o.gone.get(&("account".into(), "late".into())),
+            Some(&(1, 0))
+        );
         assert!(!o.gone.contains_key(&("account".into(), "gone".into())));
     }
 
@@ -687,47 +784,62 @@ mod tests {
     #[test]
     fn a_replayed_event_below_what_is_gone_lowers_it() {
         let mut o = Ordered::default();
-        o.gone.insert(("account".into(), "a".into()), 9);
-        o.walked(
-            Walk::Cursor,
-            walked(&[0], &[(5, "a", 4)]),
-            10,
-            Some(at(100)),
-            Duration::ZERO,
-        );
+        o.gone.insert(("account".into(), "a".into()), (9, 0));
+        step(&mut o, Walk::Cursor, &[0], &[(5, "a", 4)]);
         assert_eq!(o.request(10).2, [3]);
     }
 
     #[test]
     fn a_partition_served_that_the_walks_did_not_cover_is_swept_and_covered_after() {
         let mut o = Ordered::default();
-        o.walked(
-            Walk::Cursor,
-            walked(&[0], &[]),
-            10,
-            Some(at(100)),
-            Duration::ZERO,
-        );
+        step(&mut o, Walk::Cursor, &[0], &[]);
         assert_eq!(o.covered, 1);
-        o.leases(1);
+        o.leases(0, 1);
         assert!(o.sweep.at.is_none(), "partition 0 is covered");
         // Partition 1 leased now: the walk above passed its events.
-        o.leases(0b11);
+        o.leases(0, 0b11);
         assert!(o.busy(), "a sweep");
         assert_eq!(o.walks(10)[0], (Walk::Sweep, None));
-        o.walked(
-            Walk::Sweep,
-            walked(&[0, 1], &[(7, "b", 1)]),
-            10,
-            Some(at(100)),
-            Duration::ZERO,
-        );
+        step(&mut o, Walk::Sweep, &[0, 1], &[(7, "b", 1)]);
         assert!(o.sweep.at.is_none(), "it reached the cursor");
         assert_eq!(o.covered, 0b11);
         assert_eq!(queued(&o), ["b"]);
         // A batch that no longer served partition 1 uncovers it.
         let _ = o.read_back(Vec::new(), &[0], 10);
         assert_eq!(o.covered, 1);
+    }
+
+    #[test]
+    fn what_is_known_gone_is_forgotten_when_its_partition_may_have_been_served_elsewhere() {
+        let mut o = Ordered::default();
+        let a: Aggregate = ("account".into(), "a".into());
+        let b: Aggregate = ("account".into(), "b".into());
+        o.gone.insert(a.clone(), (5, 0));
+        o.gone.insert(b.clone(), (7, 1));
+        step(&mut o, Walk::Cursor, &[0], &[]);
+        assert_eq!(o.request_after(&a), 5, "partition 0 served throughout");
+        assert_eq!(o.request_after(&b), 0, "partition 1 not served at the walk");
+        o.leases(1, 1);
+        assert_eq!(o.request_after(&a), 0, "a new lease generation");
+    }
+
+    #[test]
+    fn the_cursor_stays_below_the_transactions_now_as_well_as_the_floor() {
+        let mut o = Ordered::default();
+        let mut rows = walked(&[0], &[]);
+        rows[0].now = at(80);
+        o.walked(Walk::Cursor, rows, 10, Some(at(100)), Duration::ZERO);
+        assert_eq!(o.cursor, Some((at(80), Uuid::nil())));
+    }
+
+    #[test]
+    fn a_worker_that_serves_no_partition_probes_for_nothing() {
+        let mut o = Ordered::default();
+        o.leases(0, 0);
+        assert_eq!(o.probe_from(), (Some(nowhere()), false));
+        assert_eq!(o.probe_cursor(), Some(nowhere()));
+        o.leases(0, 1);
+        assert_eq!(o.probe_cursor(), None);
     }
 
     #[test]

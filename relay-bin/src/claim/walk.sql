@@ -11,14 +11,15 @@
 -- horizon is held, are not walked again.
 --
 -- Every row carries the partitions the worker served at the walk
--- (`held`); one row comes back even when no event does (with null event
--- columns). The partition test is written `+ 0 = ANY(array)`: with
+-- (`held`) and the `now()` that judged what is due (the worker's cursor
+-- stays below it); one row comes back even when no event does (with null
+-- event columns). The partition test is written `+ 0 = ANY(array)`: with
 -- `IN (SELECT ...)` PostgreSQL read every entry of the range before
 -- joining.
 WITH parts AS MATERIALIZED (
     SELECT coalesce(array_agg(partition), '{}') AS held FROM {schema}.outbox_leases
     WHERE owner = $1 AND expires_at > now() AND partition % $2 = $3)
-SELECT parts.held, w.* FROM parts LEFT JOIN LATERAL (
+SELECT parts.held, now() AS now, w.* FROM parts LEFT JOIN LATERAL (
     SELECT o.available_at, o.id, o.aggregate_type, o.aggregate_id, o.aggregate_seq
     FROM {schema}.outbox o
     WHERE o.aggregate_seq IS NOT NULL AND o.available_at <= now()
