@@ -180,7 +180,7 @@ impl Ordered {
     /// Aggregates queued or a sweep in progress: the worker claims with
     /// `batch.sql` whatever the probe said.
     pub(crate) fn busy(&self) -> bool {
-        !self.pending.is_empty() || self.sweep.at.is_some()
+        !self.pending.is_empty() || (self.sweep.at.is_some() && self.serving)
     }
 
     /// Where the unordered claim's probe looks from: the cursor, or the
@@ -352,7 +352,13 @@ impl Ordered {
         let held = rows.first().map_or(0, |r| mask(&r.held));
         if held == 0 {
             // It served no partition (a worker's first walks may come
-            // before its leases): it learnt nothing and moves nothing.
+            // before its leases): it learnt nothing and moves nothing. A
+            // sweep has nothing to cover: it ends (the next partition
+            // served that was not covered starts another).
+            if walk == Walk::Sweep {
+                self.sweep.at = None;
+                self.sweep.next = Instant::now() + self.pause(took);
+            }
             return;
         }
         self.served(held);
@@ -830,6 +836,18 @@ mod tests {
         rows[0].now = at(80);
         o.walked(Walk::Cursor, rows, 10, Some(at(100)), Duration::ZERO);
         assert_eq!(o.cursor, Some((at(80), Uuid::nil())));
+    }
+
+    #[test]
+    fn a_sweep_whose_walk_serves_no_partition_ends() {
+        let mut o = Ordered::default();
+        o.start_sweep();
+        assert!(o.busy());
+        step(&mut o, Walk::Sweep, &[], &[]);
+        assert!(
+            !o.busy(),
+            "nothing to sweep: a worker that claims while busy would spin"
+        );
     }
 
     #[test]
