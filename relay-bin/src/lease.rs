@@ -109,9 +109,12 @@ impl Leases {
                     .iter()
                     .filter(|p| (0..64).contains(*p))
                     .fold(0u64, |m, p| m | 1 << p);
+                // Leases may have expired between the last renewal (no
+                // earlier than that round's start) and this one (no later
+                // than now).
                 let lapsed = lock(&self.renewed)
                     .replace(began)
-                    .is_some_and(|t| began.duration_since(t) > self.ttl);
+                    .is_some_and(|t| t.elapsed() > self.ttl);
                 let before = self.mask.swap(mask, Ordering::AcqRel);
                 if lapsed || before & !mask != 0 {
                     self.may_have_lost();

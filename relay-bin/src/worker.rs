@@ -74,6 +74,10 @@ impl Relay {
         let start = std::time::Instant::now();
         let t = cfg.database_timeout;
         let conn = held(&mut session.db, &inner.pool, t).await?;
+        // Where the claim starts, and the floor, before `BEGIN`: the floor
+        // then lies below the transaction's `now()`, which judges what is
+        // due.
+        let claim_start = inner.floor.start();
         let mut tx = bounded(
             "BEGIN",
             t,
@@ -88,7 +92,7 @@ impl Relay {
                 &mut tx,
                 (inner.leases.generation(), inner.leases.mask()),
                 &mut session.claim,
-                &inner.floor,
+                (&inner.floor, claim_start),
             ),
         )
         .await?;
@@ -263,10 +267,12 @@ impl Relay {
                         inner.health.database.store(true, Ordering::Relaxed);
                         db_backoff.reset();
                     }
-                    if report.claimed > 0 || session.claim.ordered.busy() {
+                    if report.claimed > 0 {
                         // More may be due (a full batch, or commits that
-                        // landed meanwhile, or ordered work queued or a
-                        // sweep under way): claim again at once.
+                        // landed meanwhile): claim again at once. (Not
+                        // while ordered work is merely queued: aggregates
+                        // whose heads back off would be queued again by
+                        // every walk, and the worker would spin.)
                         continue;
                     }
                     // An idle worker holds no database connection; one

@@ -108,15 +108,16 @@ impl Claims {
     /// event and it has none queued, otherwise (or when this claim's probe
     /// finds some and nothing else was claimed) with `batch.sql`.
     /// Unordered events are claimed from the relay's cursor on, as `floor`
-    /// places it. Moves the cursors and remembers the probe's answer.
+    /// placed it at `start` (taken before the transaction's `BEGIN`, so
+    /// the floor it carries is below the transaction's `now()`). Moves the
+    /// cursors and remembers the probe's answer.
     pub(crate) async fn claim(
         &self,
         conn: &mut PgConnection,
         (generation, held): (u64, u64),
         state: &mut ClaimState,
-        floor: &Floor,
+        (floor, start): (&Floor, Claim),
     ) -> Result<Vec<OutboxEvent>> {
-        let start = floor.start();
         let began = std::time::Instant::now();
         let share = (0..64)
             .filter(|p| p % state.workers.max(1) == state.worker)

@@ -210,8 +210,7 @@ impl Ordered {
     }
 
     /// The unordered claim's probe answered `waiting` after `took`, with
-    /// the floor as it was when the claim began (`floor`, below the
-    /// transaction's `now()`). No ordered event at all at or after where
+    /// the floor as it was before the claim's snapshot (`floor`). No ordered event at all at or after where
     /// it looked: the cursor may move up to the floor (the probe would
     /// otherwise step over the entries of the events published just
     /// before it stopped, at every claim). If it looked from the
