@@ -105,10 +105,7 @@ impl Leases {
         *last = Some(Instant::now());
         match held {
             Ok(held) => {
-                let mask = held
-                    .iter()
-                    .filter(|p| (0..64).contains(*p))
-                    .fold(0u64, |m, p| m | 1 << p);
+                let mask = crate::claim::ordered::mask(held.iter().copied());
                 // Leases may have expired between the last renewal (no
                 // earlier than that round's start) and this one (no later
                 // than now).

@@ -119,9 +119,8 @@ impl Claims {
         (floor, start): (&Floor, Claim),
     ) -> Result<Vec<OutboxEvent>> {
         let began = std::time::Instant::now();
-        let share = (0..64)
-            .filter(|p| p % state.workers.max(1) == state.worker)
-            .fold(0u64, |m, p| m | 1 << p);
+        let share =
+            ordered::mask((0..64).filter(|p| *p as usize % state.workers.max(1) == state.worker));
         state.ordered.leases(generation, held & share);
         state.ordered.fix_sweep(floor.fixed_sweep());
         let claimed = async {
@@ -201,7 +200,6 @@ impl Claims {
             .bind(probe.map_or(Uuid::nil(), |k| k.1))
             .fetch_all(conn)
             .await?;
-        drop((types, ids, after));
         let held: Vec<i32> = match rows.first() {
             Some(row) => row.try_get("held")?,
             None => Vec::new(),

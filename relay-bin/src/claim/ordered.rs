@@ -267,7 +267,7 @@ impl Ordered {
             *through &= held;
         }
         self.gone
-            .retain(|_, (_, partition)| held & mask(&[*partition]) != 0);
+            .retain(|_, (_, partition)| held & mask([*partition]) != 0);
     }
 
     /// The sweep's period as the relay's unordered sweep has it fixed (a
@@ -348,7 +348,7 @@ impl Ordered {
             (Some(floor), Some(now)) => Some(floor.min(now)),
             (floor, _) => floor,
         };
-        let held = rows.first().map_or(0, |r| mask(&r.held));
+        let held = rows.first().map_or(0, |r| mask(r.held.iter().copied()));
         if held == 0 {
             // It served no partition (a worker's first walks may come
             // before its leases): it learnt nothing and moves nothing. A
@@ -447,7 +447,7 @@ impl Ordered {
         if asked > 0 {
             // Aggregates of a partition it did not serve come back with
             // nothing and leave the queue: their events are not covered.
-            self.served(mask(held));
+            self.served(mask(held.iter().copied()));
         }
         let chains = chains(&rows, asked);
         let due_heads = chains.iter().filter(|c| c.due).count();
@@ -503,11 +503,11 @@ fn nowhere() -> Key {
     (end, Uuid::max())
 }
 
-/// Partitions as bits.
-fn mask(partitions: &[i32]) -> u64 {
+/// Partitions as bits (one per partition, 0 to 63).
+pub(crate) fn mask(partitions: impl IntoIterator<Item = i32>) -> u64 {
     partitions
-        .iter()
-        .filter(|p| (0..64).contains(*p))
+        .into_iter()
+        .filter(|p| (0..64).contains(p))
         .fold(0, |m, p| m | 1 << p)
 }
 
