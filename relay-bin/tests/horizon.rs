@@ -215,6 +215,129 @@ async fn a_held_horizon_does_not_make_ordered_claims_walk_published_events_again
     broker.cleanup().await;
 }
 
+/// A producer's transaction left open after writing to the outbox (a
+/// connection pool that lost a `COMMIT`, a session "idle in transaction"):
+/// it holds the xmin horizon back like any snapshot, and it also holds
+/// the floor, below which a row may still commit, at its first write. The
+/// claims must not start there every time: rounds of unordered and ordered
+/// events drained past it read a few index entries per event in every
+/// round. Once it commits, its events are published on the cursors alone
+/// (no sweep from the index's beginning), its ordered one in sequence.
+#[tokio::test]
+async fn a_producer_transaction_left_open_does_not_make_claims_walk_published_events_again() {
+    use sqlx::Connection as _;
+    const ROUNDS: i64 = 3;
+    const UNORDERED: i64 = 4_000;
+    const AGGREGATES: i64 = 200;
+    const DEPTH: i64 = 10;
+    let n = (UNORDERED + AGGREGATES * DEPTH) as f64;
+    let db = TestDb::producer("horizon_open_writer").await;
+    let broker = TestBroker::new("horizon_open_writer", FieldTable::default()).await;
+    let log = e2e::SeqLog::start(&broker.queue);
+    let s = &db.schema;
+    let mut writer = sqlx::PgConnection::connect_with(&db.pool.connect_options())
+        .await
+        .expect("a connection");
+    let writer_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut writer)
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "BEGIN;
+         INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('order', 'held-writer', 'OrderPlaced', '{{}}');
+         INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq)
+         VALUES ('account', 'held-a', 'Changed', '{{}}', 1);"
+    )))
+    .execute(&mut writer)
+    .await
+    .expect("the open writer");
+    // Left open: older than the 2 s a writer may hold the floor back.
+    wait_until(DEADLINE, "the open writer to be 3 s old", || async {
+        let age: f64 = sqlx::query_scalar(
+            "SELECT extract(epoch FROM clock_timestamp() - xact_start)::float8
+             FROM pg_stat_activity WHERE pid = $1",
+        )
+        .bind(writer_pid)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        age > 3.0
+    })
+    .await;
+    let relay = TestRelay::new(&db, &broker)
+        .own_pool(&format!("horizon-{}", db.schema), 4)
+        .build()
+        .await;
+    relay.set_claim_sweep(Duration::from_secs(3600));
+    let mut per_event = Vec::new();
+    for round in 0..ROUNDS {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'order', 'r{round}-u-' || i, 'OrderPlaced', '{{}}'
+             FROM generate_series(1, {UNORDERED}) i;
+             INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq)
+             SELECT 'account', 'r{round}-a-' || (i % {AGGREGATES}), 'Changed', '{{}}',
+                    i / {AGGREGATES} + 1
+             FROM generate_series(0, {AGGREGATES} * {DEPTH} - 1) i"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        let before = entries_read_settled(&db, None).await;
+        let running = TestRelay::spawn(&relay);
+        wait_until(DEADLINE, "the backlog to drain", || async {
+            db.count("outbox").await == 0
+        })
+        .await;
+        running.stop().await;
+        let read = entries_read_settled(&db, None).await - before;
+        per_event.push(read as f64 / n);
+        println!(
+            "round {}: {read} index entries read for {n} events ({:.2} per event)",
+            round + 1,
+            per_event[round as usize]
+        );
+    }
+    at_most_per_event(
+        &per_event,
+        8.0,
+        "claims start at the open writer's first row every time",
+    );
+    let running = TestRelay::spawn(&relay);
+    sqlx::raw_sql("COMMIT").execute(&mut writer).await.unwrap();
+    wait_until(
+        DEADLINE,
+        "the open writer's events to be published",
+        || async { !log.seqs_of("held-writer").is_empty() && !log.seqs_of("held-a").is_empty() },
+    )
+    .await;
+    running.stop().await;
+    log.drain(Duration::from_secs(60)).await;
+    let (first, _) = log.first_arrivals();
+    let expected: Vec<i64> = (1..=DEPTH).collect();
+    let mut unordered = 0;
+    for (aggregate, seqs) in &first {
+        if aggregate.contains("-u-") {
+            unordered += 1;
+        } else if aggregate.starts_with('r') {
+            assert_eq!(seqs, &expected, "{aggregate} in sequence");
+        }
+    }
+    assert_eq!(
+        unordered,
+        ROUNDS * UNORDERED,
+        "every unordered event published"
+    );
+    assert_eq!(
+        first.len() as i64,
+        ROUNDS * (UNORDERED + AGGREGATES) + 2,
+        "every aggregate published"
+    );
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
 /// `n` events, two a transaction every 100 ms, until all are published.
 async fn stream_published(db: &TestDb, collector: &Collector, n: usize) {
     let ids = db.produce(n, 2, Duration::from_millis(100)).await;

@@ -417,6 +417,83 @@ async fn blocked_aggregates_cost_a_claim_nothing() {
     broker.cleanup().await;
 }
 
+/// A producer's transaction left open after writing to the outbox holds
+/// no ordered aggregate behind blocked ones: with one aggregate's head
+/// retried an hour from now and 199 of its events due behind it (five
+/// walks' worth), a later aggregate still goes out while the transaction
+/// stays open. Seen failing with the floor held at the open writer's first
+/// row: every walk started there and read the blocked aggregate's events
+/// alone.
+#[tokio::test]
+async fn an_open_writer_does_not_hold_aggregates_behind_a_blocked_one() {
+    use sqlx::Connection as _;
+    let db = TestDb::producer("ord_open_writer").await;
+    let broker = TestBroker::new("ord_open_writer", FieldTable::default()).await;
+    let log = SeqLog::start(&broker.queue);
+    let s = &db.schema;
+    let mut writer = sqlx::PgConnection::connect_with(&db.pool.connect_options())
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "BEGIN; INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('cart', 'held', 'Changed', '{{}}');"
+    )))
+    .execute(&mut writer)
+    .await
+    .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq,
+                                    attempts, available_at)
+         VALUES ('account', 'stuck', 'Changed', '{{}}', 1, 1, now() + interval '1 hour');
+         INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq)
+         SELECT 'account', 'stuck', 'Changed', '{{}}', i FROM generate_series(2, 200) i;"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // In the blocked aggregate's partition: the same worker walks both.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq)
+         SELECT 'account', (SELECT id FROM (SELECT 'later-' || n AS id FROM generate_series(1, 20000) n) c
+                            WHERE \"{s}\".outbox_partition('account', id)
+                                = \"{s}\".outbox_partition('account', 'stuck')
+                            LIMIT 1),
+                'Changed', '{{}}', i
+         FROM generate_series(1, 5) i;"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let relay = ordered_relay(&db, &broker)
+        .with(|c| c.batch_size = 10)
+        .build()
+        .await;
+    let running = TestRelay::spawn(&relay);
+    let later: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT DISTINCT aggregate_id FROM \"{s}\".outbox WHERE aggregate_id LIKE 'later-%'"
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    wait_until(DEADLINE, "the later aggregate's five events", || async {
+        log.seqs_of(&later).len() >= 5
+    })
+    .await;
+    assert_eq!(log.seqs_of(&later), [1, 2, 3, 4, 5]);
+    assert!(
+        log.seqs_of("stuck").is_empty(),
+        "the blocked head held its own"
+    );
+    sqlx::raw_sql("COMMIT").execute(&mut writer).await.unwrap();
+    wait_until(DEADLINE, "the writer's event", || async {
+        !log.seqs_of("held").is_empty()
+    })
+    .await;
+    running.stop().await;
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
 /// A large ordered backlog does not hold unordered events up: every batch
 /// keeps a quarter of its room for them.
 #[tokio::test]

@@ -32,7 +32,18 @@
 //!   [`MARGIN`] (for the clock and the order of the reading's two parts).
 //!   A holder present at the relay's first reading bounds nothing: the
 //!   floor stays unknown, and the claim starts at the beginning, until it
-//!   ends.
+//!   ends (or is long, below).
+//! - A holder whose bound is more than [`LONG`] old (a producer's
+//!   transaction left open, "idle in transaction", or a slow batch job)
+//!   bounds the floor no more: otherwise every claim would start at its
+//!   first row and walk the entries of every event published since (it
+//!   holds the xmin horizon too, so no vacuum removes them). Its rows can
+//!   only become visible when it ends, so the reading that sees a long
+//!   holder gone **catches up**: the cursor goes back to that holder's
+//!   bound (and so does each worker's ordered cursor,
+//!   [`Floor::catch_ups`]), once, and claims in flight do not move it
+//!   forward again. Its events go out a floor reading (half a second)
+//!   after it commits.
 //!
 //! What the floor does not see, a sweep catches: every second or more
 //! ([`SWEEP`]: fifty times as long as the last sweep took, so a sweep of
@@ -42,8 +53,7 @@
 //! another relay claimed and then left (it crashed, or its broker failed and
 //! its batch rolled back: this relay's own rollbacks rewind every worker at
 //! once, see [`Floor::rewind`]). A long transaction that has written to
-//! the outbox still holds the floor back to its first write: its rows may
-//! yet commit there.
+//! the outbox is caught up from when it ends (above).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -60,6 +70,14 @@ pub(crate) const EVERY: Duration = Duration::from_millis(500);
 /// What the floor keeps below the readings: clock steps the kernel smooths
 /// out, and the order of the clock and the lock table within one reading.
 pub(crate) const MARGIN: Duration = Duration::from_secs(1);
+
+/// How long a writer of the outbox may hold the floor back: past it, it
+/// is left out of the floor, and its end brings a catch-up.
+pub(crate) const LONG: Duration = Duration::from_secs(2);
+
+/// Catch-ups remembered for workers that have not seen them yet (one that
+/// missed more goes back to the beginning).
+const CATCH_UPS_KEPT: usize = 64;
 
 /// How often one claim of the relay starts at the index's beginning, at
 /// most and at least: within these, 50 times as long as the last such
@@ -121,6 +139,8 @@ pub(crate) struct Floor {
     held_until_ms: AtomicI64,
     /// The floor task's readings (one task reads, every 500 ms).
     readings: std::sync::Mutex<Readings>,
+    /// The catch-ups so far, for the workers' ordered cursors.
+    catch_ups: std::sync::Mutex<CatchUps>,
     started: std::time::Instant,
     /// `pg_locks` of the outbox, as the floor task reads them.
     sql: SqlStr,
@@ -148,12 +168,38 @@ pub(crate) struct Claim {
     floor: Option<DateTime<Utc>>,
 }
 
-/// What the last reading saw: its clock, and each holder's bound
-/// (`None`: bounds nothing).
+/// What the last reading saw: its clock, and each holder.
 #[derive(Debug, Default)]
 struct Readings {
     last_us: Option<i64>,
-    holders: HashMap<String, Option<i64>>,
+    holders: HashMap<String, Seen>,
+}
+
+/// A holder as the readings saw it.
+#[derive(Debug, Clone, Copy)]
+struct Seen {
+    /// Its rows carry keys from here on (`None`: unknown).
+    bound: Option<i64>,
+    /// The clock of the first reading that saw it.
+    first_us: i64,
+    /// Held longer than [`LONG`] at the reading: left out of the floor.
+    long: bool,
+}
+
+/// What one reading says: the floor (`i64::MIN`: unknown) and, if long
+/// holders ended since the last reading, where to catch up from (the
+/// earliest of their bounds less [`MARGIN`]; `i64::MIN`: the beginning).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Reading {
+    floor: i64,
+    catch_up: Option<i64>,
+}
+
+/// Catch-ups: how many so far, and where the last few went back to.
+#[derive(Debug, Default)]
+struct CatchUps {
+    count: u64,
+    recent: std::collections::VecDeque<(u64, Start)>,
 }
 
 /// One writer of the outbox in a reading: its virtual transaction, and
@@ -178,6 +224,7 @@ impl Floor {
             sweep_fixed: std::sync::atomic::AtomicBool::new(false),
             held_until_ms: AtomicI64::new(0),
             readings: std::sync::Mutex::new(Readings::default()),
+            catch_ups: std::sync::Mutex::new(CatchUps::default()),
             started: std::time::Instant::now(),
             sql: AssertSqlSafe(format!(
                 "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::int8,
@@ -307,49 +354,111 @@ impl Floor {
             .into_iter()
             .filter_map(|(_, h, start)| Some((h?, start)))
             .collect();
-        let floor = {
+        let reading = {
             let mut r = self.readings.lock().unwrap_or_else(|p| p.into_inner());
             r.observe(at_us, holders)
         };
-        self.at_us.store(floor, Ordering::Release);
+        self.at_us.store(reading.floor, Ordering::Release);
+        if let Some(from) = reading.catch_up {
+            self.catch_up(from);
+        }
         Ok(())
+    }
+
+    /// Long holders of the floor ended: their rows, with keys from
+    /// `from_us` on (`i64::MIN`: anywhere), may have committed below the
+    /// cursors. The shared cursor goes back there, and no claim begun
+    /// before moves it forward again (as after a rewind, without its
+    /// hold: nothing is locked); the workers' ordered cursors go back at
+    /// their next claim ([`Floor::catch_ups`]).
+    fn catch_up(&self, from_us: i64) {
+        let from = DateTime::from_timestamp_micros(from_us).map(|at| (at, Uuid::nil()));
+        {
+            let mut c = self.cursor();
+            c.rewinds += 1;
+            c.key = c.key.min(from);
+        }
+        let mut k = self.catch_ups.lock().unwrap_or_else(|p| p.into_inner());
+        k.count += 1;
+        let count = k.count;
+        k.recent.push_back((count, from));
+        if k.recent.len() > CATCH_UPS_KEPT {
+            k.recent.pop_front();
+        }
+    }
+
+    /// The catch-ups after the `seen`th: how many there are now, and where
+    /// a cursor that saw only `seen` must go back to (the earliest of
+    /// theirs; the beginning if they are no longer all remembered). `None`
+    /// when there were none.
+    pub(crate) fn catch_ups(&self, seen: u64) -> (u64, Option<Start>) {
+        let k = self.catch_ups.lock().unwrap_or_else(|p| p.into_inner());
+        if k.count <= seen {
+            return (k.count, None);
+        }
+        let missed = k.recent.iter().filter(|(n, _)| *n > seen);
+        let from = if k.recent.front().is_some_and(|(n, _)| *n <= seen + 1) {
+            missed.map(|(_, from)| *from).min().flatten()
+        } else {
+            beginning()
+        };
+        (k.count, Some(from))
     }
 }
 
 impl Readings {
-    /// Takes in a reading at `at_us` with these `holders`; returns the
-    /// floor (`i64::MIN`: unknown). A holder's bound: the earlier of when
-    /// its transaction began (when this role may see it) and, if it was
-    /// not in the previous reading, that reading's clock; a holder already
-    /// there at the first reading, its start unseen (another role's, or a
-    /// prepared transaction), bounds nothing until it ends.
-    fn observe(&mut self, at_us: i64, holders: Vec<Holder>) -> i64 {
+    /// Takes in a reading at `at_us` with these `holders`. A holder's
+    /// bound: the earlier of when its transaction began (when this role
+    /// may see it) and, if it was not in the previous reading, that
+    /// reading's clock; a holder already there at the first reading, its
+    /// start unseen (another role's, or a prepared transaction), bounds
+    /// nothing until it ends or is long. The floor is the earliest of the
+    /// clock and the bounds of the holders that are not long, less
+    /// [`MARGIN`]; the long ones that ended since the previous reading
+    /// are caught up from.
+    fn observe(&mut self, at_us: i64, holders: Vec<Holder>) -> Reading {
         let margin = MARGIN.as_micros() as i64;
+        let long = LONG.as_micros() as i64;
         let previous = self.last_us;
-        let holders: HashMap<String, Option<i64>> = holders
+        let holders: HashMap<String, Seen> = holders
             .into_iter()
             .map(|(h, began)| {
-                let seen = match self.holders.get(&h) {
-                    Some(bound) => *bound,
-                    None => previous,
+                let (seen, first_us) = match self.holders.get(&h) {
+                    Some(s) => (s.bound, s.first_us),
+                    None => (previous, at_us),
                 };
                 let bound = match (seen, began) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
                 };
-                (h, bound)
+                let since = bound.unwrap_or(first_us).min(first_us);
+                let seen = Seen {
+                    bound,
+                    first_us,
+                    long: at_us - since >= long,
+                };
+                (h, seen)
             })
             .collect();
         let mut floor = Some(at_us);
-        for bound in holders.values() {
-            floor = match (floor, bound) {
-                (Some(f), Some(b)) => Some(f.min(*b)),
+        for seen in holders.values().filter(|s| !s.long) {
+            floor = match (floor, seen.bound) {
+                (Some(f), Some(b)) => Some(f.min(b)),
                 _ => None,
             };
         }
+        let catch_up = self
+            .holders
+            .iter()
+            .filter(|(h, s)| s.long && !holders.contains_key(*h))
+            .map(|(_, s)| s.bound.map_or(i64::MIN, |b| b - margin))
+            .min();
         self.last_us = Some(at_us);
         self.holders = holders;
-        floor.map_or(i64::MIN, |f| f - margin)
+        Reading {
+            floor: floor.map_or(i64::MIN, |f| f - margin),
+            catch_up,
+        }
     }
 }
 
@@ -363,36 +472,65 @@ mod tests {
         (h.to_owned(), None)
     }
 
-    #[test]
-    fn a_writer_of_unseen_start_at_the_first_reading_leaves_the_floor_unknown_until_it_ends() {
-        let mut r = Readings::default();
-        assert_eq!(r.observe(100 * S, vec![held("3/7")]), i64::MIN);
-        assert_eq!(r.observe(101 * S, vec![held("3/7")]), i64::MIN);
-        assert_eq!(r.observe(102 * S, vec![]), 101 * S);
+    fn floor_of(r: &mut Readings, at_us: i64, holders: Vec<Holder>) -> i64 {
+        let reading = r.observe(at_us, holders);
+        assert_eq!(reading.catch_up, None, "no catch-up at {at_us}");
+        reading.floor
     }
 
     #[test]
-    fn a_writer_whose_start_is_seen_bounds_the_floor_from_its_start() {
+    fn a_writer_of_unseen_start_at_the_first_reading_leaves_the_floor_unknown_until_it_is_long() {
         let mut r = Readings::default();
+        assert_eq!(floor_of(&mut r, 100 * S, vec![held("3/7")]), i64::MIN);
+        assert_eq!(floor_of(&mut r, 101 * S, vec![held("3/7")]), i64::MIN);
+        // Seen for two seconds: left out, and caught up from the
+        // beginning (where its rows are is unknown) when it ends.
+        assert_eq!(floor_of(&mut r, 102 * S, vec![held("3/7")]), 101 * S);
         assert_eq!(
-            r.observe(100 * S, vec![("3/7".into(), Some(40 * S))]),
-            39 * S
-        );
-        assert_eq!(
-            r.observe(101 * S, vec![("3/7".into(), Some(40 * S))]),
-            39 * S
+            r.observe(103 * S, vec![]),
+            Reading {
+                floor: 102 * S,
+                catch_up: Some(i64::MIN)
+            }
         );
     }
 
     #[test]
-    fn a_new_writer_holds_the_floor_at_the_reading_before_it_appeared() {
+    fn a_writer_whose_start_is_seen_bounds_the_floor_from_its_start_until_it_is_long() {
         let mut r = Readings::default();
-        assert_eq!(r.observe(100 * S, vec![]), 99 * S);
-        assert_eq!(r.observe(101 * S, vec![held("4/1")]), 99 * S);
-        // Still open a minute later: its rows may carry keys from 100 s on.
-        assert_eq!(r.observe(160 * S, vec![held("4/1")]), 99 * S);
-        assert_eq!(r.observe(161 * S, vec![held("5/2")]), 159 * S);
-        assert_eq!(r.observe(162 * S, vec![]), 161 * S);
+        let began = vec![("3/7".into(), Some(99 * S + S / 2))];
+        assert_eq!(floor_of(&mut r, 100 * S, began.clone()), 98 * S + S / 2);
+        assert_eq!(floor_of(&mut r, 101 * S, began.clone()), 98 * S + S / 2);
+        assert_eq!(floor_of(&mut r, 102 * S, began), 101 * S, "long");
+        assert_eq!(
+            r.observe(103 * S, vec![]),
+            Reading {
+                floor: 102 * S,
+                catch_up: Some(98 * S + S / 2)
+            },
+            "its end: caught up from its start"
+        );
+        assert_eq!(floor_of(&mut r, 104 * S, vec![]), 103 * S, "once");
+    }
+
+    #[test]
+    fn a_new_writer_holds_the_floor_at_the_reading_before_it_appeared_until_it_is_long() {
+        let mut r = Readings::default();
+        assert_eq!(floor_of(&mut r, 100 * S, vec![]), 99 * S);
+        assert_eq!(floor_of(&mut r, 101 * S, vec![held("4/1")]), 99 * S);
+        assert_eq!(floor_of(&mut r, 101 * S + S / 2, vec![held("4/1")]), 99 * S);
+        // Still open a minute later: left out; its rows may carry keys
+        // from 100 s on.
+        assert_eq!(floor_of(&mut r, 160 * S, vec![held("4/1")]), 159 * S);
+        assert_eq!(
+            r.observe(161 * S, vec![held("5/2")]),
+            Reading {
+                floor: 159 * S,
+                catch_up: Some(99 * S)
+            }
+        );
+        // A short one ends: the floor held for it, nothing to catch up.
+        assert_eq!(floor_of(&mut r, 162 * S, vec![]), 161 * S);
     }
 
     fn at(secs: i64) -> Key {
@@ -474,5 +612,34 @@ mod tests {
         let claim = floor.start();
         floor.swept(claim, Duration::from_secs(10));
         assert_eq!(floor.sweep_ms.load(Ordering::Relaxed), 30_000);
+    }
+
+    #[test]
+    fn a_catch_up_sends_the_cursors_back_once_and_claims_begun_before_do_not_move_them() {
+        let floor = floor();
+        floor.at_us.store(200 * S, Ordering::Release);
+        floor.advance(floor.start(), Some(at(150)));
+        let before = floor.start();
+        assert_eq!(floor.catch_ups(0), (0, None));
+        floor.catch_up(100 * S);
+        floor.advance(before, Some(at(180)));
+        assert_eq!(floor.start().start, Some(at(100)), "back, and it stays");
+        floor.advance(floor.start(), Some(at(170)));
+        assert_eq!(floor.start().start, Some(at(170)), "then on again");
+        // A later catch-up further on moves no cursor forward.
+        floor.catch_up(120 * S);
+        assert_eq!(floor.start().start, Some(at(120)));
+        assert_eq!(floor.catch_ups(0), (2, Some(Some(at(100)))));
+        assert_eq!(floor.catch_ups(1), (2, Some(Some(at(120)))));
+        assert_eq!(floor.catch_ups(2), (2, None));
+        // One from the beginning; and a worker that missed more than are
+        // kept goes back to the beginning too.
+        floor.catch_up(i64::MIN);
+        assert_eq!(floor.catch_ups(2), (3, Some(None)));
+        for _ in 0..CATCH_UPS_KEPT {
+            floor.catch_up(300 * S);
+        }
+        assert_eq!(floor.catch_ups(3), (67, Some(Some(at(300)))));
+        assert_eq!(floor.catch_ups(2), (67, Some(None)));
     }
 }

@@ -122,6 +122,9 @@ impl Claims {
         let share =
             ordered::mask((0..64).filter(|p| *p as usize % state.workers.max(1) == state.worker));
         state.ordered.leases(generation, held & share);
+        state
+            .ordered
+            .catch_up(floor.catch_ups(state.ordered.caught()));
         state.ordered.fix_sweep(floor.fixed_sweep());
         let claimed = async {
             if !state.claims_ordered() {

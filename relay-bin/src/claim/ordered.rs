@@ -112,6 +112,8 @@ pub(crate) struct Ordered {
     chain_hint: usize,
     /// The sweep's period, fixed by a test (`Relay::set_claim_sweep`).
     fixed: Option<Duration>,
+    /// The relay's catch-ups taken in so far (`Floor::catch_ups`).
+    caught: u64,
 }
 
 /// The sweep's state.
@@ -172,6 +174,7 @@ impl Default for Ordered {
             last: Vec::new(),
             chain_hint: 1,
             fixed: None,
+            caught: 0,
         }
     }
 }
@@ -248,6 +251,22 @@ impl Ordered {
         }
         self.serving = held != 0;
         self.sweep_if_uncovered(held);
+    }
+
+    /// The catch-ups this worker has taken in.
+    pub(crate) fn caught(&self) -> u64 {
+        self.caught
+    }
+
+    /// The relay's catch-ups (`Floor::catch_ups`), before a claim: long
+    /// writers of the outbox ended since the last one, and the cursor
+    /// goes back to where their rows may lie (`from`; the walks passed it
+    /// while they were left out of the floor).
+    pub(crate) fn catch_up(&mut self, (count, from): (u64, Option<Start>)) {
+        self.caught = count;
+        if let Some(from) = from {
+            self.cursor = self.cursor.min(from);
+        }
     }
 
     /// Starts a sweep (unless one is under way) if the worker serves a
@@ -835,6 +854,21 @@ mod tests {
         rows[0].now = at(80);
         o.walked(Walk::Cursor, rows, 10, Some(at(100)), Duration::ZERO);
         assert_eq!(o.cursor, Some((at(80), Uuid::nil())));
+    }
+
+    #[test]
+    fn a_catch_up_sends_the_cursor_back_once() {
+        let mut o = Ordered::default();
+        step(&mut o, Walk::Cursor, &[0], &[]);
+        assert_eq!(o.cursor, Some((at(100), Uuid::nil())));
+        o.catch_up((1, Some(Some((at(40), Uuid::nil())))));
+        assert_eq!(o.cursor, Some((at(40), Uuid::nil())));
+        assert_eq!(o.caught(), 1);
+        step(&mut o, Walk::Cursor, &[0], &[]);
+        o.catch_up((1, None));
+        assert_eq!(o.cursor, Some((at(100), Uuid::nil())), "once");
+        o.catch_up((2, Some(None)));
+        assert_eq!(o.cursor, None, "from the beginning");
     }
 
     #[test]
