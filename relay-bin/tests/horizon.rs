@@ -76,6 +76,48 @@ async fn held_horizon_relay(db: &TestDb, broker: &TestBroker) -> (sqlx::PgConnec
     (held, relay)
 }
 
+/// One round: the backlog in the outbox drained by `relay` (started,
+/// then stopped, as an operator would, so the figures settle); returns
+/// the index entries (of `index`; all: `None`) read per event of `n`.
+async fn drain_round(
+    db: &TestDb,
+    relay: &Relay,
+    index: Option<&str>,
+    round: usize,
+    n: usize,
+) -> f64 {
+    let before = entries_read_settled(db, index).await;
+    let running = TestRelay::spawn(relay);
+    wait_until(DEADLINE, "the backlog to drain", || async {
+        db.count("outbox").await == 0
+    })
+    .await;
+    running.stop().await;
+    let read = entries_read_settled(db, index).await - before;
+    let per_event = read as f64 / n as f64;
+    println!(
+        "round {}: {read} index entries read for {n} events ({per_event:.2} per event)",
+        round + 1
+    );
+    per_event
+}
+
+/// Round `round`'s ordered events: `aggregates` aggregates
+/// (`r<round>-a-<i>`) of `depth` events each, interleaved, in one
+/// transaction.
+async fn insert_rounds_aggregates(db: &TestDb, round: i64, aggregates: i64, depth: i64) {
+    let s = &db.schema;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq)
+         SELECT 'account', 'r{round}-a-' || (i % {aggregates}), 'Changed', jsonb_build_object('i', i),
+                i / {aggregates} + 1
+         FROM generate_series(0, {aggregates} * {depth} - 1) i"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
+
 /// Every round read at most `bound` index entries per event.
 fn at_most_per_event(per_event: &[f64], bound: f64, otherwise: &str) {
     for (round, read) in per_event.iter().enumerate() {
@@ -106,20 +148,7 @@ async fn a_held_horizon_does_not_make_claims_walk_the_drained_index_again() {
     let mut ids = Vec::new();
     for round in 0..ROUNDS {
         ids.extend(db.produce(N, 500, Duration::ZERO).await);
-        let before = entries_read_settled(&db, Some("outbox_due_idx")).await;
-        let running = TestRelay::spawn(&relay);
-        wait_until(DEADLINE, "the backlog to drain", || async {
-            db.count("outbox").await == 0
-        })
-        .await;
-        running.stop().await;
-        let read = entries_read_settled(&db, Some("outbox_due_idx")).await - before;
-        per_event.push(read as f64 / N as f64);
-        println!(
-            "round {}: {read} index entries read for {N} events ({:.2} per event)",
-            round + 1,
-            per_event[round]
-        );
+        per_event.push(drain_round(&db, &relay, Some("outbox_due_idx"), round, N).await);
     }
     let dead: i64 = sqlx::query_scalar(
         "SELECT n_dead_tup FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = 'outbox'",
@@ -155,41 +184,19 @@ async fn a_held_horizon_does_not_make_ordered_claims_walk_published_events_again
     const ROUNDS: i64 = 3;
     const AGGREGATES: i64 = 500;
     const DEPTH: i64 = 10;
-    let n = (AGGREGATES * DEPTH) as f64;
+    let n = (AGGREGATES * DEPTH) as usize;
     let db = TestDb::producer("horizon_ordered").await;
     let broker = TestBroker::new("horizon_ordered", FieldTable::default()).await;
     let log = e2e::SeqLog::start(&broker.queue);
     let (mut held, relay) = held_horizon_relay(&db, &broker).await;
-    let s = &db.schema;
     let mut per_event = Vec::new();
     for round in 0..ROUNDS {
         // Aggregates of their own each round: a restart of the relay
         // forgets what its workers knew of their aggregates, and one head
         // lookup from each aggregate's first entry is the restart's price,
         // not the horizon's.
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq)
-             SELECT 'account', 'r{round}-a-' || (i % {AGGREGATES}), 'Changed', jsonb_build_object('i', i),
-                    i / {AGGREGATES} + 1
-             FROM generate_series(0, {AGGREGATES} * {DEPTH} - 1) i"
-        )))
-        .execute(&db.pool)
-        .await
-        .unwrap();
-        let before = entries_read_settled(&db, None).await;
-        let running = TestRelay::spawn(&relay);
-        wait_until(DEADLINE, "the ordered backlog to drain", || async {
-            db.count("outbox").await == 0
-        })
-        .await;
-        running.stop().await;
-        let read = entries_read_settled(&db, None).await - before;
-        per_event.push(read as f64 / n);
-        println!(
-            "round {}: {read} index entries read for {n} ordered events ({:.2} per event)",
-            round + 1,
-            per_event[round as usize]
-        );
+        insert_rounds_aggregates(&db, round, AGGREGATES, DEPTH).await;
+        per_event.push(drain_round(&db, &relay, None, round as usize, n).await);
     }
     // Each claim reads its heads (one entry each, and those of the chain
     // published since), its chains and what its walk passes: a few entries
@@ -230,7 +237,7 @@ async fn a_producer_transaction_left_open_does_not_make_claims_walk_published_ev
     const UNORDERED: i64 = 4_000;
     const AGGREGATES: i64 = 200;
     const DEPTH: i64 = 10;
-    let n = (UNORDERED + AGGREGATES * DEPTH) as f64;
+    let n = (UNORDERED + AGGREGATES * DEPTH) as usize;
     let db = TestDb::producer("horizon_open_writer").await;
     let broker = TestBroker::new("horizon_open_writer", FieldTable::default()).await;
     let log = e2e::SeqLog::start(&broker.queue);
@@ -275,29 +282,13 @@ async fn a_producer_transaction_left_open_does_not_make_claims_walk_published_ev
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload)
              SELECT 'order', 'r{round}-u-' || i, 'OrderPlaced', '{{}}'
-             FROM generate_series(1, {UNORDERED}) i;
-             INSERT INTO \"{s}\".outbox (aggregate_type, aggregate_id, event_type, payload, aggregate_seq)
-             SELECT 'account', 'r{round}-a-' || (i % {AGGREGATES}), 'Changed', '{{}}',
-                    i / {AGGREGATES} + 1
-             FROM generate_series(0, {AGGREGATES} * {DEPTH} - 1) i"
+             FROM generate_series(1, {UNORDERED}) i"
         )))
         .execute(&db.pool)
         .await
         .unwrap();
-        let before = entries_read_settled(&db, None).await;
-        let running = TestRelay::spawn(&relay);
-        wait_until(DEADLINE, "the backlog to drain", || async {
-            db.count("outbox").await == 0
-        })
-        .await;
-        running.stop().await;
-        let read = entries_read_settled(&db, None).await - before;
-        per_event.push(read as f64 / n);
-        println!(
-            "round {}: {read} index entries read for {n} events ({:.2} per event)",
-            round + 1,
-            per_event[round as usize]
-        );
+        insert_rounds_aggregates(&db, round, AGGREGATES, DEPTH).await;
+        per_event.push(drain_round(&db, &relay, None, round as usize, n).await);
     }
     at_most_per_event(
         &per_event,
