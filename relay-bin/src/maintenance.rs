@@ -38,16 +38,20 @@ impl Relay {
     }
 
     /// Reads the claim's floor every [`floor::EVERY`] until `stop`; a
-    /// reading that fails or is late leaves the last floor, which stays
-    /// true (it only falls further behind).
+    /// reading that fails or is late leaves the last floor (a long
+    /// writer's rows then wait for the next reading's catch-up). A
+    /// reading that caught up wakes the workers: the writer's commit
+    /// woke them before, when its rows lay behind the cursors.
     pub(crate) async fn track_floor(&self, stop: CancellationToken) {
         let inner = &self.inner;
         while !stop.is_cancelled() {
             let read = bounded("the claim floor", inner.config.database_timeout, async {
                 Ok::<_, Error>(inner.floor.read(&inner.pool).await?)
             });
-            if let Err(e) = read.await {
-                tracing::debug!(error = %e, "claim floor not read; next reading");
+            match read.await {
+                Ok(true) => inner.wake.send_modify(|g| *g = g.wrapping_add(1)),
+                Ok(false) => {}
+                Err(e) => tracing::debug!(error = %e, "claim floor not read; next reading"),
             }
             sleep_or_cancel(floor::EVERY, &stop).await;
         }

@@ -464,17 +464,19 @@ async fn an_open_writer_does_not_hold_aggregates_behind_a_blocked_one() {
     .execute(&db.pool)
     .await
     .unwrap();
-    let relay = ordered_relay(&db, &broker)
-        .with(|c| c.batch_size = 10)
-        .build()
-        .await;
-    let running = TestRelay::spawn(&relay);
     let later: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT DISTINCT aggregate_id FROM \"{s}\".outbox WHERE aggregate_id LIKE 'later-%'"
     )))
     .fetch_one(&db.pool)
     .await
     .unwrap();
+    let relay = ordered_relay(&db, &broker)
+        .with(|c| c.batch_size = 10)
+        .build()
+        .await;
+    // No sweep from the index's beginning: the cursors alone.
+    relay.set_claim_sweep(Duration::from_secs(3600));
+    let running = TestRelay::spawn(&relay);
     wait_until(DEADLINE, "the later aggregate's five events", || async {
         log.seqs_of(&later).len() >= 5
     })

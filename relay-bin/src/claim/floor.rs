@@ -41,9 +41,13 @@
 //!   only become visible when it ends, so the reading that sees a long
 //!   holder gone **catches up**: the cursor goes back to that holder's
 //!   bound (and so does each worker's ordered cursor,
-//!   [`Floor::catch_ups`]), once, and claims in flight do not move it
-//!   forward again. Its events go out a floor reading (half a second)
-//!   after it commits.
+//!   [`Floor::catch_ups`]), once, claims in flight do not move it
+//!   forward again, and the workers are woken (its commit's wake-up came
+//!   while its rows lay behind the cursors). Its events go out a floor
+//!   reading (half a second) after it commits. Holders are followed by
+//!   their transaction id once they have one: a `PREPARE TRANSACTION`
+//!   moves a transaction's locks to another virtual transaction, and
+//!   would otherwise look like its end.
 //!
 //! What the floor does not see, a sweep catches: every second or more
 //! ([`SWEEP`]: fifty times as long as the last sweep took, so a sweep of
@@ -180,9 +184,10 @@ struct Readings {
 struct Seen {
     /// Its rows carry keys from here on (`None`: unknown).
     bound: Option<i64>,
-    /// The clock of the first reading that saw it.
-    first_us: i64,
-    /// Held longer than [`LONG`] at the reading: left out of the floor.
+    /// Since when it is known to hold the lock: the first reading that
+    /// saw it (its transaction's start at the relay's first reading).
+    since_us: i64,
+    /// Held for [`LONG`] or more: left out of the floor, for good.
     long: bool,
 }
 
@@ -228,7 +233,7 @@ impl Floor {
             started: std::time::Instant::now(),
             sql: AssertSqlSafe(format!(
                 "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::int8,
-                        l.virtualtransaction,
+                        coalesce('x' || x.transactionid, 'v' || l.virtualtransaction),
                         (extract(epoch FROM a.xact_start) * 1000000)::int8
                  FROM (SELECT 1) one
                  LEFT JOIN pg_locks l
@@ -236,6 +241,9 @@ impl Floor {
                   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                   AND l.relation = to_regclass('{}')
                   AND l.pid IS DISTINCT FROM pg_backend_pid()
+                 LEFT JOIN pg_locks x
+                   ON x.locktype = 'transactionid' AND x.mode = 'ExclusiveLock'
+                  AND x.virtualtransaction = l.virtualtransaction
                  LEFT JOIN pg_stat_activity a ON a.pid = l.pid",
                 table.replace('\'', "''")
             ))
@@ -343,12 +351,13 @@ impl Floor {
         }
     }
 
-    /// One reading of the clock and the outbox's writers, on `pool`.
-    pub(crate) async fn read(&self, pool: &PgPool) -> sqlx::Result<()> {
+    /// One reading of the clock and the outbox's writers, on `pool`;
+    /// whether it caught up (long writers ended).
+    pub(crate) async fn read(&self, pool: &PgPool) -> sqlx::Result<bool> {
         let rows: Vec<(i64, Option<String>, Option<i64>)> =
             sqlx::query_as(self.sql.clone()).fetch_all(pool).await?;
         let Some(at_us) = rows.first().map(|r| r.0) else {
-            return Ok(());
+            return Ok(false);
         };
         let holders = rows
             .into_iter()
@@ -362,7 +371,7 @@ impl Floor {
         if let Some(from) = reading.catch_up {
             self.catch_up(from);
         }
-        Ok(())
+        Ok(reading.catch_up.is_some())
     }
 
     /// Long holders of the floor ended: their rows, with keys from
@@ -407,15 +416,18 @@ impl Floor {
 }
 
 impl Readings {
-    /// Takes in a reading at `at_us` with these `holders`. A holder's
-    /// bound: the earlier of when its transaction began (when this role
-    /// may see it) and, if it was not in the previous reading, that
-    /// reading's clock; a holder already there at the first reading, its
-    /// start unseen (another role's, or a prepared transaction), bounds
-    /// nothing until it ends or is long. The floor is the earliest of the
-    /// clock and the bounds of the holders that are not long, less
-    /// [`MARGIN`]; the long ones that ended since the previous reading
-    /// are caught up from.
+    /// Takes in a reading at `at_us` with these `holders` (each by its
+    /// transaction id once it has one, which a `PREPARE TRANSACTION`
+    /// keeps). A holder's bound: if it was not in the previous reading,
+    /// that reading's clock (it took its lock after); at the relay's first
+    /// reading, when its transaction began if this role may see it, else
+    /// nothing (another role's, or a prepared transaction): it bounds
+    /// nothing until it ends or is long. A holder is long once it has held
+    /// the lock for [`LONG`] as the readings saw it (from its transaction's
+    /// start at the first reading), and stays so. The floor is the
+    /// earliest of the clock and the bounds of the holders that are not
+    /// long, less [`MARGIN`]; the long ones that ended since the previous
+    /// reading are caught up from.
     fn observe(&mut self, at_us: i64, holders: Vec<Holder>) -> Reading {
         let margin = MARGIN.as_micros() as i64;
         let long = LONG.as_micros() as i64;
@@ -423,21 +435,21 @@ impl Readings {
         let holders: HashMap<String, Seen> = holders
             .into_iter()
             .map(|(h, began)| {
-                let (seen, first_us) = match self.holders.get(&h) {
-                    Some(s) => (s.bound, s.first_us),
-                    None => (previous, at_us),
+                let seen = match (self.holders.get(&h), previous) {
+                    (Some(s), _) => *s,
+                    (None, Some(previous)) => Seen {
+                        bound: Some(previous),
+                        since_us: at_us,
+                        long: false,
+                    },
+                    (None, None) => Seen {
+                        bound: began,
+                        since_us: began.unwrap_or(at_us).min(at_us),
+                        long: false,
+                    },
                 };
-                let bound = match (seen, began) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
-                let since = bound.unwrap_or(first_us).min(first_us);
-                let seen = Seen {
-                    bound,
-                    first_us,
-                    long: at_us - since >= long,
-                };
-                (h, seen)
+                let long = seen.long || at_us - seen.since_us >= long;
+                (h, Seen { long, ..seen })
             })
             .collect();
         let mut floor = Some(at_us);
@@ -530,6 +542,31 @@ mod tests {
             }
         );
         // A short one ends: the floor held for it, nothing to catch up.
+        assert_eq!(floor_of(&mut r, 162 * S, vec![]), 161 * S);
+    }
+
+    #[test]
+    fn a_long_writer_stays_long_when_the_clock_steps_back_and_is_caught_up_from() {
+        let mut r = Readings::default();
+        assert_eq!(floor_of(&mut r, 100 * S, vec![]), 99 * S);
+        assert_eq!(floor_of(&mut r, 101 * S, vec![held("4/1")]), 99 * S);
+        assert_eq!(floor_of(&mut r, 103 * S, vec![held("4/1")]), 102 * S);
+        // The clock steps back a second and a half: still left out.
+        assert_eq!(
+            floor_of(&mut r, 101 * S + S / 2, vec![held("4/1")]),
+            100 * S + S / 2
+        );
+        assert_eq!(r.observe(102 * S, vec![]).catch_up, Some(99 * S));
+    }
+
+    #[test]
+    fn a_writer_first_seen_after_a_gap_in_the_readings_is_not_long_at_once() {
+        let mut r = Readings::default();
+        assert_eq!(floor_of(&mut r, 100 * S, vec![]), 99 * S);
+        // Readings failed for a minute: its rows may lie from 100 s on,
+        // but it has been seen holding the lock for no time at all.
+        assert_eq!(floor_of(&mut r, 160 * S, vec![held("4/1")]), 99 * S);
+        assert_eq!(floor_of(&mut r, 161 * S, vec![held("4/1")]), 99 * S);
         assert_eq!(floor_of(&mut r, 162 * S, vec![]), 161 * S);
     }
 
@@ -626,20 +663,24 @@ mod tests {
         assert_eq!(floor.start().start, Some(at(100)), "back, and it stays");
         floor.advance(floor.start(), Some(at(170)));
         assert_eq!(floor.start().start, Some(at(170)), "then on again");
-        // A later catch-up further on moves no cursor forward.
+        // A catch-up from past the cursor moves it no further.
+        floor.advance(floor.start(), Some(at(110)));
+        floor.catch_up(120 * S);
+        assert_eq!(floor.start().start, Some(at(110)));
+        floor.advance(floor.start(), Some(at(170)));
         floor.catch_up(120 * S);
         assert_eq!(floor.start().start, Some(at(120)));
-        assert_eq!(floor.catch_ups(0), (2, Some(Some(at(100)))));
-        assert_eq!(floor.catch_ups(1), (2, Some(Some(at(120)))));
-        assert_eq!(floor.catch_ups(2), (2, None));
+        assert_eq!(floor.catch_ups(0), (3, Some(Some(at(100)))));
+        assert_eq!(floor.catch_ups(1), (3, Some(Some(at(120)))));
+        assert_eq!(floor.catch_ups(3), (3, None));
         // One from the beginning; and a worker that missed more than are
         // kept goes back to the beginning too.
         floor.catch_up(i64::MIN);
-        assert_eq!(floor.catch_ups(2), (3, Some(None)));
+        assert_eq!(floor.catch_ups(3), (4, Some(None)));
         for _ in 0..CATCH_UPS_KEPT {
             floor.catch_up(300 * S);
         }
-        assert_eq!(floor.catch_ups(3), (67, Some(Some(at(300)))));
-        assert_eq!(floor.catch_ups(2), (67, Some(None)));
+        assert_eq!(floor.catch_ups(4), (68, Some(Some(at(300)))));
+        assert_eq!(floor.catch_ups(3), (68, Some(None)));
     }
 }

@@ -867,7 +867,16 @@ mod tests {
         step(&mut o, Walk::Cursor, &[0], &[]);
         o.catch_up((1, None));
         assert_eq!(o.cursor, Some((at(100), Uuid::nil())), "once");
-        o.catch_up((2, Some(None)));
+        o.walked(
+            Walk::Cursor,
+            walked(&[0], &[]),
+            10,
+            Some(at(90)),
+            Duration::ZERO,
+        );
+        o.catch_up((2, Some(Some((at(95), Uuid::nil())))));
+        assert_eq!(o.cursor, Some((at(90), Uuid::nil())), "never forward");
+        o.catch_up((3, Some(None)));
         assert_eq!(o.cursor, None, "from the beginning");
     }
 
