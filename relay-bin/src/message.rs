@@ -144,6 +144,16 @@ impl OutboxEvent {
             if k == wire::HEADER_AGGREGATE_SEQ {
                 continue;
             }
+            // RabbitMQ's sender-selected distribution: these route the
+            // message to more queues, and must be arrays, which no JSON
+            // value becomes here; as anything else the broker closes the
+            // channel, failing every message in flight on it.
+            if RABBITMQ_ROUTING_HEADERS.contains(&k.as_str()) {
+                return Err(format!(
+                    "a header named {k:?} is RabbitMQ's sender-selected distribution \
+                     (extra routing keys): rename it"
+                ));
+            }
             let name = short("a header name", k)?;
             headers.insert(name, raw_to_amqp(v.get()));
         }
@@ -196,6 +206,10 @@ impl OutboxEvent {
         })
     }
 }
+
+/// Header names RabbitMQ reads as extra routing keys (`CC`, `BCC`;
+/// case-sensitive).
+const RABBITMQ_ROUTING_HEADERS: [&str; 2] = ["CC", "BCC"];
 
 fn short(what: &str, v: String) -> Result<ShortString, String> {
     let len = v.len();

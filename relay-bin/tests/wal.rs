@@ -1532,9 +1532,17 @@ async fn wal_any_message_on_the_outbox_prefix_is_accounted_for() {
     broker.cleanup().await;
 }
 
-/// A fresh seed (printed by the test, so a failure can be replayed).
+/// A fresh seed, or the one `WAL_ANYMSG_SEED` names (64 hex digits, as
+/// the test prints it), to replay a failure.
 fn rand_seed() -> [u8; 32] {
     let mut seed = [0u8; 32];
+    if let Ok(hex) = std::env::var("WAL_ANYMSG_SEED") {
+        assert_eq!(hex.len(), 64, "WAL_ANYMSG_SEED: 64 hex digits");
+        for (i, b) in seed.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("WAL_ANYMSG_SEED: hex");
+        }
+        return seed;
+    }
     seed[..16].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
     seed[16..].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
     seed

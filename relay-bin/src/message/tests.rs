@@ -114,6 +114,29 @@ fn headers_that_do_not_fit_a_frame_or_are_no_object_cannot_be_published() {
     }
 }
 
+/// RabbitMQ closes the channel on a `CC` or `BCC` header that is not an
+/// array (and routes by one that is): such an event is refused, never
+/// published; other cases of the names are plain headers.
+#[test]
+fn rabbitmqs_routing_headers_cannot_be_published() {
+    for name in ["CC", "BCC"] {
+        for value in ["\"q\"", "[\"q\"]", "1"] {
+            let err = event(&format!("{{\"{name}\": {value}}}"))
+                .to_message("x", FRAME)
+                .unwrap_err();
+            assert!(err.contains("sender-selected distribution"), "{err}");
+        }
+    }
+    for name in ["cc", "Bcc", "CCC", "x-CC"] {
+        assert!(
+            event(&format!("{{\"{name}\": \"q\"}}"))
+                .to_message("x", FRAME)
+                .is_ok(),
+            "{name}"
+        );
+    }
+}
+
 #[test]
 fn deep_nesting_converts_without_recursion() {
     let deep = format!("{}1{}", "[".repeat(100_000), "]".repeat(100_000));
