@@ -33,8 +33,9 @@
 //!   A holder present at the relay's first reading bounds nothing: the
 //!   floor stays unknown, and the claim starts at the beginning, until it
 //!   ends (or is long, below).
-//! - A holder whose bound is more than [`LONG`] old (a producer's
-//!   transaction left open, "idle in transaction", or a slow batch job)
+//! - A holder the readings have seen for more than [`LONG`] (a producer's
+//!   transaction left open, "idle in transaction", or a slow batch job;
+//!   at the relay's first reading, counted from its transaction's start)
 //!   bounds the floor no more: otherwise every claim would start at its
 //!   first row and walk the entries of every event published since (it
 //!   holds the xmin horizon too, so no vacuum removes them). Its rows can
