@@ -49,7 +49,7 @@ impl Relay {
                 Ok::<_, Error>(inner.floor.read(&inner.pool).await?)
             });
             match read.await {
-                Ok(true) => inner.wake.send_modify(|g| *g = g.wrapping_add(1)),
+                Ok(true) => self.wake(),
                 Ok(false) => {}
                 Err(e) => tracing::debug!(error = %e, "claim floor not read; next reading"),
             }
