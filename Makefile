@@ -45,8 +45,8 @@ package: ## cargo publish --dry-run of the published crates: their packaged sour
 	@# Cargo's local overlay registry reuses the sources it unpacked for the
 	@# same version in an earlier dry run (stale code, or a false failure):
 	@# drop those copies so the packages verified are this tree's.
-	rm -rf $${CARGO_HOME:-$$HOME/.cargo}/registry/src/-*/{outbox-core,outbox-lib,consumer-lib,relay-bin}-[0-9]*
-	$(CARGO) publish --dry-run -p outbox-core -p outbox-lib -p consumer-lib -p relay-bin
+	rm -rf $${CARGO_HOME:-$$HOME/.cargo}/registry/src/-*/{outbox-core,outbox-lib,consumer-lib,outbox-relay,outbox-relay-ops}-[0-9]*
+	$(CARGO) publish --dry-run -p outbox-core -p outbox-lib -p consumer-lib -p outbox-relay -p outbox-relay-ops
 
 lint: ## rustfmt and clippy, warnings are errors; make targets share one feature set
 	$(CARGO) fmt --all --check
@@ -58,7 +58,7 @@ check-deploy: ## check deploy/: Kubernetes manifests, systemd unit, alert rules 
 	./scripts/check-deploy.sh
 
 doc: ## API docs of the published crates as docs.rs builds them (all features); rustdoc warnings are errors
-	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --all-features -p outbox-core -p outbox-lib -p consumer-lib -p relay-bin
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --all-features -p outbox-core -p outbox-lib -p consumer-lib -p outbox-relay -p outbox-relay-ops
 
 fmt: ## format the code
 	$(CARGO) fmt --all
@@ -67,14 +67,14 @@ demo: services ## the whole story on this machine: migrate, produce, relay, cons
 	$(CARGO) run --release -q -p demo
 
 bench: services cluster ## benchmark against the local services (about 85 minutes; `--only` in docs/BENCHMARKS.md runs a part); writes target/bench/results.json
-	$(CARGO) build --release -q -p relay-bin -p bench
+	$(CARGO) build --release -q -p outbox-relay-ops -p bench
 	$(TARGET_DIR)/release/bench --out target/bench/results.json
 
 profile: services ## a CPU profile of the relay draining a backlog: target/profile/relay-table.svg (CAPTURE=wal for the log; installs perf and inferno if missing)
 	./scripts/profile.sh
 
 bench-smoke: cluster ## the benchmark with tiny counts (CI runs this so it cannot rot)
-	$(CARGO) build -q -p relay-bin -p bench
+	$(CARGO) build -q -p outbox-relay-ops -p bench
 	$(TARGET_DIR)/debug/bench --smoke --latency-stages --out target/bench/smoke.json
 
 dist: ## the relay as shipped: stripped target/dist/outbox-relay, its .debug file and a tarball (profile dist)

@@ -11,7 +11,7 @@
 # (its service is not started) and kubernetes-validate into a virtualenv
 # under target/. Idempotent; the metric names the rules and the dashboard
 # use are checked against a running relay and consumer by
-# relay-bin/tests/deploy_metrics.rs.
+# relay-ops/tests/deploy_metrics.rs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -19,7 +19,7 @@ reference=$(mktemp); trap 'rm -f "$reference" "$reference".sel' EXIT
 features --workspace --all-features -e dev > "$reference"
 status=0
 # The selections of `make demo` and `make bench` / `make bench-smoke`.
-for selection in "-p demo" "-p relay-bin -p bench"; do
+for selection in "-p demo" "-p outbox-relay-ops -p bench"; do
     # shellcheck disable=SC2086
     features $selection > "$reference".sel
     differs=$(comm -13 "$reference" "$reference".sel)

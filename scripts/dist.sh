@@ -27,7 +27,7 @@ for tool in objcopy tar gzip; do
     command -v "$tool" >/dev/null || { say "needs $tool (binutils, tar, gzip)" >&2; exit 1; }
 done
 
-"$CARGO" build --locked --profile dist -p relay-bin --bin outbox-relay
+"$CARGO" build --locked --profile dist -p outbox-relay-ops --bin outbox-relay
 bin=$dist/outbox-relay
 tmp=$(mktemp -d "$dist/.strip.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
@@ -58,7 +58,7 @@ name=outbox-relay-$version-$triple
 stage=$tmp/$name
 mkdir -p "$stage"
 cp "$bin" "$stage/"
-cp relay-bin/README.md "$stage/README.md"
+cp relay-ops/README.md "$stage/README.md"
 cp docs/OPERATIONS.md "$stage/OPERATIONS.md"
 for license in LICENSE*; do [[ -e $license ]] && cp "$license" "$stage/"; done
 [[ -d deploy ]] && cp -r deploy "$stage/deploy"

@@ -38,7 +38,7 @@ case $capture in
     wal) section=wal-drain ;;
     *) say "CAPTURE is table or wal, not $capture" >&2; exit 1 ;;
 esac
-"$CARGO" build --release -q -p relay-bin -p bench
+"$CARGO" build --release -q -p outbox-relay-ops -p bench
 mkdir -p "$out"
 data=$out/relay-$capture.perf.data
 "$target_dir/release/bench" --only "$section" --out "$out/bench-$capture.json" >"$out/bench-$capture.log" 2>&1 &

@@ -219,7 +219,7 @@ async fn refusals_end_run_with_an_error_instead_of_retrying() {
 /// Two nodes (proxies to the test broker): a consumer whose session fails
 /// starts the next one with the node after it, even when the node it left
 /// still answers; a working session stays where it is (the relay's rule
-/// too, through the same seam: relay-bin/tests/broker_nodes.rs). The
+/// too, through the same seam: relay-ops/tests/broker_nodes.rs). The
 /// `outbox_consumer_broker_connected` gauge follows the node in use.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_failed_session_the_consumer_moves_to_the_next_node() {

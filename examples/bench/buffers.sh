@@ -5,7 +5,7 @@
 # The shared instance on 5432 is never touched; the private one is stopped
 # and its data directory removed at the end.
 #
-#   cargo build --release -p relay-bin -p bench
+#   cargo build --release -p outbox-relay-ops -p bench
 #   sh examples/bench/buffers.sh          # BENCH_BIN=... if the target dir moved
 set -eu
 BIN=${BENCH_BIN:-target/release/bench}

@@ -56,12 +56,12 @@
 //! |---|---|
 //! | **enqueue** | writing an event row in the caller's transaction, [`Outbox::enqueue`] (`outbox-lib/src/outbox/`) |
 //! | **ordered aggregates** | the aggregate types the database numbers per aggregate (`aggregate_seq`), set with [`set_ordered`]; [`OrderedAggregates`] is what a handle checks at start-up |
-//! | **claim** | a relay locking a batch of due rows with `FOR UPDATE SKIP LOCKED` (`relay-bin/src/claim/`) |
+//! | **claim** | a relay locking a batch of due rows with `FOR UPDATE SKIP LOCKED` (`relay/src/claim/`) |
 //! | **chain** | an aggregate's share of an ordered claim: its head and the consecutive events behind it, published in sequence |
-//! | **lease**, **partition** | ordered aggregates hash to 64 partitions; a relay publishes the partitions it holds a lease on (`relay-bin/src/lease.rs`) |
-//! | **publish** | sending a claimed batch with publisher confirms (`relay-bin/src/publish/`) |
-//! | **receipt** | what became of one publish: delivered, nacked, returned, timed out, … (`relay-bin/src/publish/receipt.rs`) |
-//! | **settle** | the relay recording the receipts in the database: delivered rows deleted (or archived), failures rescheduled with backoff, hopeless ones dead-lettered (`relay-bin/src/settle.rs`) |
+//! | **lease**, **partition** | ordered aggregates hash to 64 partitions; a relay publishes the partitions it holds a lease on (`relay/src/lease.rs`) |
+//! | **publish** | sending a claimed batch with publisher confirms (`relay/src/publish/`) |
+//! | **receipt** | what became of one publish: delivered, nacked, returned, timed out, … (`relay/src/publish/receipt.rs`) |
+//! | **settle** | the relay recording the receipts in the database: delivered rows deleted (or archived), failures rescheduled with backoff, hopeless ones dead-lettered (`relay/src/settle.rs`) |
 //! | **held back** | an ordered event not sent (relay) or not applied (consumer) because an earlier event of its aggregate failed first |
 //! | **dead letter** | an event set aside for an operator: a row in `outbox_dead_letters` (relay), a message in `<queue>.dlq` (consumer) |
 //! | **consume** | a consumer taking a batch of deliveries (`consumer-lib/src/session.rs`) and running it in one transaction (`consumer-lib/src/process/`, `consumer-lib/src/batch/`) |

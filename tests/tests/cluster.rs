@@ -150,7 +150,7 @@ async fn cluster_node_failures_lose_nothing() {
     // `outbox-relay status` says so too (written at the next lease round).
     let schema = outbox::Ident::new("schema", &w.db.schema).unwrap();
     wait_until(DEADLINE, "status to name the relay's new node", || async {
-        outbox_relay::admin::status(&w.db.pool, &schema)
+        outbox_relay_ops::admin::status(&w.db.pool, &schema)
             .await
             .unwrap()
             .relays

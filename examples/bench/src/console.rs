@@ -407,10 +407,10 @@ async fn pages(pool: &PgPool, port: u16, schema: &str, requests: usize) -> Resul
     let mut refresh = Vec::with_capacity(requests);
     for _ in 0..requests {
         let t = Instant::now();
-        outbox_relay::admin::gauges(pool, &ident).await?;
-        outbox_relay::admin::relays(pool, &ident).await?;
-        outbox_relay::admin::publish_rates(pool, &ident, 60).await?;
-        outbox_relay::admin::backlog_by_type(pool, &ident).await?;
+        outbox_relay_ops::admin::gauges(pool, &ident).await?;
+        outbox_relay_ops::admin::relays(pool, &ident).await?;
+        outbox_relay_ops::admin::publish_rates(pool, &ident, 60).await?;
+        outbox_relay_ops::admin::backlog_by_type(pool, &ident).await?;
         refresh.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     refresh.sort_by(f64::total_cmp);

@@ -329,7 +329,7 @@ pub(crate) fn relay_binary() -> Result<std::path::PathBuf> {
     let bin = std::env::current_exe()?.with_file_name("outbox-relay");
     anyhow::ensure!(
         bin.exists(),
-        "{} missing: build it with `cargo build --release -p relay-bin`",
+        "{} missing: build it with `cargo build --release -p outbox-relay-ops`",
         bin.display()
     );
     Ok(bin)

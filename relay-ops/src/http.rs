@@ -1,0 +1,170 @@
+//! `/metrics`, `/healthz` and `/readyz`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::get;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use outbox::Ident;
+use outbox_relay::Health;
+use sqlx::PgPool;
+
+/// Serves the three endpoints on `addr` in the background, and keeps the
+/// backlog gauges fresh; returns once listening.
+pub(crate) async fn serve(
+    addr: SocketAddr,
+    health: Arc<Health>,
+    pool: PgPool,
+    schema: Ident,
+) -> Result<()> {
+    let handle = install_recorder()?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let app = router(handle, health.clone());
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "metrics server stopped");
+        }
+    });
+    tokio::spawn(refresh_readiness(health));
+    tokio::spawn(refresh_gauges(pool, schema));
+    tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+    Ok(())
+}
+
+/// The process's Prometheus recorder, with the buckets of every histogram.
+fn install_recorder() -> Result<PrometheusHandle> {
+    PrometheusBuilder::new()
+        .set_buckets(&[
+            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 50.0,
+            100.0, 250.0, 500.0, 1000.0,
+        ])
+        .context("metrics buckets")?
+        .install_recorder()
+        .context("installing the metrics recorder")
+}
+
+fn router(handle: PrometheusHandle, health: Arc<Health>) -> Router {
+    Router::new()
+        .route("/metrics", get(move || std::future::ready(handle.render())))
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/readyz",
+            get(move || std::future::ready(readiness(&health))),
+        )
+}
+
+/// `/readyz`: ready or not, which broker node is in use (or was last),
+/// never a URL, and what keeps the relay from being ready.
+fn readiness(health: &Health) -> (StatusCode, String) {
+    let node = health.broker_node().unwrap_or_else(|| "none".to_owned());
+    let mut body = format!(
+        "{}\nbroker node: {node}\n",
+        if health.is_ready() {
+            "ready"
+        } else {
+            "not ready"
+        }
+    );
+    if !health.broker_connected() {
+        body.push_str("broker: not connected; reconnecting\n");
+    }
+    if let Some(reason) = health.broker_blocked() {
+        body.push_str(&format!(
+            "broker: blocked by a resource alarm ({reason}); publishing paused, no attempt counted, until the broker lifts it\n"
+        ));
+    }
+    if !health.database_ok() {
+        body.push_str("database: not answering or failing; retrying on fresh connections\n");
+    }
+    let status = if health.is_ready() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, body)
+}
+
+/// The readiness gauges, every second: atomics only, so a database that
+/// stopped answering cannot hold them at their last value.
+async fn refresh_readiness(health: Arc<Health>) {
+    loop {
+        metrics::gauge!("outbox_relay_ready").set(f64::from(u8::from(health.is_ready())));
+        metrics::gauge!("outbox_relay_broker_blocked")
+            .set(f64::from(u8::from(health.broker_blocked().is_some())));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Backlog gauges, refreshed off the hot path, every 10 s for ever; a
+/// refresh the database does not answer within 10 s is skipped.
+async fn refresh_gauges(pool: PgPool, schema: Ident) {
+    let mut reported_slot = false;
+    loop {
+        let bound = Duration::from_secs(10);
+        // Cheap on any outbox size: estimates and index probes only.
+        if let Ok(Ok(g)) = tokio::time::timeout(bound, crate::admin::gauges(&pool, &schema)).await {
+            metrics::gauge!("outbox_relay_backlog").set(g.backlog as f64);
+            metrics::gauge!("outbox_relay_oldest_pending_seconds").set(g.oldest_due_age_s);
+            metrics::gauge!("outbox_relay_dead_letters").set(g.dead_letters as f64);
+            metrics::gauge!("outbox_relay_blocked_aggregates").set(g.blocked_aggregates as f64);
+        }
+        if let Ok(Ok(h)) = tokio::time::timeout(bound, crate::admin::horizon(&pool, &schema)).await
+        {
+            horizon_gauges(&h);
+        }
+        match tokio::time::timeout(bound, crate::admin::wal_slot(&pool, &schema)).await {
+            Ok(Ok(Some(slot))) => {
+                wal_slot_gauges(&slot);
+                reported_slot = true;
+            }
+            // Reported before, gone now (dropped, or its record
+            // deleted): no stale figures for the alerts to fire on.
+            Ok(Ok(None)) if reported_slot => wal_slot_gone(),
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    }
+}
+
+/// What holds the xmin horizon back, as gauges: how old (seconds, and
+/// transactions), and the outbox's dead rows and size.
+fn horizon_gauges(h: &crate::admin::Horizon) {
+    let oldest = h.oldest.as_ref();
+    metrics::gauge!("outbox_relay_horizon_age_seconds")
+        .set(oldest.and_then(|o| o.age_s).unwrap_or(0.0));
+    metrics::gauge!("outbox_relay_horizon_age_xids").set(oldest.map_or(0.0, |o| o.age_xids as f64));
+    metrics::gauge!("outbox_relay_outbox_dead_rows").set(h.outbox_dead_rows as f64);
+    metrics::gauge!("outbox_relay_outbox_bytes").set(h.outbox_bytes as f64);
+}
+
+/// The schema's replication slot as gauges (WAL capture set up): what it
+/// keeps on disk, how much more it may keep, and its `wal_status` as one
+/// series per status, 1 for the current one.
+fn wal_slot_gauges(slot: &crate::admin::WalSlot) {
+    if let Some(lag) = slot.lag_bytes {
+        metrics::gauge!("outbox_relay_wal_slot_lag_bytes").set(lag as f64);
+    }
+    if let Some(safe) = slot.safe_wal_size {
+        metrics::gauge!("outbox_relay_wal_slot_safe_bytes").set(safe as f64);
+    }
+    wal_slot_status(slot.wal_status.as_deref().unwrap_or("unknown"));
+}
+
+/// The slot reported before is gone: status `unknown`, nothing kept.
+fn wal_slot_gone() {
+    metrics::gauge!("outbox_relay_wal_slot_lag_bytes").set(0.0);
+    wal_slot_status("unknown");
+}
+
+fn wal_slot_status(now: &str) {
+    for status in ["reserved", "extended", "unreserved", "lost", "unknown"] {
+        metrics::gauge!("outbox_relay_wal_slot_status", "status" => status)
+            .set(f64::from(u8::from(status == now)));
+    }
+}
