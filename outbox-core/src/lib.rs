@@ -24,6 +24,7 @@ pub mod migrate;
 pub mod outage;
 pub mod queues;
 pub mod redact;
+pub mod wire;
 
 pub use crate::ident::{
     Ident, InvalidIdentifier, MAX_SCHEMA_LEN, wakeup_channel, wal_message_prefix, wal_slot_name,

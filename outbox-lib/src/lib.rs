@@ -86,7 +86,6 @@ mod signal;
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 mod wakeup;
-pub mod wire;
 
 use sqlx::PgPool;
 
@@ -101,6 +100,9 @@ pub use crate::wakeup::Wakeup;
 /// Passwords in URLs never reach a log line, an error or `--help`: the
 /// helpers the toolkit's own binaries use, for yours.
 pub use outbox_core::redact;
+/// The AMQP message contract shared by the relay and the consumer
+/// ([`docs/AMQP_MESSAGE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/AMQP_MESSAGE.md)).
+pub use outbox_core::wire;
 pub use outbox_core::{Ident, wakeup_channel, wal_message_prefix, wal_slot_name};
 
 /// The sqlx (0.9) whose types this API takes (`PgPool`, `&mut PgConnection`,

@@ -5,6 +5,7 @@ use chrono::{DateTime, Utc};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use outbox::wire;
+use outbox_core::amqp::{Envelope, event_properties, json_header_value};
 use serde_json::value::RawValue;
 use uuid::Uuid;
 
@@ -129,19 +130,13 @@ impl OutboxEvent {
     /// (the `type`, a header name) over 255 bytes, or headers that are not
     /// a JSON object. Never panics, whatever the row holds.
     pub fn properties(&self) -> Result<BasicProperties, String> {
-        let mut headers = FieldTable::default();
-        // The event's own headers first, so the contract's aggregate headers
-        // cannot be overridden by accident. Values are kept as raw JSON
-        // text: nesting of any depth converts without recursion.
+        // Values are kept as raw JSON text: nesting of any depth converts
+        // without recursion.
         let raw: std::collections::BTreeMap<String, Box<RawValue>> =
             serde_json::from_str(&self.headers)
                 .map_err(|e| format!("headers are not a JSON object: {e}"))?;
+        let mut own = Vec::with_capacity(raw.len());
         for (k, v) in raw {
-            // An event's own header of the sequence's name must not pass
-            // for a sequence number.
-            if k == wire::HEADER_AGGREGATE_SEQ {
-                continue;
-            }
             // RabbitMQ's sender-selected distribution: these route the
             // message to more queues, and must be arrays, which no JSON
             // value becomes here; as anything else the broker closes the
@@ -152,31 +147,17 @@ impl OutboxEvent {
                      (extra routing keys): rename it"
                 ));
             }
-            let name = short("a header name", k)?;
-            headers.insert(name, raw_to_amqp(v.get()));
+            own.push((short("a header name", k)?, json_header_value(v.get())));
         }
-        headers.insert(
-            wire::HEADER_AGGREGATE_TYPE.into(),
-            AMQPValue::LongString(self.aggregate_type.as_str().into()),
-        );
-        headers.insert(
-            wire::HEADER_AGGREGATE_ID.into(),
-            AMQPValue::LongString(self.aggregate_id.as_str().into()),
-        );
-        if let Some(seq) = self.aggregate_seq {
-            headers.insert(
-                wire::HEADER_AGGREGATE_SEQ.into(),
-                AMQPValue::LongLongInt(seq),
-            );
-        }
-        Ok(BasicProperties::default()
-            .with_message_id(self.id.to_string().into())
-            .with_type(short("event type", self.event_type.clone())?)
-            .with_content_type(wire::CONTENT_TYPE.into())
-            .with_delivery_mode(wire::DELIVERY_MODE_PERSISTENT)
-            .with_timestamp(self.created_at.timestamp().max(0) as u64)
-            .with_app_id("outbox-relay".into())
-            .with_headers(headers))
+        let envelope = Envelope {
+            message_id: self.id.to_string().into(),
+            event_type: short("event type", self.event_type.clone())?,
+            aggregate_type: &self.aggregate_type,
+            aggregate_id: &self.aggregate_id,
+            aggregate_seq: self.aggregate_seq,
+            timestamp: self.created_at.timestamp().max(0) as u64,
+        };
+        Ok(event_properties(envelope, own))
     }
 
     /// The whole message, or why it can never be published as it is (see
@@ -214,57 +195,6 @@ fn short(what: &str, v: String) -> Result<ShortString, String> {
     ShortString::try_new(v).map_err(|_| format!("{what} is {len} bytes; AMQP allows at most 255"))
 }
 
-/// JSON header values map to the nearest AMQP field type: strings to long
-/// strings, integers that fit 64 bits signed to long-long ints, other
-/// finite numbers to doubles, booleans, null to void. Arrays, objects and
-/// numbers no AMQP type holds exactly (integers past 64 bits, exponents
-/// past a double) travel as their compact JSON text.
-fn raw_to_amqp(raw: &str) -> AMQPValue {
-    match raw.as_bytes().first() {
-        Some(b'"') => match serde_json::from_str::<String>(raw) {
-            Ok(s) => AMQPValue::LongString(s.into()),
-            Err(_) => AMQPValue::LongString(raw.into()),
-        },
-        Some(b't') => AMQPValue::Boolean(true),
-        Some(b'f') => AMQPValue::Boolean(false),
-        Some(b'n') => AMQPValue::Void,
-        Some(b'[' | b'{') => AMQPValue::LongString(compact_json(raw).into()),
-        _ => {
-            if let Ok(i) = raw.parse::<i64>() {
-                return AMQPValue::LongLongInt(i);
-            }
-            let integer = !raw.contains(['.', 'e', 'E']);
-            match raw.parse::<f64>() {
-                Ok(f) if !integer && f.is_finite() => AMQPValue::Double(f),
-                _ => AMQPValue::LongString(raw.into()),
-            }
-        }
-    }
-}
-
-/// JSON text without the whitespace between tokens (strings untouched).
-/// Iterative: any nesting depth.
-fn compact_json(raw: &str) -> String {
-    let mut out = String::with_capacity(raw.len());
-    let (mut in_string, mut escaped) = (false, false);
-    for c in raw.chars() {
-        if in_string {
-            out.push(c);
-            if escaped {
-                escaped = false;
-            } else if c == '\\' {
-                escaped = true;
-            } else if c == '"' {
-                in_string = false;
-            }
-        } else if !c.is_ascii_whitespace() {
-            in_string = c == '"';
-            out.push(c);
-        }
-    }
-    out
-}
-
 /// Encoded size of `p` in a content header frame: property flags, then
 /// each property present.
 fn properties_size(p: &BasicProperties) -> usize {
@@ -293,7 +223,7 @@ fn table_size(t: &FieldTable) -> usize {
         .sum::<usize>()
 }
 
-/// Type tag plus value, for the types [`raw_to_amqp`] produces (others
+/// Type tag plus value, for the types [`json_header_value`] produces (others
 /// counted generously).
 fn value_size(v: &AMQPValue) -> usize {
     1 + match v {

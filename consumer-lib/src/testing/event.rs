@@ -1,9 +1,9 @@
 //! Built events: what the relay would publish, without a relay.
 
-use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
 use outbox::testing::Enqueued;
 use outbox::wire;
+use outbox_core::amqp::{Envelope, event_properties, json_header_value};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -106,8 +106,10 @@ impl EventBuilder {
     /// over same-named ones, and `x-aggregate-seq` comes from
     /// [`sequence`](Self::sequence) only, as on the wire.
     pub fn header(mut self, name: impl Into<String>, value: impl Into<Value>) -> Self {
-        self.headers
-            .insert(name.into().into(), amqp_value(&value.into()));
+        self.headers.insert(
+            name.into().into(),
+            json_header_value(&value.into().to_string()),
+        );
         self
     }
 
@@ -141,37 +143,23 @@ impl EventBuilder {
 
     /// The event.
     pub fn build(self) -> Event {
-        let mut headers = FieldTable::default();
-        for (name, value) in self.headers.inner() {
-            if name.as_str() != wire::HEADER_AGGREGATE_SEQ {
-                headers.insert(name.clone(), value.clone());
-            }
-        }
-        headers.insert(
-            wire::HEADER_AGGREGATE_TYPE.into(),
-            AMQPValue::LongString(self.aggregate_type.as_str().into()),
-        );
-        headers.insert(
-            wire::HEADER_AGGREGATE_ID.into(),
-            AMQPValue::LongString(self.aggregate_id.as_str().into()),
-        );
-        if let Some(seq) = self.sequence {
-            headers.insert(
-                wire::HEADER_AGGREGATE_SEQ.into(),
-                AMQPValue::LongLongInt(seq),
-            );
-        }
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let properties = BasicProperties::default()
-            .with_message_id(self.id.as_str().into())
-            .with_type(self.event_type.as_str().into())
-            .with_content_type(wire::CONTENT_TYPE.into())
-            .with_delivery_mode(wire::DELIVERY_MODE_PERSISTENT)
-            .with_timestamp(now)
-            .with_app_id("outbox-relay".into())
-            .with_headers(headers);
+        let envelope = Envelope {
+            message_id: self.id.as_str().into(),
+            event_type: self.event_type.as_str().into(),
+            aggregate_type: &self.aggregate_type,
+            aggregate_id: &self.aggregate_id,
+            aggregate_seq: self.sequence,
+            timestamp: now,
+        };
+        let own = self
+            .headers
+            .inner()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()));
+        let properties = event_properties(envelope, own);
         Event {
             id: self.id,
             properties,
@@ -195,21 +183,6 @@ impl From<&Enqueued> for EventBuilder {
         }
         b.sequence = e.aggregate_seq;
         b
-    }
-}
-
-/// A JSON header value as the relay publishes it.
-fn amqp_value(v: &Value) -> AMQPValue {
-    match v {
-        Value::String(s) => AMQPValue::LongString(s.as_str().into()),
-        Value::Bool(b) => AMQPValue::Boolean(*b),
-        Value::Null => AMQPValue::Void,
-        Value::Number(n) => match (n.as_i64(), n.as_f64()) {
-            (Some(i), _) => AMQPValue::LongLongInt(i),
-            (None, Some(f)) if n.is_f64() && f.is_finite() => AMQPValue::Double(f),
-            _ => AMQPValue::LongString(n.to_string().as_str().into()),
-        },
-        Value::Array(_) | Value::Object(_) => AMQPValue::LongString(v.to_string().as_str().into()),
     }
 }
 

@@ -5,10 +5,12 @@
 
 mod flow;
 mod link;
+mod message;
 mod nodes;
 
 pub use flow::{BlockWatch, Flow, bounded_unblocked, is_blocked, while_blocked};
 pub use link::{KEEPALIVE_BOUND, Link};
+pub use message::{Envelope, event_properties, json_header_value};
 pub use nodes::Nodes;
 
 use std::future::Future;

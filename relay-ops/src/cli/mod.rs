@@ -1,4 +1,4 @@
-//! The `outbox-relay` binary (feature `cli`): flags and environment → one
+//! The `outbox-relay` binary: flags and environment → one
 //! validated config → the command. Not an API: `main.rs` calls [`main`].
 //!
 //! One file per subcommand; `args.rs` holds every flag (their doc comments
