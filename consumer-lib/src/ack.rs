@@ -2,6 +2,7 @@
 //! and dead letters (confirmed), then ack. A message is acked only once
 //! its copy is safely queued.
 
+use outbox_core::amqp::BrokerError;
 use std::time::Duration;
 
 use lapin::options::{BasicAckOptions, BasicPublishOptions};
@@ -177,15 +178,17 @@ async fn await_confirms(
                     deadline = tokio::time::Instant::now() + timeout;
                 }
                 Err(_) => {
-                    return Err(Error::BrokerTimeout {
+                    return Err(Error::Broker(BrokerError::TimedOut {
                         what: "publisher confirm",
                         timeout,
-                    });
+                    }));
                 }
                 Ok(r) => {
-                    break r.map_err(|source| Error::Broker {
-                        what: "publisher confirm",
-                        source,
+                    break r.map_err(|source| {
+                        Error::Broker(BrokerError::Failed {
+                            what: "publisher confirm",
+                            source,
+                        })
                     })?;
                 }
             }

@@ -1,6 +1,6 @@
 use std::time::Duration;
 
-use outbox_core::amqp::{BrokerError, is_refusal};
+pub use outbox_core::amqp::BrokerError;
 use thiserror::Error;
 
 /// Everything that can go wrong in `consumer-lib`.
@@ -14,24 +14,10 @@ pub enum Error {
     /// The database returned an error.
     #[error("database error")]
     Database(#[from] sqlx::Error),
-    /// A broker operation failed (connection refused or lost, channel
-    /// closed, queue missing, ...).
-    #[error("broker error during {what}: {source}")]
-    Broker {
-        /// The AMQP operation that failed.
-        what: &'static str,
-        /// lapin's error.
-        #[source]
-        source: lapin::Error,
-    },
-    /// A broker operation did not complete in time.
-    #[error("broker did not answer {what} within {timeout:?}")]
-    BrokerTimeout {
-        /// The AMQP operation that timed out.
-        what: &'static str,
-        /// The configured bound.
-        timeout: Duration,
-    },
+    /// A broker operation failed, was refused or did not complete in time
+    /// (connection refused or lost, channel closed, queue missing, ...).
+    #[error(transparent)]
+    Broker(BrokerError),
     /// The broker cancelled our consumer (for example: the queue was
     /// deleted) or the delivery stream ended.
     #[error("consumer on queue {queue:?} was cancelled by the broker")]
@@ -98,11 +84,8 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Database(e) => outbox_core::db::is_transient(e),
-            Error::Broker { what, source } => !is_refusal(what, source),
-            Error::BrokerTimeout { .. }
-            | Error::ConsumerCancelled { .. }
-            | Error::Nacked { .. }
-            | Error::Returned { .. } => true,
+            Error::Broker(e) => e.is_transient(),
+            Error::ConsumerCancelled { .. } | Error::Nacked { .. } | Error::Returned { .. } => true,
             Error::Outbox(e) => e.is_transient(),
             Error::Config(_) | Error::MissingPlugin { .. } | Error::QueueMismatch { .. } => false,
         }
@@ -112,13 +95,8 @@ impl Error {
 impl From<BrokerError> for Error {
     fn from(e: BrokerError) -> Self {
         match e {
-            BrokerError::Failed { what, source } => Error::Broker { what, source },
-            BrokerError::Connect { source, .. } => Error::Broker {
-                what: "connect",
-                source,
-            },
-            BrokerError::TimedOut { what, timeout } => Error::BrokerTimeout { what, timeout },
             BrokerError::NoUrl => Error::Config(e.to_string()),
+            e => Error::Broker(e),
         }
     }
 }

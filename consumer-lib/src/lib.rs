@@ -96,7 +96,7 @@ use sqlx::PgPool;
 
 pub use crate::config::{ConsumerConfig, DedupKey, Sequencing};
 pub use crate::consumer::Consumer;
-pub use crate::error::{Error, Result};
+pub use crate::error::{BrokerError, Error, Result};
 pub use crate::event::{Event, HEADER_DEFERRAL_COUNT, HEADER_DELIVERY_COUNT, MAX_DEDUP_KEY_BYTES};
 pub use crate::handler::{BatchHandler, BatchOutcome, Conflict, Handler, Outcome};
 pub use crate::retention::{

@@ -15,6 +15,7 @@
 //! republishing after a long outage, a replay from an archive). What it can
 //! see, the parked copies, holds retention back, and it says so.
 
+use outbox_core::amqp::BrokerError;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -388,10 +389,10 @@ async fn queues_empty(config: &ConsumerConfig) -> Result<bool> {
                     return Ok(false);
                 }
                 Err(_) => {
-                    return Err(Error::BrokerTimeout {
+                    return Err(Error::Broker(BrokerError::TimedOut {
                         what: "queue.declare (passive)",
                         timeout: bound,
-                    });
+                    }));
                 }
             }
         }

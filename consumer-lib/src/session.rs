@@ -3,6 +3,7 @@
 //! declare, consume batches of deliveries (each processed by `process/`)
 //! and, after a failure, reconnect with backoff.
 
+use outbox_core::amqp::BrokerError;
 use std::sync::atomic::Ordering;
 
 use futures_util::StreamExt as _;
@@ -239,10 +240,10 @@ async fn next_batch(
 fn next_delivery(d: Option<lapin::Result<Delivery>>, queue: &str) -> Result<Delivery> {
     match d {
         Some(Ok(d)) => Ok(d),
-        Some(Err(source)) => Err(Error::Broker {
+        Some(Err(source)) => Err(Error::Broker(BrokerError::Failed {
             what: "consume",
             source,
-        }),
+        })),
         None => Err(Error::ConsumerCancelled {
             queue: queue.to_owned(),
         }),

@@ -1,4 +1,4 @@
-use outbox_core::amqp::{BrokerError, is_refusal};
+pub use outbox_core::amqp::BrokerError;
 use thiserror::Error;
 
 /// Errors of the relay engine.
@@ -18,28 +18,11 @@ pub enum Error {
     /// PostgreSQL failed.
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
-    /// Connecting to the broker failed.
-    #[error("cannot connect to the broker at {node}")]
-    BrokerConnect {
-        /// `host:port` of the node (never its password).
-        node: String,
-        /// What lapin reported.
-        #[source]
-        source: lapin::Error,
-    },
-    /// The broker connection or channel was lost or refused an operation.
-    #[error("broker error during {what}: {source}")]
-    Broker {
-        /// The AMQP operation that failed.
-        what: &'static str,
-        /// lapin's error.
-        #[source]
-        source: lapin::Error,
-    },
-    /// The broker closed a publishing channel (the batch was settled; the
-    /// channel is replaced).
-    #[error("broker closed the channel: {0}")]
-    ChannelClosed(String),
+    /// The broker failed, refused, timed out, blocked publishing or
+    /// closed a channel; the supervisor reconnects and retries, unless it
+    /// is a refusal ([`Error::is_refusal`]).
+    #[error(transparent)]
+    Broker(BrokerError),
     /// On shutdown, the batches in flight did not finish within
     /// [`RelayConfig::drain_timeout`](crate::RelayConfig::drain_timeout);
     /// they were abandoned (rolled back) and their events stay in the
@@ -71,43 +54,19 @@ pub enum Error {
         /// The bound that was exceeded.
         timeout: std::time::Duration,
     },
-    /// The broker blocks this connection's publishing (a memory or disk
-    /// alarm): the batch was rolled back without counting an attempt, and
-    /// publishing waits for the broker to lift the block.
-    #[error("the broker blocks publishing (resource alarm) during {what}")]
-    BrokerBlocked {
-        /// The operation that could not finish.
-        what: &'static str,
-    },
-    /// A broker operation did not finish within its timeout.
-    #[error("broker did not answer {what} within {timeout:?}")]
-    BrokerTimeout {
-        /// The operation that timed out.
-        what: &'static str,
-        /// The bound that was exceeded.
-        timeout: std::time::Duration,
-    },
 }
 
 impl Error {
     /// True when the broker side failed (the supervisor reconnects).
     pub fn is_broker(&self) -> bool {
-        matches!(
-            self,
-            Error::Broker { .. }
-                | Error::BrokerConnect { .. }
-                | Error::BrokerTimeout { .. }
-                | Error::BrokerBlocked { .. }
-                | Error::ChannelClosed(_)
-        )
+        matches!(self, Error::Broker(_))
     }
 
     /// True when the broker refused in a way no retry can fix (see
     /// [`Error::is_transient`]): `Relay::run` returns such an error.
     pub fn is_refusal(&self) -> bool {
         match self {
-            Error::BrokerConnect { source, .. } => is_refusal("connect", source),
-            Error::Broker { what, source } => is_refusal(what, source),
+            Error::Broker(e) => e.is_refusal(),
             Error::WalRefused(_) => true,
             _ => false,
         }
@@ -117,33 +76,28 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Config(_) | Error::DrainTimedOut(_) | Error::WalRefused(_) => false,
-            Error::Replication(_) | Error::DatabaseTimeout { .. } | Error::BrokerBlocked { .. } => {
-                true
-            }
+            Error::Replication(_) | Error::DatabaseTimeout { .. } => true,
             Error::Outbox(e) => e.is_transient(),
             Error::Database(e) => outbox_core::db::is_transient(e),
-            Error::BrokerConnect { .. } | Error::Broker { .. } => !self.is_refusal(),
-            Error::BrokerTimeout { .. } | Error::ChannelClosed(_) => true,
+            Error::Broker(e) => e.is_transient(),
         }
     }
 }
 
 impl From<lapin::Error> for Error {
     fn from(source: lapin::Error) -> Self {
-        Error::Broker {
+        Error::Broker(BrokerError::Failed {
             what: "a broker operation",
             source,
-        }
+        })
     }
 }
 
 impl From<BrokerError> for Error {
     fn from(e: BrokerError) -> Self {
         match e {
-            BrokerError::Failed { what, source } => Error::Broker { what, source },
-            BrokerError::Connect { node, source } => Error::BrokerConnect { node, source },
-            BrokerError::TimedOut { what, timeout } => Error::BrokerTimeout { what, timeout },
             BrokerError::NoUrl => Error::Config(ConfigError::Url(e.to_string())),
+            e => Error::Broker(e),
         }
     }
 }

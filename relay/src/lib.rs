@@ -112,7 +112,7 @@ pub const FAULT_CHANNEL_EVENT_TYPE: &str = "outbox-relay.fault-injection.close-c
 
 pub use crate::config::{RelayConfig, WalCapture};
 pub use crate::db::pool_options;
-pub use crate::error::{ConfigError, Error, Result};
+pub use crate::error::{BrokerError, ConfigError, Error, Result};
 pub use crate::health::Health;
 pub use crate::message::OutboxEvent;
 pub use crate::relay::Relay;

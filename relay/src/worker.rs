@@ -17,6 +17,7 @@
 //! 500 events/s, and CPU spent on shared cores slows every thread's
 //! wake-up, the hand-written path's too (BENCHMARKS.md, twelfth part).
 
+use outbox_core::amqp::BrokerError;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -368,9 +369,9 @@ impl Relay {
         };
         if !session.publisher.is_open() {
             session.publisher.close().await;
-            return Err(Error::ChannelClosed(
+            return Err(Error::Broker(BrokerError::ChannelClosed(
                 "the broker closed the connection while the worker was idle".to_owned(),
-            ));
+            )));
         }
         Ok(woken)
     }

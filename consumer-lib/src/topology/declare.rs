@@ -2,6 +2,7 @@
 //! queue with its retry queue and dead-letter queue, and what a refused
 //! declaration means.
 
+use outbox_core::amqp::BrokerError;
 use outbox_core::queues::{dead_letter_queue, retry_queue};
 use std::time::Duration;
 
@@ -166,7 +167,7 @@ async fn declare_queue(
 fn mismatch(e: Error, queue: &str) -> Error {
     use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
     match e {
-        Error::Broker { source, .. }
+        Error::Broker(BrokerError::Failed { source, .. })
             if matches!(source.kind(), ErrorKind::ProtocolError(amqp)
                 if amqp.kind() == &AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED)) =>
         {
@@ -194,9 +195,11 @@ mod tests {
 
     #[test]
     fn a_conflicting_declaration_names_the_queue_and_the_argument() {
-        let refused = |kind, text: &str| Error::Broker {
-            what: "queue.declare",
-            source: ErrorKind::ProtocolError(AMQPError::new(kind, text.into())).into(),
+        let refused = |kind, text: &str| {
+            Error::Broker(BrokerError::Failed {
+                what: "queue.declare",
+                source: ErrorKind::ProtocolError(AMQPError::new(kind, text.into())).into(),
+            })
         };
         let e = mismatch(
             refused(
@@ -220,6 +223,6 @@ mod tests {
             ),
             "stock",
         );
-        assert!(matches!(other, Error::Broker { .. }));
+        assert!(matches!(other, Error::Broker(_)));
     }
 }

@@ -2,6 +2,7 @@
 //! [`declare_ordered_topology`] (single-active-consumer queues, optionally
 //! partitioned by a consistent-hash exchange).
 
+use outbox_core::amqp::BrokerError;
 use std::time::Duration;
 
 use lapin::options::{ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions};
@@ -247,7 +248,7 @@ const CONSISTENT_HASH: &str = "x-consistent-hash";
 /// type` / `invalid exchange type`) means the plugin is not enabled.
 fn missing_plugin(e: Error) -> Error {
     match e {
-        Error::Broker { source, .. }
+        Error::Broker(BrokerError::Failed { source, .. })
             if matches!(source.kind(), ErrorKind::ProtocolError(amqp)
                 if amqp.get_message().as_str().contains("exchange type")) =>
         {
@@ -288,13 +289,15 @@ mod tests {
 
     #[test]
     fn an_unknown_exchange_type_names_the_plugin() {
-        let refused = |text: &str| Error::Broker {
-            what: "exchange.declare (x-consistent-hash)",
-            source: ErrorKind::ProtocolError(AMQPError::new(
-                AMQPErrorKind::Hard(AMQPHardError::COMMANDINVALID),
-                text.into(),
-            ))
-            .into(),
+        let refused = |text: &str| {
+            Error::Broker(BrokerError::Failed {
+                what: "exchange.declare (x-consistent-hash)",
+                source: ErrorKind::ProtocolError(AMQPError::new(
+                    AMQPErrorKind::Hard(AMQPHardError::COMMANDINVALID),
+                    text.into(),
+                ))
+                .into(),
+            })
         };
         let e = missing_plugin(refused(
             "COMMAND_INVALID - unknown exchange type 'x-consistent-hash'",
@@ -310,6 +313,6 @@ mod tests {
         let other = missing_plugin(refused(
             "PRECONDITION_FAILED - inequivalent arg 'hash-header'",
         ));
-        assert!(matches!(other, Error::Broker { .. }));
+        assert!(matches!(other, Error::Broker(_)));
     }
 }

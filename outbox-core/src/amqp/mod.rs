@@ -21,8 +21,11 @@ use lapin::{Connection, ConnectionProperties};
 
 use crate::redact::host_port;
 
-/// A broker call that failed or did not finish in time.
+/// What went wrong with the broker: the one broker error of the relay and
+/// the consumer (their `Error::Broker`). Broker outcomes of single events
+/// (nacked, returned) are not among them.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum BrokerError {
     /// The broker (or the connection to it) failed the operation.
     #[error("broker error during {what}: {source}")]
@@ -53,6 +56,19 @@ pub enum BrokerError {
         /// The bound that was exceeded.
         timeout: Duration,
     },
+    /// The broker blocks this connection's publishing (a memory or disk
+    /// alarm) and the operation could not finish: the relay rolls its
+    /// batch back without counting an attempt and waits for the block to
+    /// lift.
+    #[error("the broker blocks publishing (resource alarm) during {what}")]
+    Blocked {
+        /// The operation that could not finish.
+        what: &'static str,
+    },
+    /// The broker closed a channel (the relay settles the batch on it and
+    /// replaces the channel).
+    #[error("broker closed the channel: {0}")]
+    ChannelClosed(String),
 }
 
 impl BrokerError {
@@ -62,7 +78,25 @@ impl BrokerError {
             BrokerError::Failed { what, source } => is_refusal(what, source),
             BrokerError::Connect { source, .. } => is_refusal("connect", source),
             BrokerError::NoUrl => true,
-            BrokerError::TimedOut { .. } => false,
+            BrokerError::TimedOut { .. }
+            | BrokerError::Blocked { .. }
+            | BrokerError::ChannelClosed(_) => false,
+        }
+    }
+
+    /// True when a later retry may succeed: every broker error that is not
+    /// a refusal.
+    pub fn is_transient(&self) -> bool {
+        !self.is_refusal()
+    }
+
+    /// lapin's error, where the broker (or the link) gave one.
+    pub fn lapin(&self) -> Option<&lapin::Error> {
+        match self {
+            BrokerError::Failed { source, .. } | BrokerError::Connect { source, .. } => {
+                Some(source)
+            }
+            _ => None,
         }
     }
 }

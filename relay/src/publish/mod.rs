@@ -4,6 +4,7 @@
 mod receipt;
 mod send;
 
+use outbox_core::amqp::BrokerError;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -110,13 +111,15 @@ impl Publisher {
                     let by = deadline.min(Instant::now() + self.broker_timeout);
                     let _ = tokio::time::timeout_at(by, ch.close(200, "OK".into())).await;
                 }
-                Err(Error::Broker { source: e, .. }) if is_not_found(&e) => {
+                Err(Error::Broker(BrokerError::Failed { source: e, .. })) if is_not_found(&e) => {
                     refused.insert(
                         name.to_string(),
                         Receipt::ExchangeNotFound(name.to_string()),
                     );
                 }
-                Err(Error::Broker { source: e, .. }) if self.conn.status().connected() => {
+                Err(Error::Broker(BrokerError::Failed { source: e, .. }))
+                    if self.conn.status().connected() =>
+                {
                     refused.insert(
                         name.to_string(),
                         Receipt::ExchangeRefused {
@@ -150,8 +153,8 @@ pub(super) async fn within<T>(
 ) -> Result<T> {
     let by = deadline.min(Instant::now() + timeout);
     match tokio::time::timeout_at(by, f).await {
-        Ok(r) => r.map_err(|source| Error::Broker { what, source }),
-        Err(_) => Err(Error::BrokerTimeout { what, timeout }),
+        Ok(r) => r.map_err(|source| Error::Broker(BrokerError::Failed { what, source })),
+        Err(_) => Err(Error::Broker(BrokerError::TimedOut { what, timeout })),
     }
 }
 

@@ -1,6 +1,7 @@
 //! The broker's receipt for one event, and what a batch's receipts say
 //! about the channel that carried it.
 
+use outbox_core::amqp::BrokerError;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -134,17 +135,17 @@ impl Publisher {
     ) -> Result<()> {
         if receipts.contains(&Receipt::TimedOut) {
             // Confirms may still arrive on this channel; start afresh.
-            return Err(Error::BrokerTimeout {
+            return Err(Error::Broker(BrokerError::TimedOut {
                 what: "publisher confirms",
                 timeout: confirm_timeout,
-            });
+            }));
         }
         if let Some(Receipt::ChannelFailed(e)) = receipts
             .iter()
             .find(|o| matches!(o, Receipt::ChannelFailed(_)))
         {
             // Settled; now replace the closed channel.
-            return Err(Error::ChannelClosed(e.clone()));
+            return Err(Error::Broker(BrokerError::ChannelClosed(e.clone())));
         }
         if receipts.contains(&Receipt::Nacked) {
             // Settled (retried later). A channel that published to a

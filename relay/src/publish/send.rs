@@ -1,6 +1,7 @@
 //! Sending a batch: checked messages handed to the channel in order, the
 //! confirms collected later ([`SentBatch::receipts`]).
 
+use outbox_core::amqp::BrokerError;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::task::Poll;
@@ -59,12 +60,12 @@ impl Publisher {
         {
             Ok(refused) => refused,
             // Out of time before anything was sent: nothing to settle.
-            Err(Error::BrokerTimeout { .. }) if blocked_now(&self.conn) => {
-                return Err(Error::BrokerBlocked {
+            Err(Error::Broker(BrokerError::TimedOut { .. })) if blocked_now(&self.conn) => {
+                return Err(Error::Broker(BrokerError::Blocked {
                     what: "the exchanges' check",
-                });
+                }));
             }
-            Err(Error::BrokerTimeout { .. }) if Instant::now() >= deadline => {
+            Err(Error::Broker(BrokerError::TimedOut { .. })) if Instant::now() >= deadline => {
                 sent.receipts = vec![Some(Receipt::NotSent); events.len()];
                 return Ok(sent);
             }
@@ -156,9 +157,11 @@ impl Publisher {
         let mut pending = Vec::with_capacity(handed.len());
         for (i, handed) in handed {
             let written = match handed {
-                Handed::Done(r) => r.map_err(|source| Error::Broker {
-                    what: "basic.publish",
-                    source,
+                Handed::Done(r) => r.map_err(|source| {
+                    Error::Broker(BrokerError::Failed {
+                        what: "basic.publish",
+                        source,
+                    })
                 }),
                 Handed::Writing(f) => {
                     within("basic.publish", self.broker_timeout, send_by, f).await
@@ -169,14 +172,14 @@ impl Publisher {
                 // A blocked connection (memory or disk alarm) writes
                 // nothing: the broker's state, not the event's, so no
                 // attempt is counted (the batch rolls back).
-                Err(Error::BrokerTimeout { .. }) if blocked_now(&self.conn) => {
-                    return Err(Error::BrokerBlocked {
+                Err(Error::Broker(BrokerError::TimedOut { .. })) if blocked_now(&self.conn) => {
+                    return Err(Error::Broker(BrokerError::Blocked {
                         what: "basic.publish",
-                    });
+                    }));
                 }
                 // Its frames may still go out: not delivered as far as we
                 // know, and the publisher is replaced.
-                Err(Error::BrokerTimeout { .. }) if Instant::now() >= send_by => {
+                Err(Error::Broker(BrokerError::TimedOut { .. })) if Instant::now() >= send_by => {
                     receipts[i] = Some(Receipt::TimedOut);
                 }
                 Err(err) => match self.channel_failure(&err) {
@@ -265,16 +268,16 @@ impl SentBatch {
                     // A blocked connection (memory or disk alarm) is the
                     // broker's state, not the event's: no attempt is counted.
                     Err(_) if blocked_now(&self.conn) => {
-                        return Err(Error::BrokerBlocked {
+                        return Err(Error::Broker(BrokerError::Blocked {
                             what: "publisher confirms",
-                        });
+                        }));
                     }
                     Err(_) => Receipt::TimedOut,
                     Ok(Err(err)) => {
-                        let err = Error::Broker {
+                        let err = Error::Broker(BrokerError::Failed {
                             what: "publisher confirm",
                             source: err,
-                        };
+                        });
                         match channel_failure(&self.conn, &self.channel, &err) {
                             Some(receipt) => receipt,
                             None => return Err(err),

@@ -4,6 +4,7 @@
 //! wire); the batches are finished in order as their confirms arrive, each
 //! one's position confirmed to the slot only then.
 
+use outbox_core::amqp::BrokerError;
 use std::sync::Arc;
 
 use futures_util::FutureExt;
@@ -84,10 +85,10 @@ impl WalReader {
                     // node that closed the connection (a stopped node):
                     // fail over now, not at the next event (keep-alives
                     // bring the reader here at every status interval).
-                    return Err(Error::ChannelClosed(
+                    return Err(Error::Broker(BrokerError::ChannelClosed(
                         "the broker closed the connection while the log's reader was idle"
                             .to_owned(),
-                    ));
+                    )));
                 }
                 tokio::select! {
                     _ = shutdown.cancelled() => continue,
