@@ -10,6 +10,7 @@ use std::time::Duration;
 use lapin::options::ExchangeDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use tokio_util::sync::CancellationToken;
 
 use crate::config::RelayConfig;
 use crate::error::Result;
@@ -161,5 +162,18 @@ impl BrokerSession {
     pub(crate) fn abort(self) {
         drop(self.watch);
         self.link.abort();
+    }
+}
+
+/// Whether the broker blocks `conn`'s publishing now.
+pub(crate) fn blocked_now(conn: &Connection) -> bool {
+    outbox_core::amqp::is_blocked(conn)
+}
+
+/// Waits while the broker blocks `conn`; false when `stop` came first.
+pub(crate) async fn unblocked(conn: &Connection, stop: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => false,
+        _ = outbox_core::amqp::while_blocked(conn) => !stop.is_cancelled(),
     }
 }

@@ -124,6 +124,6 @@ pub use crate::wal::{WalSetUp, create_wal_slot, drop_wal_slot, recorded_wal_slot
 #[cfg(feature = "testing")]
 #[doc(hidden)]
 pub use crate::{
-    relay::{BatchReport, WorkerSession},
     settle::Settled,
+    worker::{BatchReport, WorkerSession},
 };

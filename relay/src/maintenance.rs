@@ -1,31 +1,94 @@
 //! The maintenance round beside the workers, every third of the lease TTL
 //! while the relay has a broker session (the first is run by the first
 //! worker whose channel opened, before its first claim): the lease round
-//! ([`Leases`](crate::lease::Leases)), then the broker node in use and the
-//! publish stats ([`Stats`](crate::stats::Stats)). A batch never runs it.
+//! ([`Leases`]), then the broker node in use and the publish stats
+//! ([`Stats`]). A batch never runs it. Beside it, the claims' floor is
+//! read from the lock table and, with `--archive`, the archive's days are
+//! kept.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox::Ident;
+use sqlx::PgPool;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::claim::floor;
+use crate::claim::floor::{self, Floor};
+use crate::config::RelayConfig;
 use crate::db::bounded;
 use crate::error::Error;
-use crate::relay::Relay;
+use crate::health::Health;
+use crate::lease::Leases;
+use crate::stats::Stats;
 use crate::wake::sleep_or_cancel;
 
-impl Relay {
+/// The relay's upkeep: leases, stats, the claims' floor, the archive.
+#[derive(Debug)]
+pub(crate) struct Maintenance {
+    pool: PgPool,
+    schema: Ident,
+    database_timeout: Duration,
+    /// With `--archive`: how long published events are kept.
+    archive_retention: Option<Duration>,
+    /// Where the broker node in use is read from.
+    health: Arc<Health>,
+    leases: Arc<Leases>,
+    stats: Arc<Stats>,
+    floor: Arc<Floor>,
+    /// The workers' wake-up, for the floor's catch-ups.
+    wake: watch::Sender<u64>,
+}
+
+impl Maintenance {
+    /// The upkeep of `schema` by `config`; `leases`, `stats` and `floor`
+    /// are the workers' too.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        config: &RelayConfig,
+        schema: &Ident,
+        pool: PgPool,
+        health: Arc<Health>,
+        leases: Arc<Leases>,
+        stats: Arc<Stats>,
+        floor: Arc<Floor>,
+        wake: watch::Sender<u64>,
+    ) -> Self {
+        Self {
+            pool,
+            schema: schema.clone(),
+            database_timeout: config.database_timeout,
+            archive_retention: config.archive.then_some(config.archive_retention),
+            health,
+            leases,
+            stats,
+            floor,
+            wake,
+        }
+    }
+
+    /// Everything beside the workers until `stop`: the rounds, the floor's
+    /// readings and the archive's upkeep.
+    pub(crate) async fn run(&self, stop: CancellationToken) {
+        tokio::join!(
+            self.maintain(stop.clone()),
+            self.track_floor(stop.clone()),
+            self.keep_archive(stop)
+        );
+    }
+
     /// One round, if one is due; each of its statements bounded by the
     /// database timeout (a round cut short is tried again at the next).
-    pub(crate) async fn maintenance_round(&self) {
-        let inner = &self.inner;
-        let node = inner.health.broker_node();
-        let t = inner.config.database_timeout;
+    pub(crate) async fn round(&self) {
+        let node = self.health.broker_node();
+        let t = self.database_timeout;
         let leases = bounded("the lease round", t * 2, async {
-            Ok::<_, Error>(inner.leases.round(&inner.pool, node).await)
+            Ok::<_, Error>(self.leases.round(&self.pool, node).await)
         });
         match leases.await {
             Ok(true) => {
                 let stats = bounded("the publish stats", t, async {
-                    inner.stats.write(&inner.pool).await;
+                    self.stats.write(&self.pool).await;
                     Ok::<_, Error>(())
                 });
                 if let Err(e) = stats.await {
@@ -37,19 +100,30 @@ impl Relay {
         }
     }
 
+    /// Gives this relay's partition leases up (bounded: they expire by
+    /// themselves when the database does not answer).
+    pub(crate) async fn release_leases(&self) {
+        let release = async {
+            self.leases.release(&self.pool).await;
+            Ok::<_, Error>(())
+        };
+        if let Err(e) = bounded("the leases' release", self.database_timeout, release).await {
+            tracing::warn!(error = %e, "could not release partition leases; they expire by themselves");
+        }
+    }
+
     /// Reads the claim's floor every [`floor::EVERY`] until `stop`; a
     /// reading that fails or is late leaves the last floor (a long
     /// writer's rows then wait for the next reading's catch-up). A
     /// reading that caught up wakes the workers: the writer's commit
     /// woke them before, when its rows lay behind the cursors.
-    pub(crate) async fn track_floor(&self, stop: CancellationToken) {
-        let inner = &self.inner;
+    async fn track_floor(&self, stop: CancellationToken) {
         while !stop.is_cancelled() {
-            let read = bounded("the claim floor", inner.config.database_timeout, async {
-                Ok::<_, Error>(inner.floor.read(&inner.pool).await?)
+            let read = bounded("the claim floor", self.database_timeout, async {
+                Ok::<_, Error>(self.floor.read(&self.pool).await?)
             });
             match read.await {
-                Ok(true) => self.wake(),
+                Ok(true) => self.wake.send_modify(|g| *g = g.wrapping_add(1)),
                 Ok(false) => {}
                 Err(e) => tracing::debug!(error = %e, "claim floor not read; next reading"),
             }
@@ -60,15 +134,13 @@ impl Relay {
     /// With `--archive`: the archive's upkeep ([`crate::archive`]) now and
     /// every [`crate::archive::EVERY`] until `stop`; a pass that fails is
     /// tried again at the next.
-    pub(crate) async fn keep_archive(&self, stop: CancellationToken) {
-        let inner = &self.inner;
-        if !inner.config.archive {
+    async fn keep_archive(&self, stop: CancellationToken) {
+        let Some(retention) = self.archive_retention else {
             return;
-        }
+        };
         while !stop.is_cancelled() {
-            let retention = inner.config.archive_retention;
-            let t = inner.config.database_timeout;
-            match crate::archive::upkeep(&inner.pool, &inner.schema, retention, t).await {
+            let t = self.database_timeout;
+            match crate::archive::upkeep(&self.pool, &self.schema, retention, t).await {
                 Ok(pass) if !pass.dropped.is_empty() || pass.deleted > 0 => {
                     tracing::info!(days = ?pass.dropped, deleted = pass.deleted, "archive retention");
                 }
@@ -80,10 +152,10 @@ impl Relay {
     }
 
     /// Rounds until `stop`.
-    pub(crate) async fn maintain(&self, stop: CancellationToken) {
+    async fn maintain(&self, stop: CancellationToken) {
         while !stop.is_cancelled() {
-            sleep_or_cancel(self.inner.leases.every(), &stop).await;
-            self.maintenance_round().await;
+            sleep_or_cancel(self.leases.every(), &stop).await;
+            self.round().await;
         }
     }
 }

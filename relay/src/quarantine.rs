@@ -25,7 +25,7 @@ pub(crate) struct Quarantine {
     pool: PgPool,
     /// `quarantine/event_seq.sql`.
     event_seq: SqlStr,
-    settle: crate::settle::Statements,
+    settle: crate::settle::Settle,
     retry_base: Duration,
     retry_max: Duration,
     /// Events of batches during which a worker panicked: each is published
@@ -41,7 +41,7 @@ impl Quarantine {
     pub(crate) fn new(
         pool: PgPool,
         schema: &Ident,
-        settle: crate::settle::Statements,
+        settle: crate::settle::Settle,
         retry_base: Duration,
         retry_max: Duration,
     ) -> Self {
@@ -104,7 +104,7 @@ impl Quarantine {
         match ordered {
             None => {}
             Some(None) => {
-                sqlx::query(self.settle.dead_letter.clone())
+                sqlx::query(self.settle.statements().dead_letter.clone())
                     .bind([id])
                     .bind([error])
                     .execute(&self.pool)
@@ -113,7 +113,7 @@ impl Quarantine {
             }
             Some(Some(_)) => {
                 let delay = jittered(self.retry_base, self.retry_max, 1).as_millis() as i64;
-                sqlx::query(self.settle.reschedule.clone())
+                sqlx::query(self.settle.statements().reschedule.clone())
                     .bind([id])
                     .bind([delay])
                     .bind([error])

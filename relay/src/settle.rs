@@ -1,6 +1,7 @@
 //! Recording what the broker said, in the claim's transaction.
 
 use std::collections::HashSet;
+use std::time::Duration;
 
 use crate::config::RelayConfig;
 use crate::error::Result;
@@ -21,7 +22,7 @@ pub(crate) struct Statements {
 }
 
 impl Statements {
-    pub(crate) fn new(schema: &Ident) -> Self {
+    fn new(schema: &Ident) -> Self {
         use crate::sql::render;
         Self {
             delete: render(include_str!("settle/delete.sql"), schema),
@@ -72,20 +73,71 @@ pub struct Settled {
     pub not_sent: usize,
 }
 
-/// Deletes (or archives) delivered events, reschedules failed ones with
-/// backoff and dead-letters those out of attempts. At most three
-/// statements per batch, whatever its size.
-///
-/// Ordered events (in the batch in aggregate order): the first failure of
-/// an aggregate is retried with backoff, whatever its attempts (never
-/// dead-lettered here: only an operator's skip moves past it); the aggregate's later events
-/// in the batch are left as they are, even if the broker took them: they go
-/// again after it. Claims only ever start an aggregate at its head, so
-/// nothing overtakes the failed event.
-pub(crate) async fn settle(
+/// The settle stage of one relay (the table's workers and the log's
+/// reader): its statements and the rules it settles by.
+#[derive(Debug, Clone)]
+pub(crate) struct Settle {
+    sql: Statements,
+    rules: Rules,
+}
+
+/// What [`Settle`] takes of the relay's configuration.
+#[derive(Debug, Clone, Copy)]
+struct Rules {
+    /// Delivered events are archived, not deleted (`--archive`).
+    archive: bool,
+    /// An unordered event failing this many times is dead-lettered.
+    max_attempts: i32,
+    /// The backoff's first delay and its cap.
+    retry_base: Duration,
+    retry_max: Duration,
+}
+
+impl Settle {
+    /// The settle stage for `schema`, by `config`'s rules.
+    pub(crate) fn new(schema: &Ident, config: &RelayConfig) -> Self {
+        Self {
+            sql: Statements::new(schema),
+            rules: Rules {
+                archive: config.archive,
+                max_attempts: config.max_attempts,
+                retry_base: config.retry_base,
+                retry_max: config.retry_max,
+            },
+        }
+    }
+
+    /// Its statements, for the stages that write their own outcomes
+    /// (quarantine, the log's diversion to the table).
+    pub(crate) fn statements(&self) -> &Statements {
+        &self.sql
+    }
+
+    /// Deletes (or archives) delivered events, reschedules failed ones with
+    /// backoff and dead-letters those out of attempts. At most three
+    /// statements per batch, whatever its size.
+    ///
+    /// Ordered events (in the batch in aggregate order): the first failure
+    /// of an aggregate is retried with backoff, whatever its attempts
+    /// (never dead-lettered here: only an operator's skip moves past it);
+    /// the aggregate's later events in the batch are left as they are,
+    /// even if the broker took them: they go again after it. Claims only
+    /// ever start an aggregate at its head, so nothing overtakes the
+    /// failed event.
+    pub(crate) async fn settle(
+        &self,
+        conn: &mut PgConnection,
+        events: &[OutboxEvent],
+        outcomes: &[Receipt],
+    ) -> Result<Settled> {
+        settle(conn, &self.sql, self.rules, events, outcomes).await
+    }
+}
+
+async fn settle(
     conn: &mut PgConnection,
     sql: &Statements,
-    config: &RelayConfig,
+    config: Rules,
     events: &[OutboxEvent],
     outcomes: &[Receipt],
 ) -> Result<Settled> {
@@ -139,7 +191,7 @@ struct Plan {
 }
 
 /// Sorts a batch's events by their receipts (the rules of [`settle`]).
-fn plan(config: &RelayConfig, events: &[OutboxEvent], outcomes: &[Receipt]) -> Plan {
+fn plan(config: Rules, events: &[OutboxEvent], outcomes: &[Receipt]) -> Plan {
     let mut plan = Plan::default();
     let mut failed_aggregates = HashSet::new();
     for (e, o) in events.iter().zip(outcomes) {

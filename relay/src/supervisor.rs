@@ -1,20 +1,29 @@
-//! The supervisor: [`Relay::run`] keeps a broker connection (reconnecting
-//! with backoff, failing over between nodes), runs the workers on it, and
-//! on shutdown drains the batches in flight.
+//! The supervisor: what `Relay::run` runs. It keeps a broker connection
+//! (reconnecting with backoff, failing over between nodes), runs the
+//! workers and the maintenance round on it, and on shutdown drains the
+//! batches in flight; beside it, the log's reader when the relay has one.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
+use outbox::Ident;
+use sqlx::PgPool;
+use tokio::sync::watch;
 use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::BrokerSession;
-use crate::db::bounded;
+use crate::broker::{Broker, BrokerSession};
+use crate::config::RelayConfig;
 use crate::error::{Error, Result};
+use crate::health::Health;
+use crate::maintenance::Maintenance;
 use crate::publish;
-use crate::relay::Relay;
 use crate::wake::{listen, sleep_or_cancel};
 use crate::wal::WalReader;
+use crate::worker::Worker;
 use outbox_core::backoff::Backoff;
+use outbox_core::outage::Outage;
 
 /// How one broker session ended.
 #[derive(Default)]
@@ -27,7 +36,81 @@ struct SessionEnd {
     drained_late: bool,
 }
 
-impl Relay {
+/// The relay's supervisor; everything it uses is given to
+/// [`new`](Self::new).
+pub(crate) struct Supervisor {
+    pool: PgPool,
+    /// Whose wake-ups it listens for.
+    schema: Ident,
+    settings: Settings,
+    broker: Arc<Broker>,
+    health: Arc<Health>,
+    broker_outage: Arc<Outage>,
+    wake: watch::Sender<u64>,
+    worker: Arc<Worker>,
+    maintenance: Arc<Maintenance>,
+    /// The log's reader, with `RelayConfig::wal`.
+    reader: Option<WalReader>,
+}
+
+impl std::fmt::Debug for Supervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Supervisor")
+            .field("schema", &self.schema)
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the supervisor takes of the relay's configuration.
+#[derive(Debug, Clone, Copy)]
+struct Settings {
+    /// LISTEN for producers' wake-ups.
+    listen: bool,
+    workers: usize,
+    database_timeout: Duration,
+    broker_timeout: Duration,
+    drain_timeout: Duration,
+    /// The backoff's bounds between broker sessions.
+    reconnect: (Duration, Duration),
+}
+
+impl Supervisor {
+    /// The supervisor of `worker` and `maintenance`, by `config`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        config: &RelayConfig,
+        schema: &Ident,
+        pool: PgPool,
+        broker: Arc<Broker>,
+        health: Arc<Health>,
+        broker_outage: Arc<Outage>,
+        wake: watch::Sender<u64>,
+        worker: Arc<Worker>,
+        maintenance: Arc<Maintenance>,
+        reader: Option<WalReader>,
+    ) -> Self {
+        Self {
+            pool,
+            schema: schema.clone(),
+            settings: Settings {
+                listen: config.listen,
+                workers: config.workers,
+                database_timeout: config.database_timeout,
+                broker_timeout: config.broker_timeout,
+                drain_timeout: config.drain_timeout,
+                reconnect: (config.reconnect_min, config.reconnect_max),
+            },
+            broker,
+            health,
+            broker_outage,
+            wake,
+            worker,
+            maintenance,
+            reader,
+        }
+    }
+
     /// Runs until `shutdown` is cancelled: listens for wake-ups, keeps a
     /// broker connection (reconnecting with backoff), and runs the
     /// configured number of workers. On shutdown, workers stop claiming,
@@ -38,17 +121,8 @@ impl Relay {
     /// broker connection; the table workers run beside it, serving the
     /// events it could not deliver. A reader that cannot go on
     /// ([`Error::WalRefused`]) stops the relay with that error.
-    pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
-        let inner = &self.inner;
-        let Some(reader) = WalReader::new(
-            &inner.config,
-            &inner.schema,
-            &inner.wal_slot,
-            &inner.pool,
-            inner.broker.clone(),
-            inner.stats.clone(),
-            inner.wake.clone(),
-        ) else {
+    pub(crate) async fn run(&self, shutdown: CancellationToken) -> Result<()> {
+        let Some(reader) = &self.reader else {
             return self.run_table(shutdown).await;
         };
         // Both in this future: dropping it drops the reader too (its
@@ -72,23 +146,22 @@ impl Relay {
     }
 
     async fn run_table(&self, shutdown: CancellationToken) -> Result<()> {
-        let inner = &self.inner;
-        let cfg = &inner.config;
+        let cfg = self.settings;
         let mut listener = None;
         if cfg.listen {
             listener = Some(tokio::spawn(listen(
-                inner.pool.clone(),
-                outbox::wakeup_channel(&inner.schema),
-                inner.wake.clone(),
+                self.pool.clone(),
+                outbox::wakeup_channel(&self.schema),
+                self.wake.clone(),
                 shutdown.clone(),
                 cfg.database_timeout,
             )));
         }
-        inner.health.database.store(true, Ordering::Relaxed);
-        let mut backoff = Backoff::new(cfg.reconnect_min, cfg.reconnect_max);
+        self.health.database.store(true, Ordering::Relaxed);
+        let mut backoff = Backoff::new(cfg.reconnect.0, cfg.reconnect.1);
         let mut drained_late = false;
         while !shutdown.is_cancelled() {
-            let session = match self.inner.broker.connect("table workers").await {
+            let session = match self.broker.connect("table workers").await {
                 Ok(opened) => opened,
                 Err(e) if e.is_refusal() => return self.give_up(e, listener).await,
                 Err(e) => {
@@ -102,7 +175,7 @@ impl Relay {
             match end.broker_error {
                 Some(e) if e.is_refusal() => return self.give_up(e, listener).await,
                 Some(e) => {
-                    self.inner.broker.leave(node);
+                    self.broker.leave(node);
                     self.broker_down(&e, &mut backoff, &shutdown).await;
                 }
                 None if end.worker_bug && !shutdown.is_cancelled() => {
@@ -114,7 +187,7 @@ impl Relay {
         if let Some(l) = listener {
             l.abort();
         }
-        self.release_leases().await;
+        self.maintenance.release_leases().await;
         if drained_late {
             return Err(Error::DrainTimedOut(cfg.drain_timeout));
         }
@@ -129,7 +202,7 @@ impl Relay {
         session: BrokerSession,
         shutdown: &CancellationToken,
     ) -> SessionEnd {
-        let cfg = &self.inner.config;
+        let cfg = self.settings;
         let conn = session.conn.clone();
         let mut workers = JoinSet::new();
         let session_stop = shutdown.child_token();
@@ -139,22 +212,18 @@ impl Relay {
         // And the claims' floor, read from the lock table; and, with
         // --archive, the archive's days.
         workers.spawn({
-            let relay = self.clone();
+            let maintenance = self.maintenance.clone();
             let stop = session_stop.clone();
             async move {
-                tokio::join!(
-                    relay.maintain(stop.clone()),
-                    relay.track_floor(stop.clone()),
-                    relay.keep_archive(stop)
-                );
+                maintenance.run(stop).await;
                 Ok(())
             }
         });
-        for worker in 0..cfg.workers {
-            let relay = self.clone();
+        for i in 0..cfg.workers {
+            let worker = self.worker.clone();
             let conn = conn.clone();
             let stop = session_stop.clone();
-            workers.spawn(async move { relay.work(conn, worker, stop).await });
+            workers.spawn(async move { worker.work(conn, i, stop).await });
         }
         let mut end = SessionEnd::default();
         let mut drain_by: Option<tokio::time::Instant> = None;
@@ -193,8 +262,8 @@ impl Relay {
         } else {
             session.close(cfg.broker_timeout).await;
         }
-        self.inner.health.broker.store(false, Ordering::Relaxed);
-        self.inner.broker.gone();
+        self.health.broker.store(false, Ordering::Relaxed);
+        self.broker.gone();
         end
     }
 
@@ -205,33 +274,14 @@ impl Relay {
         if let Some(l) = listener {
             l.abort();
         }
-        self.inner.health.broker.store(false, Ordering::Relaxed);
-        self.release_leases().await;
+        self.health.broker.store(false, Ordering::Relaxed);
+        self.maintenance.release_leases().await;
         Err(e)
     }
 
-    /// Gives this relay's partition leases up (bounded: they expire by
-    /// themselves when the database does not answer).
-    async fn release_leases(&self) {
-        let inner = &self.inner;
-        let release = async {
-            inner.leases.release(&inner.pool).await;
-            Ok::<_, Error>(())
-        };
-        if let Err(e) = bounded(
-            "the leases' release",
-            inner.config.database_timeout,
-            release,
-        )
-        .await
-        {
-            tracing::warn!(error = %e, "could not release partition leases; they expire by themselves");
-        }
-    }
-
     async fn broker_down(&self, e: &Error, backoff: &mut Backoff, shutdown: &CancellationToken) {
-        self.inner.health.broker.store(false, Ordering::Relaxed);
-        self.inner.broker_outage.failed(e);
+        self.health.broker.store(false, Ordering::Relaxed);
+        self.broker_outage.failed(e);
         sleep_or_cancel(backoff.next_delay(), shutdown).await;
     }
 }

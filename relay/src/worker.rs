@@ -17,28 +17,225 @@
 //! 500 events/s, and CPU spent on shared cores slows every thread's
 //! wake-up, the hand-written path's too (BENCHMARKS.md, twelfth part).
 
-use outbox_core::amqp::BrokerError;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use futures_util::FutureExt;
 use lapin::Connection;
+use outbox::Ident;
 use sqlx::pool::PoolConnection;
-use sqlx::{PgConnection, PgPool, Postgres};
+use sqlx::{PgConnection, PgPool, Postgres, SqlStr};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
 
+use crate::broker::{blocked_now, unblocked};
+use crate::claim::floor::Floor;
+use crate::claim::ordered::Ordered;
+use crate::claim::{ClaimState, Claims};
+use crate::config::RelayConfig;
 use crate::db::{bounded, discard};
 use crate::error::{Error, Result};
-use crate::health::lock;
+use crate::health::{Health, lock};
+use crate::lease::Leases;
+use crate::maintenance::Maintenance;
 use crate::message::OutboxEvent;
-use crate::publish::{self, Publisher, Receipt};
-use crate::relay::{BatchReport, Relay, WorkerSession};
-use crate::settle::{Settled, settle};
+use crate::publish::{self, PublishSettings, Publisher, Receipt};
+use crate::quarantine::Quarantine;
+use crate::settle::{Settle, Settled};
+use crate::stats::Stats;
 use crate::wake::sleep_or_cancel;
+use outbox_core::amqp::BrokerError;
 use outbox_core::backoff::Backoff;
+use outbox_core::outage::Outage;
 
-impl Relay {
+/// What one batch did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
+pub struct BatchReport {
+    /// Events claimed.
+    pub claimed: usize,
+    /// How they were settled.
+    pub settled: Settled,
+}
+
+/// What one worker holds while it runs (and what `Relay::run_once`
+/// takes): its broker connection and confirm-mode channel, its database
+/// connection, its share of the partitions, and its claim state (cursors
+/// over ordered aggregates).
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
+pub struct WorkerSession {
+    conn: Arc<Connection>,
+    publisher: Publisher,
+    /// Its share of the partitions and where its ordered claims resume.
+    claim: ClaimState,
+    /// The ids of the batch being published (for a panic report).
+    in_flight: Vec<Uuid>,
+    /// The database connection its batches run on, held between batches
+    /// (the module's docs say why), and when it was taken from the pool.
+    db: Option<(PoolConnection<Postgres>, std::time::Instant)>,
+}
+
+impl std::fmt::Debug for WorkerSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerSession").finish_non_exhaustive()
+    }
+}
+
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
+impl WorkerSession {
+    /// Worker `worker` of `workers`, publishing on `publisher`.
+    pub(crate) fn new(
+        conn: Arc<Connection>,
+        publisher: Publisher,
+        worker: usize,
+        workers: usize,
+    ) -> Self {
+        Self {
+            conn,
+            publisher,
+            claim: ClaimState::new(worker, workers),
+            in_flight: Vec::new(),
+            db: None,
+        }
+    }
+
+    /// Testing only (feature `testing`): the session's next claim is the
+    /// full one (`claim/batch.sql`: its last claim's probe found ordered
+    /// events, or it made none yet), not the unordered events' alone.
+    #[cfg(feature = "testing")]
+    pub fn claims_ordered(&self) -> bool {
+        self.claim.claims_ordered()
+    }
+
+    /// Testing only (feature `testing`): closes the connection (bounded by
+    /// `timeout`).
+    #[cfg(feature = "testing")]
+    pub async fn close(self, timeout: std::time::Duration) {
+        self.publisher.close().await;
+        let _ = tokio::time::timeout(timeout, self.conn.close(200, "session closed".into())).await;
+    }
+}
+
+/// The table's workers: what each worker task runs (claim → publish →
+/// settle in one transaction, and the loop around it). One per relay,
+/// shared by its worker tasks; everything it uses is given to [`new`](Self::new).
+pub(crate) struct Worker {
+    pool: PgPool,
+    publish: PublishSettings,
+    database_timeout: Duration,
+    poll_interval: Duration,
+    /// The backoff's bounds after a failed batch.
+    reconnect: (Duration, Duration),
+    /// How many worker tasks share the partitions.
+    workers: usize,
+    /// The batch transaction's BEGIN with its settings.
+    begin: SqlStr,
+    claims: Claims,
+    /// Below which no unordered event can still be claimed.
+    floor: Arc<Floor>,
+    leases: Arc<Leases>,
+    settle: Settle,
+    /// Batches that panicked.
+    quarantine: Quarantine,
+    stats: Arc<Stats>,
+    health: Arc<Health>,
+    broker_outage: Arc<Outage>,
+    db_outage: Outage,
+    wake: watch::Sender<u64>,
+    /// Each worker's ordered claim state while no session holds it: a
+    /// worker's next session (after the broker's return) takes it up, so
+    /// its walk does not start at the index's beginning again.
+    ordered: Vec<Mutex<Ordered>>,
+    /// The first worker up runs the session's first round.
+    maintenance: Arc<Maintenance>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("workers", &self.workers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Worker {
+    /// The workers of the relay `id` on `schema`, by `config`; `floor`,
+    /// `leases` and `stats` are shared with the maintenance round,
+    /// `health` and `broker_outage` with the supervisor, `wake` with
+    /// whatever wakes the workers.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        config: &RelayConfig,
+        schema: &Ident,
+        id: Uuid,
+        pool: PgPool,
+        floor: Arc<Floor>,
+        leases: Arc<Leases>,
+        stats: Arc<Stats>,
+        health: Arc<Health>,
+        broker_outage: Arc<Outage>,
+        wake: watch::Sender<u64>,
+        maintenance: Arc<Maintenance>,
+    ) -> Self {
+        let settle = Settle::new(schema, config);
+        Self {
+            publish: PublishSettings::new(config),
+            database_timeout: config.database_timeout,
+            poll_interval: config.poll_interval,
+            reconnect: (config.reconnect_min, config.reconnect_max),
+            workers: config.workers,
+            begin: begin_async_commit(config),
+            claims: Claims::new(schema, id, config.batch_size),
+            floor,
+            leases,
+            quarantine: Quarantine::new(
+                pool.clone(),
+                schema,
+                settle.clone(),
+                config.retry_base,
+                config.retry_max,
+            ),
+            settle,
+            stats,
+            health,
+            broker_outage,
+            db_outage: Outage::new("database", "outbox-relay"),
+            wake,
+            ordered: (0..config.workers.max(1))
+                .map(|_| Default::default())
+                .collect(),
+            maintenance,
+            pool,
+        }
+    }
+
+    /// How many times a worker panicked inside a batch.
+    pub(crate) fn panics(&self) -> u64 {
+        self.quarantine.panics()
+    }
+
+    /// Testing only (feature `testing`): see `Relay::set_claim_sweep`.
+    #[cfg(feature = "testing")]
+    pub(crate) fn set_claim_sweep(&self, every: Duration) {
+        self.floor.set_sweep(every);
+    }
+
+    /// Testing only (feature `testing`): see `Relay::batch_statements`.
+    #[cfg(feature = "testing")]
+    pub(crate) fn batch_statements(&self) -> [String; 4] {
+        let [batch, unordered, walk] = self.claims.sql();
+        [
+            self.begin.as_str().to_owned(),
+            batch.to_owned(),
+            unordered.to_owned(),
+            walk.to_owned(),
+        ]
+    }
+
     /// Claims one batch, publishes it with pipelined confirms and settles
     /// it, in one database transaction. Events are removed only after their
     /// confirm; on a broker failure the transaction rolls back and the
@@ -50,8 +247,8 @@ impl Relay {
     /// The session's database connection goes back to the pool after the
     /// batch, so a test's own statements never wait for it.
     #[cfg(feature = "testing")]
-    pub async fn run_once(&self, session: &mut WorkerSession) -> Result<BatchReport> {
-        self.maintenance_round().await;
+    pub(crate) async fn run_once(&self, session: &mut WorkerSession) -> Result<BatchReport> {
+        self.maintenance.round().await;
         let report = self.batch(session).await;
         session.db = None;
         report
@@ -59,8 +256,6 @@ impl Relay {
 
     /// One batch: claim, publish, settle.
     async fn batch(&self, session: &mut WorkerSession) -> Result<BatchReport> {
-        let inner = &self.inner;
-        let cfg = &inner.config;
         // `begin` is never raced against a timeout (a cancelled begin can
         // leak an open transaction into the pool); statement_timeout and
         // idle_in_transaction_session_timeout, set in the same round trip,
@@ -73,27 +268,27 @@ impl Relay {
         // Only this batch's ids may be blamed for a panic in it.
         session.in_flight.clear();
         let start = std::time::Instant::now();
-        let t = cfg.database_timeout;
-        let conn = held(&mut session.db, &inner.pool, t).await?;
+        let t = self.database_timeout;
+        let conn = held(&mut session.db, &self.pool, t).await?;
         // Where the claim starts, and the floor, before `BEGIN`: the floor
         // then lies below the transaction's `now()`, which judges what is
         // due.
-        let claim_start = inner.floor.start();
+        let claim_start = self.floor.start();
         let mut tx = bounded(
             "BEGIN",
             t,
-            sqlx::Connection::begin_with(conn, inner.begin.clone()),
+            sqlx::Connection::begin_with(conn, self.begin.clone()),
         )
         .await?;
         let begun = start.elapsed();
         let events = bounded(
             "the claim",
             t,
-            inner.claims.claim(
+            self.claims.claim(
                 &mut tx,
-                (inner.leases.generation(), inner.leases.mask()),
+                (self.leases.generation(), self.leases.mask()),
                 &mut session.claim,
-                (&inner.floor, claim_start),
+                (&self.floor, claim_start),
             ),
         )
         .await?;
@@ -108,7 +303,7 @@ impl Relay {
             return Ok(BatchReport::default());
         }
         let taken = events.len();
-        let events = inner.quarantine.isolate(events);
+        let events = self.quarantine.isolate(events);
         // The rest stay in the outbox, unlocked at commit, where the
         // claim's cursor may have passed them: rewound once they are.
         let set_aside = events.len() < taken;
@@ -119,7 +314,7 @@ impl Relay {
         if events.is_empty() {
             bounded("COMMIT", t, tx.commit()).await?;
             if set_aside {
-                inner.floor.rewind();
+                self.floor.rewind();
             }
             return Ok(BatchReport::default());
         }
@@ -127,15 +322,16 @@ impl Relay {
         // Declared after `tx`, so dropped before it: should the batch
         // panic, its events are marked before the rollback unlocks them
         // for other workers.
-        let on_panic = inner.quarantine.mark_on_panic(session.in_flight.clone());
-        let deadline = tokio::time::Instant::now() + cfg.publish_phase();
+        let on_panic = self.quarantine.mark_on_panic(session.in_flight.clone());
+        let p = &self.publish;
+        let deadline = tokio::time::Instant::now() + p.phase;
         let sent = session
             .publisher
             .send_batch(
                 &events,
-                &cfg.default_exchange,
-                cfg.max_payload_bytes,
-                cfg.confirm_timeout,
+                &p.default_exchange,
+                p.max_payload_bytes,
+                p.confirm_timeout,
                 deadline,
             )
             .await?;
@@ -145,12 +341,12 @@ impl Relay {
         let settled = bounded(
             "the settle",
             t,
-            settle(&mut tx, &inner.settle_sql, cfg, &events, &receipts),
+            self.settle.settle(&mut tx, &events, &receipts),
         )
         .await?;
         bounded("COMMIT", t, tx.commit()).await?;
         if set_aside {
-            inner.floor.rewind();
+            self.floor.rewind();
         }
         if settled.delivered < events.len() {
             // Events left in the outbox (retried, held back, not sent):
@@ -160,7 +356,7 @@ impl Relay {
         let committed = start.elapsed();
         // Settled: a panic from here on is not this batch's.
         drop(on_panic);
-        inner.quarantine.clear(&session.in_flight);
+        self.quarantine.clear(&session.in_flight);
         session.in_flight.clear();
         trace_stages(
             start,
@@ -170,7 +366,7 @@ impl Relay {
         self.count(&events, &receipts, &settled);
         session
             .publisher
-            .after_receipts(&session.conn, &receipts, cfg.confirm_timeout)
+            .after_receipts(&session.conn, &receipts, p.confirm_timeout)
             .await?;
         Ok(BatchReport {
             claimed: events.len(),
@@ -180,10 +376,8 @@ impl Relay {
 
     /// Metrics and logs of a settled batch.
     fn count(&self, events: &[OutboxEvent], receipts: &[Receipt], settled: &Settled) {
-        let inner = &self.inner;
-        let cfg = &inner.config;
         metrics::histogram!("outbox_relay_batch_size").record(events.len() as f64);
-        inner.stats.add(settled.delivered, settled);
+        self.stats.add(settled.delivered, settled);
         for (e, o) in events.iter().zip(receipts) {
             if let Some(error) = o.error() {
                 tracing::warn!(event_id = %e.id, event_type = %e.event_type, attempt = e.attempts + 1, error = %error, "event not delivered");
@@ -192,7 +386,7 @@ impl Relay {
         if receipts.contains(&Receipt::NotSent) {
             tracing::warn!(
                 not_sent = settled.not_sent,
-                deadline = ?cfg.publish_phase(),
+                deadline = ?self.publish.phase,
                 "the broker was too slow to finish the batch within its publish deadline; the rest goes in the next batch"
             );
         }
@@ -206,40 +400,36 @@ impl Relay {
         worker: usize,
         stop: CancellationToken,
     ) -> Result<()> {
-        let inner = &self.inner;
-        let cfg = &inner.config;
         // A connection the broker blocks writes nothing (lapin holds every
         // frame, a channel's open too): the channel opens once it lifts.
         if !unblocked(&conn, &stop).await {
             return Ok(());
         }
-        let publisher = Publisher::open(&conn, cfg.broker_timeout).await?;
-        let mut session = WorkerSession::new(conn, publisher, worker, cfg.workers);
-        let slot = &inner.ordered[worker % inner.ordered.len()];
+        let publisher = Publisher::open(&conn, self.publish.broker_timeout).await?;
+        let mut session = WorkerSession::new(conn, publisher, worker, self.workers);
+        let slot = &self.ordered[worker % self.ordered.len()];
         session.claim.ordered = std::mem::take(&mut *lock(slot));
         let worked = self.work_session(&mut session, stop).await;
         *lock(slot) = std::mem::take(&mut session.claim.ordered);
         worked
     }
 
-    /// [`Relay::work`] on its session.
+    /// [`Worker::work`] on its session.
     async fn work_session(
         &self,
         session: &mut WorkerSession,
         stop: CancellationToken,
     ) -> Result<()> {
-        let inner = &self.inner;
-        let cfg = &inner.config;
-        inner.health.broker.store(true, Ordering::Relaxed);
-        inner.broker_outage.ok();
+        self.health.broker.store(true, Ordering::Relaxed);
+        self.broker_outage.ok();
         // The session's first maintenance round, before the first claim
         // (the first worker up runs it; the others go on).
-        self.maintenance_round().await;
-        let mut wake = inner.wake.subscribe();
+        self.maintenance.round().await;
+        let mut wake = self.wake.subscribe();
         // A database that stops answering is tried again at least every
         // second (each try bounded by the database timeout), so publishing
         // resumes within about a second of the link's return.
-        let mut db_backoff = Backoff::new(cfg.reconnect_min, cfg.reconnect_max.min(DB_RETRY_MAX));
+        let mut db_backoff = Backoff::new(self.reconnect.0, self.reconnect.1.min(DB_RETRY_MAX));
         // The last wait for work ended by the poll interval, not a wake-up
         // (or there was none yet).
         let mut quiet = true;
@@ -264,8 +454,8 @@ impl Relay {
             match batch {
                 Ok(report) => {
                     if db_backoff.failures() > 0 {
-                        inner.db_outage.ok();
-                        inner.health.database.store(true, Ordering::Relaxed);
+                        self.db_outage.ok();
+                        self.health.database.store(true, Ordering::Relaxed);
                         db_backoff.reset();
                     }
                     if report.claimed > 0 {
@@ -297,8 +487,8 @@ impl Relay {
                     // A failure of a batch begun before another worker
                     // saw the database back is of the outage that ended:
                     // /readyz does not go down again for it.
-                    if inner.db_outage.failed_since(began, &e) {
-                        inner.health.database.store(false, Ordering::Relaxed);
+                    if self.db_outage.failed_since(began, &e) {
+                        self.health.database.store(false, Ordering::Relaxed);
                     }
                     sleep_or_cancel(db_backoff.next_delay(), &stop).await;
                 }
@@ -320,7 +510,7 @@ impl Relay {
         if !session.in_flight.is_empty() && !matches!(batch, Ok(Ok(_))) {
             // Its rows are back in the outbox where other workers'
             // cursors may have passed them while they were locked.
-            self.inner.floor.rewind();
+            self.floor.rewind();
             session.claim.ordered.requeue_last();
         }
         if let Some((conn, _)) = session.db.take_if(|_| !matches!(batch, Ok(Ok(_)))) {
@@ -342,10 +532,10 @@ impl Relay {
                 let why = publish::panic_message(&*panic);
                 drop(panic);
                 let ids = std::mem::take(&mut session.in_flight);
-                self.inner.quarantine.panicked(&ids, &why).await;
+                self.quarantine.panicked(&ids, &why).await;
                 session.publisher.close().await;
                 session.publisher =
-                    Publisher::open(&session.conn, self.inner.config.broker_timeout).await?;
+                    Publisher::open(&session.conn, self.publish.broker_timeout).await?;
                 Ok(None)
             }
         }
@@ -365,7 +555,7 @@ impl Relay {
         let woken = tokio::select! {
             _ = stop.cancelled() => false,
             changed = wake.changed() => changed.is_ok(),
-            _ = tokio::time::sleep(self.inner.config.poll_interval) => false,
+            _ = tokio::time::sleep(self.poll_interval) => false,
         };
         if !session.publisher.is_open() {
             session.publisher.close().await;
@@ -413,21 +603,46 @@ fn trace_stages(start: std::time::Instant, events: &[OutboxEvent], at: [std::tim
     );
 }
 
+/// One round trip: a transaction whose commit does not wait for the flush,
+/// with bounds on every statement (the relay's database timeout: the
+/// server gives up on a statement when the relay does) and on idling
+/// inside it, whatever pool an embedding service hands in (a frozen relay
+/// loses its row locks).
+///
+/// The idle bound is the longest a healthy batch waits inside its
+/// transaction (publishing, then the confirms) plus a margin: a relay
+/// frozen longer loses its session, its row locks and its partitions'
+/// lease locks, so other relays can go on.
+///
+/// Sequential and bitmap scans are off for the batch's statements, which
+/// find their rows through the outbox's indexes, the claim by walking its
+/// index in order from its cursor. Before the outbox was analysed (a
+/// fresh backlog), PostgreSQL's custom plans for a claim's first runs
+/// read every entry from the cursor to now through a bitmap and sorted
+/// them: 18,000 entries for a batch of 500 (relay-ops/tests/horizon.rs).
+/// After five runs PostgreSQL may switch a prepared statement to one
+/// generic plan, made with the table's size at
+/// that moment: a relay that started on an empty outbox kept a plan that
+/// read the whole heap, dead rows included, on every claim (twice: the
+/// probe for ordered events and the unordered claim), until something
+/// invalidated it (an autovacuum or analyze, which may find the table
+/// empty again). JIT is off for an embedding service's own pool (the
+/// binary's connections already turn it off): up to PostgreSQL 17, a
+/// statement left without an index path costs a disabled plan's price and
+/// would be compiled for it.
+fn begin_async_commit(config: &RelayConfig) -> sqlx::SqlStr {
+    let idle = config.publish_phase() + std::time::Duration::from_secs(5);
+    sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(format!(
+        "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL statement_timeout = '{}ms'; \
+         SET LOCAL idle_in_transaction_session_timeout = '{}ms'; \
+         SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off",
+        config.database_timeout.as_millis(),
+        idle.as_millis()
+    )))
+}
+
 /// The longest pause between a worker's tries of a database that failed.
 const DB_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// Whether the broker blocks `conn`'s publishing now.
-pub(crate) fn blocked_now(conn: &Connection) -> bool {
-    outbox_core::amqp::is_blocked(conn)
-}
-
-/// Waits while the broker blocks `conn`; false when `stop` came first.
-pub(crate) async fn unblocked(conn: &Connection, stop: &CancellationToken) -> bool {
-    tokio::select! {
-        _ = stop.cancelled() => false,
-        _ = outbox_core::amqp::while_blocked(conn) => !stop.is_cancelled(),
-    }
-}
 
 /// How long a worker holds one database connection before it gives it back
 /// to the pool and takes one again.

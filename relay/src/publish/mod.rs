@@ -21,6 +21,35 @@ use outbox_core::amqp::bounded;
 
 pub(crate) use receipt::Receipt;
 
+/// What publishing a batch takes of the relay's configuration (the
+/// table's workers and the log's reader alike).
+#[derive(Debug, Clone)]
+pub(crate) struct PublishSettings {
+    /// The exchange of events that name none.
+    pub(crate) default_exchange: String,
+    /// Larger payloads are refused (dead-lettered), not published.
+    pub(crate) max_payload_bytes: usize,
+    /// How long the confirms of a batch may take.
+    pub(crate) confirm_timeout: Duration,
+    /// Every other broker call's bound.
+    pub(crate) broker_timeout: Duration,
+    /// The longest a batch's publish phase may take
+    /// (`RelayConfig::publish_phase`).
+    pub(crate) phase: Duration,
+}
+
+impl PublishSettings {
+    pub(crate) fn new(config: &crate::config::RelayConfig) -> Self {
+        Self {
+            default_exchange: config.default_exchange.clone(),
+            max_payload_bytes: config.max_payload_bytes,
+            confirm_timeout: config.confirm_timeout,
+            broker_timeout: config.broker_timeout,
+            phase: config.publish_phase(),
+        }
+    }
+}
+
 /// One confirm-mode channel, used by one worker.
 pub(crate) struct Publisher {
     conn: Arc<Connection>,
@@ -53,7 +82,7 @@ impl Publisher {
     /// a connection under open channels makes lapin log errors. Not while
     /// the broker blocks the connection: nothing it writes goes out.
     pub(crate) async fn close(&self) {
-        if self.channel.status().connected() && !crate::worker::blocked_now(&self.conn) {
+        if self.channel.status().connected() && !crate::broker::blocked_now(&self.conn) {
             let _ =
                 tokio::time::timeout(self.broker_timeout, self.channel.close(200, "bye".into()))
                     .await;

@@ -11,11 +11,11 @@ use lapin::options::BasicPublishOptions;
 use lapin::{Channel, Connection, PublisherConfirm};
 use tokio::time::Instant;
 
+use crate::broker::blocked_now;
 use crate::error::{Error, Result};
 use crate::message::{Message, OutboxEvent};
 use crate::publish::receipt::receipt_of;
 use crate::publish::{Publisher, Receipt, channel_failure, panic_message, within};
-use crate::worker::blocked_now;
 
 impl Publisher {
     /// Checks the exchanges and hands every publishable event of the batch

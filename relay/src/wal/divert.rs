@@ -9,11 +9,10 @@ use std::collections::HashSet;
 use outbox::Ident;
 use sqlx::{PgConnection, PgPool, SqlStr};
 
-use crate::config::RelayConfig;
 use crate::error::{Error, Result};
 use crate::message::OutboxEvent;
 use crate::publish::Receipt;
-use crate::settle::{Settled, settle};
+use crate::settle::{Settle, Settled};
 use crate::wal::decode::Unreadable;
 
 /// The diverting statements for one schema (`divert/*.sql`), and the
@@ -24,18 +23,18 @@ pub(crate) struct Statements {
     divert: SqlStr,
     unreadable: SqlStr,
     dead_letter: SqlStr,
-    settle: crate::settle::Statements,
+    settle: Settle,
 }
 
 impl Statements {
-    pub(crate) fn new(schema: &Ident) -> Self {
+    pub(crate) fn new(schema: &Ident, settle: Settle) -> Self {
         use crate::sql::render;
         Self {
             queued: render(include_str!("divert/queued.sql"), schema),
             divert: render(include_str!("divert/divert.sql"), schema),
             unreadable: render(include_str!("divert/unreadable.sql"), schema),
             dead_letter: render(include_str!("divert/dead_letter.sql"), schema),
-            settle: crate::settle::Statements::new(schema),
+            settle,
         }
     }
 }
@@ -77,7 +76,6 @@ pub(crate) async fn queued_aggregates(
 pub(crate) async fn record(
     pool: &PgPool,
     queries: &Statements,
-    config: &RelayConfig,
     failed: &[OutboxEvent],
     receipts: &[Receipt],
     unreadable: &[Unreadable],
@@ -99,9 +97,9 @@ pub(crate) async fn record(
             Err(e) => return Err(e),
         };
         settled = match taken {
-            None => settle(&mut tx, &queries.settle, config, failed, receipts).await?,
+            None => queries.settle.settle(&mut tx, failed, receipts).await?,
             Some((events, receipts, dead)) => {
-                let mut s = settle(&mut tx, &queries.settle, config, &events, &receipts).await?;
+                let mut s = queries.settle.settle(&mut tx, &events, &receipts).await?;
                 s.dead_lettered += dead;
                 s
             }

@@ -16,7 +16,7 @@ mod slot;
 mod stream;
 mod window;
 
-pub(crate) use reader::WalReader;
+pub(crate) use reader::{ReaderConfig, WalReader};
 pub use setup::recorded_wal_slot;
 pub use setup::{WalSetUp, create_wal_slot, drop_wal_slot};
 pub(crate) use slot::{lost_message, refusal, slot_row};

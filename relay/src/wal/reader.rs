@@ -15,16 +15,17 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::Broker;
+use crate::broker::{Broker, blocked_now, unblocked};
 use crate::config::{RelayConfig, WalCapture};
 use crate::error::{ConfigError, Error, Result};
+use crate::publish::PublishSettings;
 use crate::publish::Publisher;
+use crate::settle::Settle;
 use crate::stats::Stats;
 use crate::wake::sleep_or_cancel;
 use crate::wal::decode::lsn_text;
 use crate::wal::divert;
 use crate::wal::slot::{self, refusal, slot_busy, slot_row, wal_error};
-use crate::worker::{blocked_now, unblocked};
 use outbox_core::backoff::Backoff;
 use outbox_core::outage::Outage;
 
@@ -40,10 +41,39 @@ pub(super) enum ReadEnd {
     Standby(String),
 }
 
+/// What the log's reader takes of the relay's configuration.
+#[derive(Debug, Clone)]
+pub(crate) struct ReaderConfig {
+    /// Where and how to read the log.
+    pub(super) wal: WalCapture,
+    pub(super) publish: PublishSettings,
+    /// Events per batch on the wire.
+    pub(super) batch_size: usize,
+    pub(super) database_timeout: Duration,
+    /// The backoff's bounds between replication sessions.
+    pub(super) reconnect: (Duration, Duration),
+    /// The relay's name (the session's `application_name`).
+    pub(super) name: String,
+}
+
+impl ReaderConfig {
+    /// The reader's part of `config`; `None` without
+    /// [`RelayConfig::wal`].
+    pub(crate) fn new(config: &RelayConfig) -> Option<Self> {
+        Some(Self {
+            wal: config.wal.clone()?,
+            publish: PublishSettings::new(config),
+            batch_size: config.batch_size,
+            database_timeout: config.database_timeout,
+            reconnect: (config.reconnect_min, config.reconnect_max),
+            name: config.name.clone(),
+        })
+    }
+}
+
 /// The reader of one schema's slot.
 pub(crate) struct WalReader {
-    pub(super) config: RelayConfig,
-    pub(super) wal: WalCapture,
+    pub(super) config: ReaderConfig,
     pub(super) schema: Ident,
     pub(super) slot: String,
     pub(super) pool: PgPool,
@@ -56,29 +86,30 @@ pub(crate) struct WalReader {
 }
 
 impl WalReader {
-    /// The reader of `slot` for `schema`; `None` without
-    /// [`RelayConfig::wal`].
+    /// The reader of `slot` for `schema`; its failed events are recorded
+    /// by `settle`'s rules.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
-        config: &RelayConfig,
+        config: ReaderConfig,
         schema: &Ident,
         slot: &str,
         pool: &PgPool,
         broker: Arc<Broker>,
         stats: Arc<Stats>,
         wake: watch::Sender<u64>,
-    ) -> Option<Self> {
-        Some(Self {
-            wal: config.wal.clone()?,
-            config: config.clone(),
+        settle: Settle,
+    ) -> Self {
+        Self {
+            config,
             schema: schema.clone(),
             slot: slot.to_owned(),
             pool: pool.clone(),
-            divert: divert::Statements::new(schema),
+            divert: divert::Statements::new(schema, settle),
             outage: Outage::new("replication stream", "outbox-relay"),
             broker,
             stats,
             wake,
-        })
+        }
     }
 
     /// Reads the slot until `shutdown`: publishes what it holds, waits as
@@ -87,7 +118,7 @@ impl WalReader {
     /// a refused broker login).
     pub(crate) async fn run(&self, shutdown: CancellationToken) -> Result<()> {
         let cfg = &self.config;
-        let mut backoff = Backoff::new(cfg.reconnect_min, cfg.reconnect_max);
+        let mut backoff = Backoff::new(cfg.reconnect.0, cfg.reconnect.1);
         let mut standby: Option<String> = None;
         while !shutdown.is_cancelled() {
             match self.session(&shutdown, &mut backoff).await {
@@ -98,7 +129,7 @@ impl WalReader {
                         standby = Some(holder);
                     }
                     metrics::gauge!("outbox_relay_wal_reading").set(0.0);
-                    sleep_or_cancel(self.wal.standby_poll, &shutdown).await;
+                    sleep_or_cancel(self.config.wal.standby_poll, &shutdown).await;
                 }
                 Err(e) if e.is_refusal() => {
                     tracing::error!(slot = %self.slot, error = %e, "write-ahead-log capture stopped");
@@ -155,7 +186,7 @@ impl WalReader {
             self.broker.leave(session.node);
         }
         // Closed (or cut, when blocked) before the next one opens.
-        session.close(self.config.broker_timeout).await;
+        session.close(self.config.publish.broker_timeout).await;
         end
     }
 
@@ -195,11 +226,11 @@ impl WalReader {
         if !unblocked(conn, shutdown).await {
             return Ok(ReadEnd::Shutdown);
         }
-        let mut publisher = Publisher::open(conn, cfg.broker_timeout).await?;
+        let mut publisher = Publisher::open(conn, cfg.publish.broker_timeout).await?;
         let mut client = ReplicationClient::connect(self.source(confirmed)?)
             .await
             .map_err(|e| wal_error(&self.slot, e))?;
-        let started = tokio::time::timeout(cfg.broker_timeout, client.wait_started()).await;
+        let started = tokio::time::timeout(cfg.publish.broker_timeout, client.wait_started()).await;
         let mut acked = confirmed;
         let end = match started {
             Ok(Ok(())) => {
@@ -228,11 +259,11 @@ impl WalReader {
             Ok(Err(e)) => Err(wal_error(&self.slot, e)),
             Err(_) => Err(Error::Replication(format!(
                 "the server did not start replication within {:?}",
-                cfg.broker_timeout
+                cfg.publish.broker_timeout
             ))),
         };
         // A clean stop frees the slot at once for a standby.
-        if tokio::time::timeout(cfg.broker_timeout, client.shutdown())
+        if tokio::time::timeout(cfg.publish.broker_timeout, client.shutdown())
             .await
             .is_err()
         {
@@ -243,7 +274,7 @@ impl WalReader {
             // Whether this session stopped or failed (a confirm timeout
             // ends it just after it recorded the timed-out batch), move the
             // slot to what was confirmed (delivered or recorded).
-            slot::advance(&self.pool, &self.slot, acked, cfg.broker_timeout).await;
+            slot::advance(&self.pool, &self.slot, acked, cfg.publish.broker_timeout).await;
         }
         end
     }
@@ -251,7 +282,7 @@ impl WalReader {
     /// Where the replication connection goes and how it reports, from
     /// `confirmed` on.
     fn source(&self, confirmed: Lsn) -> Result<ReplicationConfig> {
-        let (cfg, wal) = (&self.config, &self.wal);
+        let (cfg, wal) = (&self.config, &self.config.wal);
         let mut source = crate::wal::source(wal.database_url.expose())
             .map_err(|e| Error::Config(ConfigError::Url(e)))?;
         source.slot = self.slot.clone();

@@ -61,7 +61,7 @@ impl WalReader {
             acked: *acked,
             in_transaction: false,
             walsender,
-            check_at: tokio::time::Instant::now() + self.wal.sender_timeout / 2,
+            check_at: tokio::time::Instant::now() + self.config.wal.sender_timeout / 2,
         };
         let end = self.read(&mut s, shutdown).await;
         *acked = s.acked;
@@ -129,7 +129,7 @@ impl WalReader {
     /// database timeout), is no longer our backend. A check that gets no
     /// answer proves nothing and is tried again.
     async fn check_served(&self, s: &mut Session<'_>) -> Result<()> {
-        s.check_at = tokio::time::Instant::now() + self.wal.sender_timeout / 2;
+        s.check_at = tokio::time::Instant::now() + self.config.wal.sender_timeout / 2;
         match slot::holder_pid(&self.pool, &self.slot, self.config.database_timeout).await {
             Ok(pid) if s.walsender.is_none() => s.walsender = pid,
             Ok(pid) if pid != s.walsender => {
@@ -229,13 +229,13 @@ impl WalReader {
         let confirms = if direct.is_empty() {
             futures_util::future::ready(Ok(Vec::new())).boxed()
         } else {
-            let deadline = tokio::time::Instant::now() + cfg.publish_phase();
+            let deadline = tokio::time::Instant::now() + cfg.publish.phase;
             publisher
                 .send_batch(
                     direct,
-                    &cfg.default_exchange,
-                    cfg.max_payload_bytes,
-                    cfg.confirm_timeout,
+                    &cfg.publish.default_exchange,
+                    cfg.publish.max_payload_bytes,
+                    cfg.publish.confirm_timeout,
                     deadline,
                 )
                 .await?
@@ -273,7 +273,7 @@ impl WalReader {
             }
         }
         s.publisher
-            .after_receipts(s.conn, &receipts, self.config.confirm_timeout)
+            .after_receipts(s.conn, &receipts, self.config.publish.confirm_timeout)
             .await
     }
 
@@ -313,7 +313,6 @@ impl WalReader {
             divert::record(
                 &self.pool,
                 &self.divert,
-                &self.config,
                 &failed,
                 &failed_receipts,
                 &batch.unreadable,
