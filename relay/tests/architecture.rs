@@ -1,0 +1,102 @@
+//! `docs/ARCHITECTURE.md` matches the code: every file or folder it names
+//! in backticks (a name ending in `.rs`, `.sql`, `.md` or `/`, or a path
+//! with a `/`) exists in the workspace, at the end of some path (`claim/`
+//! is `relay/src/claim/`), and a `*` stands for one name (`lease/*.sql`).
+//! A module renamed, moved or removed fails here until the page follows.
+
+use std::path::Path;
+
+/// The workspace's files and folders (folders with a trailing `/`),
+/// relative to its root; build output and version control left out.
+fn tree(root: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut todo = vec![root.to_path_buf()];
+    while let Some(dir) = todo.pop() {
+        for entry in std::fs::read_dir(&dir).expect("readable workspace folder") {
+            let path = entry.expect("readable entry").path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if matches!(name, "target" | ".git" | "node_modules") {
+                continue;
+            }
+            let rel = path
+                .strip_prefix(root)
+                .expect("below the root")
+                .to_string_lossy()
+                .into_owned();
+            if path.is_dir() {
+                out.push(format!("{rel}/"));
+                todo.push(path);
+            } else {
+                out.push(rel);
+            }
+        }
+    }
+    out
+}
+
+/// The names in backticks that are files or folders.
+fn named_paths(page: &str) -> Vec<String> {
+    page.split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|t| {
+            !t.is_empty()
+                && t.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "_./*-".contains(c))
+                && !t.starts_with(['-', '.'])
+                && (t.contains('/') || [".rs", ".sql", ".md"].iter().any(|e| t.ends_with(e)))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+/// `path` ends with `name` at a folder boundary; `*` in `name` is one
+/// name.
+fn names(path: &str, name: &str) -> bool {
+    // A folder matches with or without its trailing slash.
+    let at_boundary = |p: &str, tail: &str| {
+        [p, p.trim_end_matches('/')]
+            .iter()
+            .any(|p| *p == tail || p.ends_with(&format!("/{tail}")))
+    };
+    match name.split_once('*') {
+        None => at_boundary(path, name),
+        Some((before, after)) => path.strip_suffix(after).is_some_and(|rest| {
+            rest.rfind('/')
+                .map_or(rest.is_empty() && before.is_empty(), |slash| {
+                    !rest[slash + 1..].is_empty() && at_boundary(&rest[..=slash], before)
+                })
+        }),
+    }
+}
+
+#[test]
+fn every_module_the_architecture_page_names_exists() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let page = std::fs::read_to_string(root.join("docs/ARCHITECTURE.md")).expect("the page");
+    let tree = tree(&root);
+    let named = named_paths(&page);
+    assert!(named.len() > 40, "too few names read: {named:?}");
+    let missing: Vec<&String> = named
+        .iter()
+        .filter(|n| !tree.iter().any(|p| names(p, n)))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/ARCHITECTURE.md names what the workspace does not hold: {missing:?}"
+    );
+}
+
+#[test]
+fn a_name_matches_at_a_folder_boundary_only() {
+    assert!(names("relay/src/claim/", "claim/"));
+    assert!(names("tests/support/", "tests/support"));
+    assert!(!names("relay/src/subclaim/", "claim/"));
+    assert!(names("relay/src/lease/round.sql", "lease/*.sql"));
+    assert!(!names("relay/src/lease/x/round.sql", "lease/*.sql"));
+    assert!(!names("relay/src/lease/", "lease/*.sql"));
+    assert_eq!(
+        named_paths("`a.rs`, `--flag`, `Type`, `x::y`, `d/`, `{schema}`, `.sql`"),
+        ["a.rs", "d/"]
+    );
+}
