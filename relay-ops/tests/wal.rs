@@ -1,44 +1,26 @@
 //! The write-ahead-log capture against the real services: producers write
 //! logical decoding messages (`outbox::Capture::Wal`), a relay reads the
-//! schema's slot. Each test has its own schema, slot, exchange and queue.
+//! schema's slot. Set-up, the contract on the wire, what leaves the stream
+//! for the tables, the command line, producers refused without a slot, a
+//! second database. The slot's position: `wal_slot.rs`; any message on the
+//! prefix: `wal_any_message.rs`. Each test has its own schema, slot,
+//! exchange and queue.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use e2e::{
-    Collector, RunningRelay, SeqLog, TestBroker, TestDb, TestRelay, amqp_url, database_url,
-    wait_until,
-};
+use e2e::wal::{emit, emit_sql, with_database};
+use e2e::{Collector, TestBroker, TestDb, TestRelay, amqp_url, database_url, wait_until};
 use lapin::types::FieldTable;
 use outbox::{Capture, NewEvent};
-use outbox_relay::{RelayConfig, WalCapture};
+use outbox_relay::WalCapture;
 use outbox_relay_ops::admin;
 use serde_json::json;
 use sqlx::AssertSqlSafe;
-use tokio_util::sync::CancellationToken;
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// These tests' relay: [`TestRelay`]'s settings, reading the log.
-fn wal_relay(db: &TestDb, broker: &TestBroker) -> TestRelay {
-    TestRelay::new(db, broker).wal()
-}
-
-/// Starts `relay` on a pool of its own (6 connections, sessions named
-/// `app`), logging as `RUST_LOG` says.
-async fn start(relay: TestRelay, app: &str) -> RunningRelay {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-    relay.own_pool(app, 6).start().await
-}
-
-fn schema(db: &TestDb) -> outbox::Ident {
-    outbox::Ident::new("schema", &db.schema).unwrap()
-}
-
 async fn slot(db: &TestDb) -> admin::WalSlot {
-    admin::wal_slot(&db.pool, &schema(db))
+    admin::wal_slot(&db.pool, &db.ident())
         .await
         .unwrap()
         .expect("the slot exists")
@@ -47,7 +29,7 @@ async fn slot(db: &TestDb) -> admin::WalSlot {
 #[tokio::test]
 async fn wal_set_up_is_checked_created_and_dropped() {
     let db = TestDb::producer("wal_setup").await;
-    let s = schema(&db);
+    let s = db.ident();
     // No slot: a WAL producer is refused before it writes into nothing,
     // and so is a WAL relay.
     let mut config = outbox::OutboxConfig::default();
@@ -62,7 +44,11 @@ async fn wal_set_up_is_checked_created_and_dropped() {
     );
     assert!(err.to_string().contains("migrate --capture wal"), "{err}");
     let broker = TestBroker::new("wal_setup", FieldTable::default()).await;
-    let err = wal_relay(&db, &broker).try_build().await.unwrap_err();
+    let err = TestRelay::new(&db, &broker)
+        .wal()
+        .try_build()
+        .await
+        .unwrap_err();
     assert!(matches!(err, outbox_relay::Error::WalRefused(_)), "{err:?}");
     assert!(admin::wal_slot(&db.pool, &s).await.unwrap().is_none());
 
@@ -122,7 +108,11 @@ async fn wal_publishes_committed_events_with_the_contract_and_never_rolled_back_
     let broker = TestBroker::new("wal_contract", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
     let ob = db.outbox(Capture::Wal).await;
-    let relay = start(wal_relay(&db, &broker), &format!("r-{}", db.schema)).await;
+    let relay = TestRelay::new(&db, &broker)
+        .wal()
+        .own_pool(&format!("r-{}", db.schema), 6)
+        .start_logged()
+        .await;
 
     // Written, then rolled back while the relay reads: never decoded.
     let mut tx = db.pool.begin().await.unwrap();
@@ -252,7 +242,11 @@ async fn wal_publishes_committed_events_with_the_contract_and_never_rolled_back_
     }
     // A restart publishes nothing again: the clean stop confirmed it all.
     let collector = Collector::start(&broker.queue);
-    let relay = start(wal_relay(&db, &broker), &format!("r2-{}", db.schema)).await;
+    let relay = TestRelay::new(&db, &broker)
+        .wal()
+        .own_pool(&format!("r2-{}", db.schema), 6)
+        .start_logged()
+        .await;
     let w3 = witness(3).await;
     wait_until(DEADLINE, "a witness after the restart", || async {
         collector.has(&w3.to_string())
@@ -274,8 +268,13 @@ async fn wal_undeliverable_and_unreadable_messages_leave_the_stream_for_the_tabl
     let broker = TestBroker::new("wal_divert", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
     let ob = db.outbox(Capture::Wal).await;
-    let cfg = wal_relay(&db, &broker).with(|c| c.max_attempts = 3);
-    let relay = start(cfg, &format!("r-{}", db.schema)).await;
+    let cfg = TestRelay::new(&db, &broker)
+        .wal()
+        .with(|c| c.max_attempts = 3);
+    let relay = cfg
+        .own_pool(&format!("r-{}", db.schema), 6)
+        .start_logged()
+        .await;
     let mut ids = Vec::new();
     let mut bad = None;
     for n in 0..30 {
@@ -332,7 +331,7 @@ async fn wal_undeliverable_and_unreadable_messages_leave_the_stream_for_the_tabl
     })
     .await;
     relay.stop().await;
-    let s = schema(&db);
+    let s = db.ident();
     let dl = admin::list_dead_letters(&db.pool, &s, 10).await.unwrap();
     let by_id = dl.iter().find(|d| d.id == bad).expect("the bad event");
     assert_eq!(by_id.attempts, 3, "retried by the table workers");
@@ -358,506 +357,6 @@ async fn wal_undeliverable_and_unreadable_messages_leave_the_stream_for_the_tabl
     collector.drain(DEADLINE).await;
     assert!(!collector.has(&bad.to_string()));
     assert_eq!(collector.distinct(), ids.len());
-    broker.cleanup().await;
-}
-
-/// The log's current end.
-async fn position(db: &TestDb) -> String {
-    sqlx::query_scalar::<_, String>("SELECT pg_current_wal_lsn()::text")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap()
-}
-
-/// Whether the slot's confirmed position has reached `lsn`.
-async fn confirmed_past(db: &TestDb, lsn: &str) -> bool {
-    sqlx::query_scalar::<_, bool>(
-        "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
-    )
-    .bind(db.slot())
-    .bind(lsn)
-    .fetch_one(&db.pool)
-    .await
-    .unwrap()
-}
-
-/// Waits for `n` more position reports from the replication session
-/// named `application_name`.
-async fn reports(db: &TestDb, application_name: &str, n: usize) {
-    for _ in 0..n {
-        let since: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-        wait_until(DEADLINE, "a report from the reader", || async {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT coalesce(max(reply_time) > $2, false) FROM pg_stat_replication WHERE application_name = $1",
-            )
-            .bind(application_name)
-            .bind(since)
-            .fetch_one(&db.pool)
-            .await
-            .unwrap()
-        })
-        .await;
-    }
-}
-
-/// The slot moves past an event only once it is delivered or recorded:
-/// while the outbox table is locked, the reader cannot record an event it
-/// failed to deliver, and the slot's confirmed position stays before it,
-/// report after report; once the lock goes, the event is in the table and
-/// the slot moves on.
-#[tokio::test]
-async fn wal_slot_moves_past_a_failed_event_only_once_it_is_recorded() {
-    let db = TestDb::producer_wal("wal_confirm").await;
-    let broker = TestBroker::new("wal_confirm", FieldTable::default()).await;
-    let collector = Collector::start(&broker.queue);
-    let ob = db.outbox(Capture::Wal).await;
-    let app = format!("r-{}", db.schema);
-    let relay = start(wal_relay(&db, &broker), &app).await;
-    let write = |exchange: Option<String>| {
-        let ob = ob.clone();
-        let pool = db.pool.clone();
-        async move {
-            let mut tx = pool.begin().await.unwrap();
-            let mut e = NewEvent::new("order", "o-1", "OrderPlaced", &json!({})).unwrap();
-            if let Some(x) = exchange {
-                e = e.exchange(x);
-            }
-            let id = ob.enqueue(&mut *tx, e).await.unwrap();
-            tx.commit().await.unwrap();
-            id
-        }
-    };
-    let good = write(None).await;
-    wait_until(DEADLINE, "the first event", || async {
-        collector.has(&good.to_string())
-    })
-    .await;
-    let before = position(&db).await;
-    wait_until(DEADLINE, "the slot confirmed up to it", || async {
-        confirmed_past(&db, &before).await
-    })
-    .await;
-    let mut lock = db.pool.begin().await.unwrap();
-    sqlx::query(AssertSqlSafe(format!(
-        "LOCK TABLE \"{}\".outbox IN ACCESS EXCLUSIVE MODE",
-        db.schema
-    )))
-    .execute(&mut *lock)
-    .await
-    .unwrap();
-    let bad = write(Some(format!("{}.missing", broker.exchange))).await;
-    let after = position(&db).await;
-    // The reader waits on the lock to record the failed event...
-    wait_until(DEADLINE, "the reader blocked recording it", || async {
-        sqlx::query_scalar::<_, bool>(
-            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-                            WHERE application_name = $1 AND wait_event_type = 'Lock'
-                              AND query LIKE 'INSERT INTO%')",
-        )
-        .bind(&app)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap()
-    })
-    .await;
-    let blocked_at: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    // ...and keeps reporting its position: two reports later the slot
-    // has still not moved past the event.
-    reports(
-        &db,
-        &format!("outbox-relay {}", RelayConfig::default().name),
-        2,
-    )
-    .await;
-    assert!(
-        !confirmed_past(&db, &after).await,
-        "the slot moved past an event neither delivered nor recorded (blocked since {blocked_at})"
-    );
-    lock.commit().await.unwrap();
-    wait_until(
-        DEADLINE,
-        "the event recorded and the slot past it",
-        || async {
-            db.count("outbox").await + db.count("outbox_dead_letters").await == 1
-                && confirmed_past(&db, &after).await
-        },
-    )
-    .await;
-    relay.stop().await;
-    assert!(!collector.has(&bad.to_string()));
-    collector.stop();
-    broker.cleanup().await;
-}
-
-/// The reader keeps reading while a batch's confirms are out (the next
-/// batches go on the wire meanwhile), but the slot never moves past a
-/// batch still on the wire: with the broker's answers held back (a slow
-/// network), a transaction committed after the event is read, and
-/// reported, while the slot stays before the event; once the confirm
-/// arrives, the slot moves past both.
-#[tokio::test]
-async fn wal_slot_stays_before_a_batch_on_the_wire_while_later_ones_are_read() {
-    let db = TestDb::producer_wal("wal_window").await;
-    let broker = TestBroker::new("wal_window", FieldTable::default()).await;
-    let collector = Collector::start(&broker.queue);
-    let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
-    let ob = db.outbox(Capture::Wal).await;
-    let name = format!("window-{}", db.schema);
-    let application_name = format!("outbox-relay {name}");
-    let config = wal_relay(&db, &broker).with(|c| {
-        c.amqp_url = proxy.url(&amqp_url()).into();
-        c.name = name;
-    });
-    let relay = start(config, &format!("r-{}", db.schema)).await;
-    let write = || {
-        let ob = ob.clone();
-        let pool = db.pool.clone();
-        async move {
-            let mut tx = pool.begin().await.unwrap();
-            let e = NewEvent::new("order", "o-1", "OrderPlaced", &json!({})).unwrap();
-            let id = ob.enqueue(&mut *tx, e).await.unwrap();
-            tx.commit().await.unwrap();
-            id
-        }
-    };
-    let first = write().await;
-    wait_until(DEADLINE, "the first event", || async {
-        collector.has(&first.to_string())
-    })
-    .await;
-    let start = position(&db).await;
-    wait_until(DEADLINE, "the slot confirmed up to it", || async {
-        confirmed_past(&db, &start).await
-    })
-    .await;
-    // The broker's answers (confirms included) now take 6 s to come back:
-    // time for the checks below, with room for a busy machine.
-    proxy.set(e2e::Mode::Delay(Duration::from_secs(6)));
-    let held = write().await;
-    let after_held = position(&db).await;
-    // A later transaction the reader reads while the event's batch is on
-    // the wire: a message of another prefix, no event.
-    sqlx::query("SELECT pg_logical_emit_message(true, 'not-outbox', 'x')")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    let after_later = position(&db).await;
-    // Two reports from the reader later, the slot is still before the
-    // event.
-    reports(&db, &application_name, 2).await;
-    assert!(
-        !confirmed_past(&db, &after_held).await,
-        "the slot moved past an event whose confirm had not arrived"
-    );
-    proxy.set(e2e::Mode::Pass);
-    wait_until(
-        DEADLINE,
-        "the event delivered and the slot past both",
-        || async { collector.has(&held.to_string()) && confirmed_past(&db, &after_later).await },
-    )
-    .await;
-    relay.stop().await;
-    assert_eq!(db.count("outbox").await, 0, "nothing went to the table");
-    collector.stop();
-    proxy.stop();
-    broker.cleanup().await;
-}
-
-/// An ordered aggregate is never in two batches on the wire: its event
-/// read while an earlier one's batch awaits its confirms waits for that
-/// batch, so when the earlier event comes back unroutable (known only
-/// with the confirm), the later one queues behind it in the table instead
-/// of overtaking it.
-#[tokio::test]
-async fn wal_ordered_event_waits_for_its_aggregates_batch_on_the_wire() {
-    let db = TestDb::producer_wal("wal_window_ord").await;
-    let broker = TestBroker::new("wal_window_ord", FieldTable::default()).await;
-    outbox::set_ordered(&db.pool, &db.schema, "acct", true)
-        .await
-        .unwrap();
-    // An exchange with no queue bound: what goes there comes back
-    // (mandatory), which only the confirm tells.
-    let side = format!("{}.unbound", broker.exchange);
-    let conn = e2e::connect().await;
-    let ch = conn.create_channel().await.unwrap();
-    ch.exchange_declare(
-        side.as_str().into(),
-        lapin::ExchangeKind::Topic,
-        Default::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    let collector = Collector::start(&broker.queue);
-    let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
-    let ob = db.outbox(Capture::Wal).await;
-    let config = wal_relay(&db, &broker).with(|c| c.amqp_url = proxy.url(&amqp_url()).into());
-    let relay = start(config, &format!("r-{}", db.schema)).await;
-    // Commits `events` in one transaction; their ids.
-    let commit = |events: Vec<NewEvent>| {
-        let (ob, pool) = (ob.clone(), db.pool.clone());
-        async move {
-            let mut tx = pool.begin().await.unwrap();
-            let ids = ob.enqueue_many(&mut *tx, events).await.unwrap();
-            tx.commit().await.unwrap();
-            ids
-        }
-    };
-    let event = |t: &str, id: &str, exchange: Option<&str>| {
-        let e = NewEvent::new(t, id, "Happened", &json!({})).unwrap();
-        match exchange {
-            Some(x) => e.exchange(x),
-            None => e,
-        }
-    };
-    // Warm-up, unordered: the reader connects and learns that the
-    // unbound exchange exists (no check is left for later).
-    let warm = commit(vec![
-        event("probe", "p", Some(&side)),
-        event("probe", "p", None),
-    ])
-    .await;
-    wait_until(DEADLINE, "the warm-up", || async {
-        collector.has(&warm[1].to_string())
-            && db.count("outbox").await + db.count("outbox_dead_letters").await == 1
-    })
-    .await;
-    // The returned probe leaves, so the table holds only what follows.
-    for table in ["outbox", "outbox_dead_letters"] {
-        sqlx::query(AssertSqlSafe(format!(
-            "DELETE FROM \"{}\".{table} WHERE id = $1",
-            db.schema
-        )))
-        .bind(warm[0])
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    }
-    // Confirms now take 3 s to come back.
-    proxy.set(e2e::Mode::Delay(Duration::from_secs(3)));
-    // a-1's event 1 goes to the unbound exchange; an unordered marker in
-    // the same transaction shows its batch is on the wire.
-    let first = commit(vec![
-        event("acct", "a-1", Some(&side)),
-        event("probe", "p", None),
-    ])
-    .await;
-    wait_until(DEADLINE, "event 1's batch on the wire", || async {
-        collector.has(&first[1].to_string())
-    })
-    .await;
-    // Event 2, read while event 1's confirm is still out.
-    let second = commit(vec![event("acct", "a-1", None)]).await[0];
-    let after = position(&db).await;
-    wait_until(
-        DEADLINE,
-        "both in the table and the slot past them",
-        || async {
-            assert!(
-                !collector.has(&second.to_string()),
-                "event 2 overtook event 1"
-            );
-            db.count("outbox").await == 2 && confirmed_past(&db, &after).await
-        },
-    )
-    .await;
-    proxy.set(e2e::Mode::Pass);
-    relay.stop().await;
-    collector.drain(DEADLINE).await;
-    assert!(
-        !collector.has(&second.to_string()),
-        "event 2 overtook event 1"
-    );
-    proxy.stop();
-    let _ = ch
-        .exchange_delete(side.as_str().into(), Default::default())
-        .await;
-    let _ = conn.close(200, "ok".into()).await;
-    broker.cleanup().await;
-}
-
-#[tokio::test]
-async fn wal_ordered_aggregate_waits_behind_its_failed_event_in_the_table() {
-    let db = TestDb::producer_wal("wal_order").await;
-    let broker = TestBroker::new("wal_order", FieldTable::default()).await;
-    outbox::set_ordered(&db.pool, &db.schema, "acct", true)
-        .await
-        .unwrap();
-    let log = SeqLog::start(&broker.queue);
-    let ob = db.outbox(Capture::Wal).await;
-    let relay = start(wal_relay(&db, &broker), &format!("r-{}", db.schema)).await;
-    // Event 2 of a-1 goes to an exchange that does not exist yet; a-2 is
-    // never held up.
-    let side = format!("{}.side", broker.exchange);
-    let write = |aggregate: &'static str, exchange: Option<String>| {
-        let ob = ob.clone();
-        let pool = db.pool.clone();
-        async move {
-            let mut tx = pool.begin().await.unwrap();
-            let mut e = NewEvent::new("acct", aggregate, "Moved", &json!({})).unwrap();
-            if let Some(x) = exchange {
-                e = e.exchange(x);
-            }
-            ob.enqueue(&mut *tx, e).await.unwrap();
-            tx.commit().await.unwrap();
-        }
-    };
-    write("a-1", None).await;
-    write("a-1", Some(side.clone())).await;
-    // Once event 2 is in the table, later events of a-1 arrive in later
-    // batches of the log: they must queue behind it there.
-    wait_until(DEADLINE, "event 2 in the table", || async {
-        db.count("outbox").await == 1
-    })
-    .await;
-    for _ in 0..4 {
-        write("a-1", None).await;
-        write("a-2", None).await;
-    }
-    // a-1's failed event and the four behind it wait in the table; a-2's
-    // events went straight through.
-    wait_until(DEADLINE, "a-1 queued in the table", || async {
-        assert_eq!(log.seqs_of("a-1"), vec![1], "an event overtook event 2");
-        db.count("outbox").await == 5 && log.seqs_of("a-2").len() == 4
-    })
-    .await;
-    assert_eq!(log.seqs_of("a-1"), vec![1], "nothing overtook event 2");
-    // The exchange appears, bound to the queue: the table workers publish
-    // event 2, then the rest, in order; later events go straight again.
-    let conn = e2e::connect().await;
-    let ch = conn.create_channel().await.unwrap();
-    ch.exchange_declare(
-        side.as_str().into(),
-        lapin::ExchangeKind::Topic,
-        Default::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.exchange_bind(
-        broker.exchange.as_str().into(),
-        side.as_str().into(),
-        "#".into(),
-        Default::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    wait_until(DEADLINE, "a-1 drained from the table", || async {
-        db.count("outbox").await == 0
-    })
-    .await;
-    write("a-1", None).await;
-    wait_until(DEADLINE, "a-1's seventh event", || async {
-        log.seqs_of("a-1").contains(&7)
-    })
-    .await;
-    relay.stop().await;
-    log.drain(DEADLINE).await;
-    let (first, _) = log.first_arrivals();
-    assert_eq!(first["a-1"], (1..=7).collect::<Vec<_>>());
-    assert_eq!(first["a-2"], (1..=4).collect::<Vec<_>>());
-    let _ = ch
-        .exchange_delete(side.as_str().into(), Default::default())
-        .await;
-    let _ = conn.close(200, "ok".into()).await;
-    broker.cleanup().await;
-}
-
-#[tokio::test]
-async fn wal_standby_relay_takes_over_the_slot() {
-    let db = TestDb::producer_wal("wal_standby").await;
-    let broker = TestBroker::new("wal_standby", FieldTable::default()).await;
-    let collector = Collector::start(&broker.queue);
-    let cfg_a = || wal_relay(&db, &broker).with(|c| c.name = "relay-a".into());
-    let cfg_b = wal_relay(&db, &broker).with(|c| c.name = "relay-b".into());
-    let a = start(cfg_a(), &format!("a-{}", db.schema)).await;
-    wait_until(DEADLINE, "relay A reads the slot", || async {
-        slot(&db).await.reader.as_deref() == Some("outbox-relay relay-a")
-    })
-    .await;
-    let b = start(cfg_b, &format!("b-{}", db.schema)).await;
-    let stop_writing = CancellationToken::new();
-    let writer = {
-        let db = db.clone();
-        let stop = stop_writing.clone();
-        tokio::spawn(async move {
-            let ob = db.outbox(Capture::Wal).await;
-            let mut ids = Vec::new();
-            while !stop.is_cancelled() {
-                let mut tx = db.pool.begin().await.unwrap();
-                let id = ob
-                    .enqueue(
-                        &mut *tx,
-                        NewEvent::new("order", "o-1", "OrderPlaced", &json!({})).unwrap(),
-                    )
-                    .await
-                    .unwrap();
-                tx.commit().await.unwrap();
-                ids.push(id);
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            ids
-        })
-    };
-    wait_until(DEADLINE, "events through relay A", || async {
-        collector.distinct() >= 50
-    })
-    .await;
-    assert_eq!(
-        slot(&db).await.reader.as_deref(),
-        Some("outbox-relay relay-a"),
-        "B waits while A reads"
-    );
-    // A stops (cleanly): B takes the slot and the stream goes on.
-    let stopped = Instant::now();
-    a.stop().await;
-    let seen = collector.distinct();
-    wait_until(DEADLINE, "relay B reads the slot", || async {
-        slot(&db).await.reader.as_deref() == Some("outbox-relay relay-b")
-    })
-    .await;
-    wait_until(DEADLINE, "events through relay B", || async {
-        collector.distinct() > seen + 20
-    })
-    .await;
-    let clean = stopped.elapsed();
-    // B's run is dropped mid-stream (no drain, nothing confirmed at the
-    // end): A, back as the standby, takes over. (A SIGKILLed or frozen
-    // relay process: the fault suite.)
-    let a = start(cfg_a(), &format!("a2-{}", db.schema)).await;
-    let killed = Instant::now();
-    b.abort().await;
-    let seen = collector.distinct();
-    wait_until(DEADLINE, "relay A reads the slot again", || async {
-        slot(&db).await.reader.as_deref() == Some("outbox-relay relay-a")
-    })
-    .await;
-    wait_until(DEADLINE, "events through relay A again", || async {
-        collector.distinct() > seen + 20
-    })
-    .await;
-    let abrupt = killed.elapsed();
-    stop_writing.cancel();
-    let ids = writer.await.unwrap();
-    wait_until(DEADLINE, "every event", || async {
-        ids.iter().all(|i| collector.has(&i.to_string()))
-    })
-    .await;
-    a.stop().await;
-    collector.drain(DEADLINE).await;
-    assert_eq!(collector.distinct(), ids.len());
-    println!(
-        "handover: clean stop {clean:?}, abrupt end {abrupt:?} (each until 20 more events arrived); {} events, {} copies",
-        ids.len(),
-        collector.duplicates()
-    );
     broker.cleanup().await;
 }
 
@@ -988,7 +487,7 @@ async fn disruptive_wal_lost_slot_stops_the_relay_with_the_reason() {
     );
     let w = slot(&db).await;
     assert_eq!(w.wal_status.as_deref(), Some("lost"));
-    let status = admin::status(&db.pool, &schema(&db)).await.unwrap();
+    let status = admin::status(&db.pool, &db.ident()).await.unwrap();
     assert_eq!(status.wal.unwrap().wal_status.as_deref(), Some("lost"));
     // Producers are refused too: nothing would read what they write.
     let err = emit(&db, "o-2").await.unwrap_err();
@@ -1005,24 +504,6 @@ async fn disruptive_wal_lost_slot_stops_the_relay_with_the_reason() {
         matches!(&err, outbox::Error::WalCaptureNotReady { reason, .. } if reason.contains("invalidated")),
         "{err:?}"
     );
-}
-
-/// The SQL producer path: `outbox_emit` of an event of aggregate `$1`
-/// (returns its id).
-fn emit_sql(
-    schema: &str,
-) -> sqlx::query::QueryScalar<'static, sqlx::Postgres, uuid::Uuid, sqlx::postgres::PgArguments> {
-    sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT \"{schema}\".outbox_emit('order', $1, 'OrderPlaced', '{{}}')"
-    )))
-}
-
-/// One event through the SQL producer path, in its own transaction.
-async fn emit(db: &TestDb, aggregate_id: &str) -> Result<uuid::Uuid, sqlx::Error> {
-    emit_sql(&db.schema)
-        .bind(aggregate_id.to_owned())
-        .fetch_one(&db.pool)
-        .await
 }
 
 /// A producer that writes to the log while no slot would read it is
@@ -1108,14 +589,18 @@ async fn wal_emit_without_a_readable_slot_is_refused_and_nothing_committed_is_lo
     assert_eq!(orders, 0, "a refused event took its transaction with it");
 
     // Set up again: what commits now is read and published.
-    outbox_relay::create_wal_slot(&db.pool, &schema(&db), None)
+    outbox_relay::create_wal_slot(&db.pool, &db.ident(), None)
         .await
         .unwrap();
     let mut committed = Vec::new();
     for (id, sql_path) in [("o-1", true), ("o-2", false)] {
         committed.push(order_with_event(id, sql_path).await.unwrap());
     }
-    let relay = start(wal_relay(&db, &broker), &format!("r-{}", db.schema)).await;
+    let relay = TestRelay::new(&db, &broker)
+        .wal()
+        .own_pool(&format!("r-{}", db.schema), 6)
+        .start_logged()
+        .await;
     wait_until(DEADLINE, "the committed events", || async {
         committed.iter().all(|i| collector.has(&i.to_string()))
     })
@@ -1126,20 +611,6 @@ async fn wal_emit_without_a_readable_slot_is_refused_and_nothing_committed_is_lo
     broker.cleanup().await;
 }
 
-/// `url` with its database name replaced by `name`.
-fn with_database(url: &str, name: &str) -> String {
-    let (base, query) = url
-        .split_once('?')
-        .map_or((url, None), |(b, q)| (b, Some(q)));
-    let (server, _) = base
-        .rsplit_once('/')
-        .expect("a database URL names a database");
-    match query {
-        Some(q) => format!("{server}/{name}?{q}"),
-        None => format!("{server}/{name}"),
-    }
-}
-
 /// Replication slots are cluster-wide: a second database with a schema of
 /// the same name cannot take the first one's `outbox_<schema>`. It is
 /// refused in one line that says what to do (`--slot`), and with its own
@@ -1147,7 +618,7 @@ fn with_database(url: &str, name: &str) -> String {
 #[tokio::test]
 async fn wal_second_database_with_the_same_schema_names_its_own_slot() {
     let first = TestDb::producer_wal("wal_twodb").await;
-    let s = schema(&first);
+    let s = first.ident();
     // A failed run's database (its slot goes with it).
     let left: Vec<String> = sqlx::query_scalar(
         "SELECT datname::text FROM pg_database WHERE datname LIKE 't\\_wal\\_twodb\\_%'",
@@ -1206,12 +677,17 @@ async fn wal_second_database_with_the_same_schema_names_its_own_slot() {
     // Both databases' events reach the broker, each through its own slot.
     let broker = TestBroker::new("wal_twodb", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
-    let relay_other = wal_relay(&first, &broker)
+    let relay_other = TestRelay::new(&first, &broker)
+        .wal()
         .with(|c| c.wal = Some(WalCapture::new(other_url.clone())))
         .pool(pool.clone())
         .start()
         .await;
-    let relay_first = start(wal_relay(&first, &broker), &format!("r-{}", first.schema)).await;
+    let relay_first = TestRelay::new(&first, &broker)
+        .wal()
+        .own_pool(&format!("r-{}", first.schema), 6)
+        .start_logged()
+        .await;
     let id_first = emit(&first, "o-first").await.unwrap();
     let id_other = emit_sql(&first.schema)
         .bind("o-other")
@@ -1234,468 +710,6 @@ async fn wal_second_database_with_the_same_schema_names_its_own_slot() {
         .execute(&first.pool)
         .await
         .unwrap();
-    broker.cleanup().await;
-}
-
-/// One message a test writes on the schema's prefix: an event as any
-/// producer might write it (names up to 300 bytes, any JSON, NUL in text,
-/// unknown format versions, a missing exchange), JSON that is no event,
-/// or text that is no JSON.
-#[derive(Debug, Clone)]
-enum Written {
-    Event {
-        id: uuid::Uuid,
-        content: String,
-        transactional: bool,
-    },
-    /// JSON that is no event of the contract; `id` when it names one.
-    Json {
-        id: Option<uuid::Uuid>,
-        content: String,
-    },
-    Text(String),
-}
-
-impl Written {
-    fn id(&self) -> Option<uuid::Uuid> {
-        match self {
-            Written::Event { id, .. } => Some(*id),
-            Written::Json { id, .. } => *id,
-            Written::Text(_) => None,
-        }
-    }
-
-    fn content(&self) -> &str {
-        match self {
-            Written::Event { content, .. } | Written::Json { content, .. } => content,
-            Written::Text(t) => t,
-        }
-    }
-
-    fn transactional(&self) -> bool {
-        !matches!(
-            self,
-            Written::Event {
-                transactional: false,
-                ..
-            }
-        )
-    }
-}
-
-mod arbitrary {
-    use proptest::collection::{btree_map, vec};
-    use proptest::prelude::*;
-    use serde_json::{Map, Value, json};
-
-    use super::Written;
-
-    /// Names of 0 to 300 bytes: plain, long, multi-byte, with NUL.
-    fn name() -> impl Strategy<Value = String> {
-        prop_oneof![
-            20 => "[a-zA-Z0-9._-]{1,24}",
-            2 => "[a-z]{250,300}",
-            1 => "[é]{120,150}",
-            1 => "[a-z]{1,4}\u{0}[a-z]{1,4}",
-            1 => Just(String::new()),
-        ]
-    }
-
-    fn json_value() -> impl Strategy<Value = Value> {
-        let leaf = prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::from),
-            any::<i64>().prop_map(Value::from),
-            any::<f64>()
-                .prop_filter("finite", |f| f.is_finite())
-                .prop_map(Value::from),
-            ".{0,16}".prop_map(Value::from),
-        ];
-        leaf.prop_recursive(3, 24, 4, |inner| {
-            prop_oneof![
-                vec(inner.clone(), 0..4).prop_map(Value::Array),
-                btree_map(".{0,8}", inner, 0..4)
-                    .prop_map(|m| Value::Object(m.into_iter().collect())),
-            ]
-        })
-    }
-
-    fn event() -> impl Strategy<Value = Written> {
-        (
-            any::<u128>(),
-            prop_oneof![8 => Just(1u32), 1 => Just(2u32), 1 => Just(0u32)],
-            (name(), name(), name()),
-            json_value(),
-            btree_map(name(), json_value(), 0..3),
-            prop_oneof![
-                6 => Just(None),
-                2 => "[a-z]{1,12}".prop_map(|x| Some(format!("missing.{x}"))),
-                1 => "[a-z]{256,300}".prop_map(Some),
-            ],
-            proptest::option::of(name()),
-            prop_oneof![9 => Just(true), 1 => Just(false)],
-        )
-            .prop_map(
-                |(
-                    id,
-                    v,
-                    (aggregate_type, aggregate_id, event_type),
-                    payload,
-                    headers,
-                    exchange,
-                    routing_key,
-                    transactional,
-                )| {
-                    let id = uuid::Uuid::from_u128(id);
-                    let content = json!({
-                        "v": v,
-                        "id": id,
-                        "aggregate_type": aggregate_type,
-                        "aggregate_id": aggregate_id,
-                        "event_type": event_type,
-                        "payload": payload,
-                        "headers": Value::Object(headers.into_iter().collect::<Map<_, _>>()),
-                        "exchange": exchange,
-                        "routing_key": routing_key,
-                        "aggregate_seq": null,
-                        "created_at": "2026-12-02T04:00:00.123456+00:00",
-                    });
-                    Written::Event {
-                        id,
-                        content: content.to_string(),
-                        transactional,
-                    }
-                },
-            )
-    }
-
-    fn not_an_event() -> impl Strategy<Value = Written> {
-        prop_oneof![
-            (json_value(), proptest::option::of(any::<u128>())).prop_map(|(v, id)| {
-                let id = id.map(uuid::Uuid::from_u128);
-                let mut object = match v {
-                    Value::Object(m) => m,
-                    other => Map::from_iter([("value".to_owned(), other)]),
-                };
-                object.remove("id");
-                if let Some(id) = id {
-                    object.insert("id".to_owned(), json!(id));
-                }
-                Written::Json {
-                    id,
-                    content: Value::Object(object).to_string(),
-                }
-            }),
-            ".{0,40}"
-                .prop_filter("not JSON", |t| serde_json::from_str::<Value>(t).is_err())
-                .prop_map(Written::Text),
-        ]
-    }
-
-    pub(super) fn message() -> impl Strategy<Value = Written> {
-        prop_oneof![3 => event(), 1 => not_an_event()]
-    }
-}
-
-/// Whatever is written on the outbox prefix, by whatever writer, the
-/// reader accounts for it (published, queued in the table, or
-/// dead-lettered with its reason), the slot moves past it, and the good
-/// events around it are published once each: one bad message never holds
-/// the stream or makes copies of its neighbours.
-#[tokio::test]
-async fn wal_any_message_on_the_outbox_prefix_is_accounted_for() {
-    use proptest::strategy::{Strategy, ValueTree};
-    use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
-
-    let db = TestDb::producer_wal("wal_anymsg").await;
-    let broker = TestBroker::new("wal_anymsg", FieldTable::default()).await;
-    let collector = Collector::start(&broker.queue);
-    let seed: [u8; 32] = rand_seed();
-    println!(
-        "seed {}",
-        seed.iter().map(|b| format!("{b:02x}")).collect::<String>()
-    );
-    let mut runner = TestRunner::new_with_rng(
-        Config::default(),
-        TestRng::from_seed(RngAlgorithm::ChaCha, &seed),
-    );
-    let strategy = arbitrary::message();
-    let written: Vec<Written> = (0..160)
-        .map(|_| strategy.new_tree(&mut runner).unwrap().current())
-        .collect();
-    let cfg = wal_relay(&db, &broker).with(|c| c.max_attempts = 2);
-    let relay = start(cfg, &format!("r-{}", db.schema)).await;
-    let prefix = format!("outbox:{}", db.schema);
-    let mut neighbours = Vec::new();
-    for (n, w) in written.iter().enumerate() {
-        // Each bad message between good ones, in one transaction.
-        let mut tx = db.pool.begin().await.unwrap();
-        let around = |at: String| emit_sql(&db.schema).bind(at);
-        neighbours.push(
-            around(format!("before-{n}"))
-                .fetch_one(&mut *tx)
-                .await
-                .unwrap(),
-        );
-        // As bytes: a writer may put anything there, NUL included.
-        sqlx::query("SELECT pg_logical_emit_message($1, $2, $3::bytea)")
-            .bind(w.transactional())
-            .bind(&prefix)
-            .bind(w.content().as_bytes())
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-        neighbours.push(
-            around(format!("after-{n}"))
-                .fetch_one(&mut *tx)
-                .await
-                .unwrap(),
-        );
-        tx.commit().await.unwrap();
-    }
-    let end = position(&db).await;
-
-    wait_until(
-        DEADLINE,
-        "the slot confirmed past every message",
-        || async { confirmed_past(&db, &end).await },
-    )
-    .await;
-    wait_until(DEADLINE, "the table's retries settled", || async {
-        db.count("outbox").await == 0
-    })
-    .await;
-    wait_until(DEADLINE, "every neighbour", || async {
-        neighbours.iter().all(|i| collector.has(&i.to_string()))
-    })
-    .await;
-    relay.stop().await;
-    collector.drain(DEADLINE).await;
-
-    let dead: Vec<(uuid::Uuid, String, String)> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT id, aggregate_type, last_error FROM \"{}\".outbox_dead_letters",
-        db.schema
-    )))
-    .fetch_all(&db.pool)
-    .await
-    .unwrap();
-    let dead_ids: std::collections::HashSet<uuid::Uuid> = dead.iter().map(|d| d.0).collect();
-    let refused_by_table = dead
-        .iter()
-        .filter(|d| d.2.contains("the outbox table refused"))
-        .count();
-    let as_text = dead
-        .iter()
-        .filter(|d| d.2.contains("the dead letters refused its fields too"))
-        .count();
-    println!(
-        "{} messages: {} published, {} dead letters ({} refused by the table, {} kept as text)",
-        written.len(),
-        collector.distinct() - neighbours.len(),
-        dead.len(),
-        refused_by_table,
-        as_text
-    );
-    assert!(
-        dead.iter().all(|d| !d.2.is_empty()),
-        "every dead letter says why"
-    );
-    let mut unaccounted = Vec::new();
-    for w in &written {
-        if let Some(id) = w.id() {
-            let published = collector.has(&id.to_string());
-            let dead = dead_ids.contains(&id);
-            if published == dead {
-                unaccounted.push(format!(
-                    "published {published}, dead-lettered {dead}: {w:?}"
-                ));
-            }
-        }
-    }
-    assert!(unaccounted.is_empty(), "{unaccounted:#?}");
-    let known: std::collections::HashSet<uuid::Uuid> =
-        written.iter().filter_map(Written::id).collect();
-    let anonymous = written.iter().filter(|w| w.id().is_none()).count();
-    let anonymous_dead = dead
-        .iter()
-        .filter(|d| d.1 == "(unreadable)" && !known.contains(&d.0))
-        .count();
-    assert_eq!(
-        anonymous_dead, anonymous,
-        "messages without an id, dead-lettered"
-    );
-    assert!(
-        neighbours.iter().all(|i| !dead_ids.contains(i)),
-        "a good event was dead-lettered"
-    );
-    assert_eq!(collector.duplicates(), 0, "nothing was published twice");
-    broker.cleanup().await;
-}
-
-/// A fresh seed, or the one `WAL_ANYMSG_SEED` names (64 hex digits, as
-/// the test prints it), to replay a failure.
-fn rand_seed() -> [u8; 32] {
-    let mut seed = [0u8; 32];
-    if let Ok(hex) = std::env::var("WAL_ANYMSG_SEED") {
-        assert_eq!(hex.len(), 64, "WAL_ANYMSG_SEED: 64 hex digits");
-        for (i, b) in seed.iter_mut().enumerate() {
-            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("WAL_ANYMSG_SEED: hex");
-        }
-        return seed;
-    }
-    seed[..16].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
-    seed[16..].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
-    seed
-}
-
-/// Commits `n` events through `ob`, `per_tx` per transaction; returns
-/// their ids.
-async fn commit_events(
-    db: &TestDb,
-    ob: &outbox::Outbox,
-    n: usize,
-    per_tx: usize,
-) -> Vec<uuid::Uuid> {
-    let mut ids = Vec::with_capacity(n);
-    for start in (0..n).step_by(per_tx) {
-        let mut tx = db.pool.begin().await.unwrap();
-        for i in start..(start + per_tx).min(n) {
-            let e =
-                NewEvent::new("order", format!("o-{i}"), "OrderPlaced", &json!({"i": i})).unwrap();
-            ids.push(ob.enqueue(&mut *tx, e).await.unwrap());
-        }
-        tx.commit().await.unwrap();
-    }
-    ids
-}
-
-/// A nack settles every batch still on the channel before the channel is
-/// replaced: with a queue that refuses what it has no room for
-/// (`x-overflow = reject-publish`), batches on the wire are nacked
-/// mid-window; they all go to the table and are published from there once
-/// the queue has room, and the session never ends for it, so nothing
-/// delivered is read and published again.
-#[tokio::test]
-async fn wal_nack_settles_every_batch_on_the_channel_before_replacing_it() {
-    use lapin::types::{AMQPValue, ShortString};
-    let db = TestDb::producer_wal("wal_nack").await;
-    let mut args = FieldTable::default();
-    args.insert(ShortString::from("x-max-length"), AMQPValue::LongInt(50));
-    args.insert(
-        ShortString::from("x-overflow"),
-        AMQPValue::LongString("reject-publish".into()),
-    );
-    let broker = TestBroker::new("wal_nack", args).await;
-    let ob = db.outbox(Capture::Wal).await;
-    let cfg = wal_relay(&db, &broker).with(|c| {
-        c.batch_size = 20;
-        c.max_attempts = 100_000;
-    });
-    let relay = start(cfg, &format!("r-{}", db.schema)).await;
-    let ids = commit_events(&db, &ob, 400, 10).await;
-    let end = position(&db).await;
-    // The queue is full: the rest were nacked into the table, and the slot
-    // moved past all of them.
-    wait_until(
-        DEADLINE,
-        "nacked events in the table, the slot past the end",
-        || async { db.count("outbox").await > 0 && confirmed_past(&db, &end).await },
-    )
-    .await;
-    let collector = Collector::start(&broker.queue);
-    wait_until(DEADLINE, "every event", || async {
-        ids.iter().all(|i| collector.has(&i.to_string()))
-    })
-    .await;
-    wait_until(DEADLINE, "the table empty", || async {
-        db.count("outbox").await == 0
-    })
-    .await;
-    relay.stop().await;
-    collector.drain(DEADLINE).await;
-    assert_eq!(collector.distinct(), ids.len());
-    assert_eq!(
-        collector.duplicates(),
-        0,
-        "a nack ended the session: delivered events were read and published again"
-    );
-    broker.cleanup().await;
-}
-
-/// After a confirm timeout the session ends with the later batches of the
-/// window unsettled: they are read and published again. WAL_CAPTURE.md
-/// says what that costs: at most four batches' worth of copies (the
-/// window), never a lost event.
-#[tokio::test]
-async fn wal_confirm_timeout_copies_at_most_the_window() {
-    const PER_TX: usize = 5;
-    let db = TestDb::producer_wal("wal_timeout").await;
-    let broker = TestBroker::new("wal_timeout", FieldTable::default()).await;
-    let collector = Collector::start(&broker.queue);
-    let proxy = e2e::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
-    let ob = db.outbox(Capture::Wal).await;
-    let batch = 20;
-    let cfg = wal_relay(&db, &broker).with(|c| {
-        c.amqp_url = proxy.url(&amqp_url()).into();
-        c.batch_size = batch;
-        c.confirm_timeout = Duration::from_millis(1500);
-        // The timed-out events go to the table; retried there only once
-        // the broker answers in time again, each is one copy (a retry that
-        // times out too would be one more).
-        c.retry_base = Duration::from_secs(5);
-        c.retry_max = Duration::from_secs(5);
-    });
-    let relay = start(cfg, &format!("r-{}", db.schema)).await;
-    let warm = commit_events(&db, &ob, 10, 10).await;
-    wait_until(DEADLINE, "the relay publishing", || async {
-        warm.iter().all(|i| collector.has(&i.to_string()))
-    })
-    .await;
-    // The broker's answers now come 4 s late: the first batch's confirms
-    // time out while later batches are on the wire.
-    proxy.set(e2e::Mode::Delay(Duration::from_secs(4)));
-    let mut ids = warm;
-    ids.extend(commit_events(&db, &ob, 200, PER_TX).await);
-    let end = position(&db).await;
-    // One timeout: once the timed-out batch is in the table, the broker
-    // answers in time again (a second slow session would time out again,
-    // each with its own window of copies).
-    wait_until(DEADLINE, "the timed-out batch in the table", || async {
-        db.count("outbox").await > 0
-    })
-    .await;
-    proxy.set(e2e::Mode::Pass);
-    wait_until(
-        DEADLINE,
-        "every event, the slot past the end, the table empty",
-        || async {
-            ids.iter().all(|i| collector.has(&i.to_string()))
-                && confirmed_past(&db, &end).await
-                && db.count("outbox").await == 0
-        },
-    )
-    .await;
-    relay.stop().await;
-    collector.drain(DEADLINE).await;
-    proxy.stop();
-    assert_eq!(collector.distinct(), ids.len());
-    let copies = collector.duplicates();
-    // The window, plus the timed-out batch's events of a transaction it
-    // holds only the start of: they go to the table, and the slot stays
-    // before their transaction, so they are read again too (fewer than a
-    // transaction's events; seen: 82).
-    let bound = 4 * batch + (PER_TX - 1);
-    println!(
-        "{copies} copies after a confirm timeout (window: {} events, bound {bound})",
-        4 * batch
-    );
-    assert!(copies > 0, "the timeout landed on nothing in flight");
-    assert!(
-        copies <= bound,
-        "{copies} copies: more than the window of four batches ({}) and a split transaction's {}",
-        4 * batch,
-        PER_TX - 1
-    );
     broker.cleanup().await;
 }
 

@@ -144,6 +144,11 @@ impl TestDb {
         db
     }
 
+    /// The schema's name as an identifier.
+    pub fn ident(&self) -> outbox::Ident {
+        outbox::Ident::new("schema", &self.schema).expect("a test schema is a valid name")
+    }
+
     /// The schema's replication slot (and publication) name.
     pub fn slot(&self) -> String {
         format!("outbox_{}", self.schema)

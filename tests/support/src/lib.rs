@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod service;
+pub mod wal;
 
 mod assert;
 mod broker;

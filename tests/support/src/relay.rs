@@ -117,6 +117,16 @@ impl TestRelay {
         self.try_build().await.expect("the relay starts")
     }
 
+    /// [`start`](Self::start), with the relay's log in the test's output
+    /// as `RUST_LOG` says.
+    pub async fn start_logged(self) -> RunningRelay {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+        self.start().await
+    }
+
     /// Builds the relay and runs it until stopped.
     pub async fn start(self) -> RunningRelay {
         Self::spawn(&self.build().await)
