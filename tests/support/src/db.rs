@@ -209,6 +209,18 @@ impl TestDb {
         })
     }
 
+    /// [`produce`](Self::produce) in the background; the task returns the
+    /// ids.
+    pub fn spawn_produce(
+        &self,
+        n: usize,
+        per_tx: usize,
+        pace: Duration,
+    ) -> tokio::task::JoinHandle<Vec<String>> {
+        let db = self.clone();
+        tokio::spawn(async move { db.produce(n, per_tx, pace).await })
+    }
+
     /// Commits `n` events, `per_tx` per transaction (default wake-up; as
     /// [`TestDb::capture`] says),
     /// pausing `pace` between transactions; returns their ids in order.
