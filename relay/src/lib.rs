@@ -80,6 +80,8 @@ mod claim;
 mod config;
 mod db;
 mod error;
+#[cfg(feature = "fault-injection")]
+mod fault;
 mod health;
 mod lease;
 mod maintenance;
@@ -95,24 +97,14 @@ mod wake;
 mod wal;
 mod worker;
 
-/// Testing only (feature `fault-injection`, never in a release build): an
-/// event of this type makes the worker publishing it panic, so the tests
-/// can prove a panicking batch is isolated and never stops the relay.
-#[cfg(feature = "fault-injection")]
-#[doc(hidden)]
-pub const FAULT_PANIC_EVENT_TYPE: &str = "outbox-relay.fault-injection.panic";
-
-/// Testing only (feature `fault-injection`, never in a release build): the
-/// worker about to publish an event of this type on its first attempt
-/// closes its own channel (not the connection) first, so the tests can
-/// prove one worker's channel failure restarts every worker.
-#[cfg(feature = "fault-injection")]
-#[doc(hidden)]
-pub const FAULT_CHANNEL_EVENT_TYPE: &str = "outbox-relay.fault-injection.close-channel";
-
 pub use crate::config::{RelayConfig, WalCapture};
 pub use crate::db::pool_options;
 pub use crate::error::{BrokerError, ConfigError, Error, Result};
+/// Testing only (feature `fault-injection`): the event types that make the
+/// relay fail on purpose (`fault.rs`).
+#[cfg(feature = "fault-injection")]
+#[doc(hidden)]
+pub use crate::fault::{FAULT_CHANNEL_EVENT_TYPE, FAULT_PANIC_EVENT_TYPE};
 pub use crate::health::Health;
 pub use crate::message::OutboxEvent;
 pub use crate::relay::Relay;

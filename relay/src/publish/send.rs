@@ -123,7 +123,7 @@ impl Publisher {
                 }
             };
             #[cfg(feature = "fault-injection")]
-            self.inject_fault(e).await;
+            crate::fault::inject(e, &self.channel, self.broker_timeout).await;
             let mut publish = Box::pin(channel.basic_publish(
                 message.exchange,
                 message.routing_key,
@@ -220,22 +220,6 @@ fn sendable(
             Some(receipt) => Err(receipt.clone()),
             None => Ok(m),
         })
-    }
-}
-
-#[cfg(feature = "fault-injection")]
-impl Publisher {
-    /// Testing only: panics on [`crate::FAULT_PANIC_EVENT_TYPE`]; closes
-    /// the channel before the first attempt of
-    /// [`crate::FAULT_CHANNEL_EVENT_TYPE`].
-    async fn inject_fault(&self, e: &OutboxEvent) {
-        if e.event_type == crate::FAULT_PANIC_EVENT_TYPE {
-            panic!("fault injection: event {} asked the relay to panic", e.id);
-        }
-        if e.event_type == crate::FAULT_CHANNEL_EVENT_TYPE && e.attempts == 0 {
-            let close = self.channel.close(200, "fault injection".into());
-            let _ = tokio::time::timeout(self.broker_timeout, close).await;
-        }
     }
 }
 

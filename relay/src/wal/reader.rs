@@ -26,6 +26,7 @@ use crate::wake::sleep_or_cancel;
 use crate::wal::decode::lsn_text;
 use crate::wal::divert;
 use crate::wal::slot::{self, refusal, slot_busy, slot_row, wal_error};
+use crate::wal::stream::Stream;
 use outbox_core::backoff::Backoff;
 use outbox_core::outage::Outage;
 
@@ -73,16 +74,13 @@ impl ReaderConfig {
 
 /// The reader of one schema's slot.
 pub(crate) struct WalReader {
-    pub(super) config: ReaderConfig,
-    pub(super) schema: Ident,
-    pub(super) slot: String,
-    pub(super) pool: PgPool,
-    pub(super) divert: divert::Statements,
+    config: ReaderConfig,
+    slot: String,
+    pool: PgPool,
     outage: Outage,
     broker: Arc<Broker>,
-    pub(super) stats: Arc<Stats>,
-    /// The table workers' wake-up: events diverted to the table are due.
-    pub(super) wake: watch::Sender<u64>,
+    /// What a session's stream runs on.
+    stream: Stream,
 }
 
 impl WalReader {
@@ -100,15 +98,20 @@ impl WalReader {
         settle: Settle,
     ) -> Self {
         Self {
+            stream: Stream::new(
+                config.clone(),
+                schema,
+                slot,
+                pool.clone(),
+                divert::Statements::new(schema, settle),
+                stats,
+                wake,
+            ),
             config,
-            schema: schema.clone(),
             slot: slot.to_owned(),
             pool: pool.clone(),
-            divert: divert::Statements::new(schema, settle),
             outage: Outage::new("replication stream", "outbox-relay"),
             broker,
-            stats,
-            wake,
         }
     }
 
@@ -243,6 +246,7 @@ impl WalReader {
                 let walsender =
                     slot::holder_pid(&self.pool, &self.slot, cfg.database_timeout).await;
                 let end = self
+                    .stream
                     .stream(
                         &mut client,
                         &mut publisher,

@@ -7,6 +7,10 @@
 use outbox_core::amqp::BrokerError;
 use std::sync::Arc;
 
+use outbox::Ident;
+use sqlx::PgPool;
+use tokio::sync::watch;
+
 use futures_util::FutureExt;
 use lapin::Connection;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
@@ -16,9 +20,10 @@ use crate::error::{Error, Result};
 use crate::message::OutboxEvent;
 use crate::publish::{Publisher, Receipt};
 use crate::settle::Settled;
+use crate::stats::Stats;
 use crate::wal::decode::decode;
 use crate::wal::divert;
-use crate::wal::reader::{ReadEnd, WalReader};
+use crate::wal::reader::{ReadEnd, ReaderConfig};
 use crate::wal::slot::{self, wal_error};
 use crate::wal::window::{
     Batch, MAX_BATCHES_ON_WIRE, OnWire, Pending, WINDOW_BATCHES, Window, ordered_aggregates,
@@ -40,7 +45,43 @@ pub(super) struct Session<'a> {
     check_at: tokio::time::Instant,
 }
 
-impl WalReader {
+/// The reader's stream: reading one session's events and finishing its
+/// batches (published, or recorded in the table), for
+/// [`WalReader`](super::WalReader), which owns it.
+pub(super) struct Stream {
+    config: ReaderConfig,
+    schema: Ident,
+    slot: String,
+    pool: PgPool,
+    divert: divert::Statements,
+    stats: Arc<Stats>,
+    /// The table workers' wake-up: events diverted to the table are due.
+    wake: watch::Sender<u64>,
+}
+
+impl Stream {
+    /// The stream of `slot` for `schema`; its failed events go to the
+    /// table through `divert`.
+    pub(super) fn new(
+        config: ReaderConfig,
+        schema: &Ident,
+        slot: &str,
+        pool: PgPool,
+        divert: divert::Statements,
+        stats: Arc<Stats>,
+        wake: watch::Sender<u64>,
+    ) -> Self {
+        Self {
+            config,
+            schema: schema.clone(),
+            slot: slot.to_owned(),
+            pool,
+            divert,
+            stats,
+            wake,
+        }
+    }
+
     /// Reads the stream until shutdown or a failure; `acked` is moved to
     /// the position confirmed to the slot, whatever the end.
     pub(super) async fn stream(
