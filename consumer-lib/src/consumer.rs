@@ -10,9 +10,9 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{ConsumerConfig, Sequencing};
-use crate::dedup::Inbox;
 use crate::error::{Error, Result};
 use crate::handler::{BatchHandler, Handler, Handlers};
+use crate::inbox::Inbox;
 use crate::sequence::Sequences;
 use crate::telemetry::{ConsumerStats, Counters};
 use outbox_core::outage::Outage;

@@ -64,9 +64,9 @@
 //! what the [glossary](outbox#glossary-the-pipeline-and-the-words-for-it)
 //! says; a batch goes `session.rs` (deliveries in, reconnects) →
 //! `process/` (decode, then each delivery's disposition) → `batch.rs`
-//! (one transaction: `dedup.rs`, `sequence/`, the handler) → `ack.rs`
+//! (one transaction: `inbox.rs`, `sequence/`, the handler) → `ack.rs`
 //! (republish, then ack); `consumer.rs` is the handle that runs it, and
-//! `shutdown.rs` the backoff pause both the session and the stages use.
+//! `pause.rs` the backoff pause both the session and the stages use.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
@@ -74,16 +74,16 @@ mod ack;
 mod batch;
 mod config;
 mod consumer;
-mod dedup;
 mod error;
 mod event;
 mod handler;
+mod inbox;
 mod migrate;
+mod pause;
 mod process;
 mod retention;
 mod sequence;
 mod session;
-mod shutdown;
 mod telemetry;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::ConsumerConfig;
 use crate::consumer::Consumer;
 use crate::error::{Error, Result, bounded};
-use crate::shutdown::{End, FIRST_BACKOFF, pause};
+use crate::pause::{End, FIRST_BACKOFF, pause};
 use crate::topology::declare_retry_queues;
 use outbox_core::amqp::{BlockWatch, Flow, Link};
 use outbox_core::backoff::Backoff;

@@ -65,7 +65,7 @@
 //! | **held back** | an ordered event not sent (relay) or not applied (consumer) because an earlier event of its aggregate failed first |
 //! | **dead letter** | an event set aside for an operator: a row in `outbox_dead_letters` (relay), a message in `<queue>.dlq` (consumer) |
 //! | **consume** | a consumer taking a batch of deliveries (`consumer-lib/src/session.rs`) and running it in one transaction (`consumer-lib/src/process/`, `consumer-lib/src/batch/`) |
-//! | **dedup** | the inbox insert that tells a fresh event from a duplicate (`consumer-lib/src/dedup.rs`) |
+//! | **dedup** | the inbox insert that tells a fresh event from a duplicate (`consumer-lib/src/inbox.rs`) |
 //! | **sequencing** | a consumer applying sequenced events per aggregate in order (`outbox_consumer::Sequencing`) |
 //! | **turn** | where a sequenced event stands: its turn (next in its aggregate), stale (applied before), a gap (an earlier one missing) or held back (`consumer-lib/src/sequence/`) |
 //! | **effect**, **outcome** | the handler's work in the transaction, and its answer about one event: `Ack`, `Retry` or `Reject` (`outbox_consumer::Outcome`) |

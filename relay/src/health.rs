@@ -2,8 +2,9 @@
 //! its HTTP endpoints.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
+use crate::mutex::lock;
 use outbox_core::amqp::Nodes;
 
 /// Liveness and readiness, for `/healthz` and `/readyz`.
@@ -84,10 +85,4 @@ impl Health {
             metrics::gauge!("outbox_relay_broker_blocked").set(0.0);
         }
     }
-}
-
-/// A mutex's guard, whether or not a panic poisoned it (the sets it guards
-/// stay consistent at every await point).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

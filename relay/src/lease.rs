@@ -13,7 +13,7 @@ use outbox::Ident;
 use sqlx::{PgPool, SqlStr};
 use uuid::Uuid;
 
-use crate::health::lock;
+use crate::mutex::lock;
 use crate::sql::render;
 
 /// This relay's leases: the round's statements and what it last held.

@@ -86,6 +86,7 @@ mod health;
 mod lease;
 mod maintenance;
 mod message;
+mod mutex;
 mod publish;
 mod quarantine;
 mod relay;

@@ -42,7 +42,7 @@ pub struct OutboxEvent {
 /// An outbox row as the claim queries return it (the database's shape
 /// stays private: [`OutboxEvent`] does not promise sqlx's `FromRow`).
 #[derive(sqlx::FromRow)]
-pub(crate) struct ClaimedRow {
+pub(crate) struct EventRow {
     pub(crate) id: Uuid,
     pub(crate) aggregate_type: String,
     pub(crate) aggregate_id: String,
@@ -56,8 +56,8 @@ pub(crate) struct ClaimedRow {
     pub(crate) aggregate_seq: Option<i64>,
 }
 
-impl From<ClaimedRow> for OutboxEvent {
-    fn from(r: ClaimedRow) -> Self {
+impl From<EventRow> for OutboxEvent {
+    fn from(r: EventRow) -> Self {
         Self {
             id: r.id,
             aggregate_type: r.aggregate_type,

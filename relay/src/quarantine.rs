@@ -14,8 +14,8 @@ use sqlx::{PgPool, SqlStr};
 use uuid::Uuid;
 
 use crate::error::Result;
-use crate::health::lock;
 use crate::message::OutboxEvent;
+use crate::mutex::lock;
 use outbox_core::backoff::jittered;
 
 /// The quarantine: which events are suspects or culprits, and how to set a

@@ -15,7 +15,7 @@ pub(crate) const EVENT_COLUMNS: &str = "id, aggregate_type, aggregate_id, event_
      exchange, routing_key, created_at, aggregate_seq";
 
 /// Columns every claim returns, in this order (the shape of
-/// [`ClaimedRow`](crate::message::ClaimedRow)).
+/// [`EventRow`](crate::message::EventRow)).
 pub(crate) const CLAIMED_COLUMNS: &str = "id, aggregate_type, aggregate_id, event_type, payload::text AS payload, \
      headers::text AS headers, exchange, routing_key, created_at, attempts, aggregate_seq";
 

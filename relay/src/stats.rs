@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use outbox::Ident;
 use sqlx::{PgPool, SqlStr};
 
-use crate::health::lock;
+use crate::mutex::lock;
 use crate::settle::Settled;
 
 #[derive(Debug)]

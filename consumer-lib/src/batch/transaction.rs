@@ -9,8 +9,8 @@ use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use super::pass::{Pass, Ran, run_handlers};
 use super::plan::{inbox_keys, select, unapplied};
 use super::{Batch, Failure, Verdict, bounded, in_failed_transaction};
-use crate::dedup::Inbox;
 use crate::handler::{Handlers, Outcome};
+use crate::inbox::Inbox;
 use crate::sequence::{Sequencer, Sequences};
 
 /// Processes `batch` in one transaction and commits it. `Err` means

@@ -10,7 +10,7 @@ use crate::batch::{self, Batch, Failure, Verdict};
 use crate::consumer::Consumer;
 use crate::error::{Error, Result};
 use crate::handler::Outcome;
-use crate::shutdown::{FIRST_BACKOFF, pause};
+use crate::pause::{FIRST_BACKOFF, pause};
 use outbox_core::backoff::Backoff;
 
 /// How many times in a row a batch's transaction is run again at once

@@ -28,7 +28,7 @@ use crate::ack::{AckItem, Disposition, acknowledge};
 use crate::batch::Verdict;
 use crate::consumer::Consumer;
 use crate::error::Result;
-use crate::shutdown::End;
+use crate::pause::End;
 use crate::telemetry::Counters;
 
 pub(crate) use self::commit::{OnOutage, Stopped};

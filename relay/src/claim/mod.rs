@@ -28,7 +28,7 @@ use sqlx::{FromRow, PgConnection, Row, SqlStr};
 use uuid::Uuid;
 
 use crate::error::Result;
-use crate::message::{ClaimedRow, OutboxEvent};
+use crate::message::{EventRow, OutboxEvent};
 use floor::{Claim, Floor, Key};
 use ordered::Ordered;
 
@@ -248,7 +248,7 @@ fn last_unordered(rows: &[ClaimRow]) -> Option<Key> {
 #[derive(sqlx::FromRow)]
 pub(crate) struct ClaimRow {
     #[sqlx(flatten)]
-    pub(crate) event: ClaimedRow,
+    pub(crate) event: EventRow,
     /// When it became due (the unordered claim's key, with its id).
     pub(crate) available_at: Option<chrono::DateTime<chrono::Utc>>,
     pub(crate) due: bool,

@@ -620,7 +620,7 @@ fn due_chains(rows: Vec<ClaimRow>) -> Vec<OutboxEvent> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::message::ClaimedRow;
+    use crate::message::EventRow;
 
     const ALL: u64 = u64::MAX;
 
@@ -648,7 +648,7 @@ mod tests {
     /// `seq`, due or not, tried `attempts` times.
     fn claimed(ord: i64, a: &str, seq: i64, due: bool, attempts: i32) -> ClaimRow {
         ClaimRow {
-            event: ClaimedRow {
+            event: EventRow {
                 id: Uuid::now_v7(),
                 aggregate_type: "account".into(),
                 aggregate_id: a.into(),

@@ -64,7 +64,7 @@ impl From<&Vec<String>> for Committed {
 /// Rounds of consumers [`World::quiet`] starts before it gives up.
 const QUIET_ROUNDS: u32 = 5;
 
-/// How long a round waits for the cluster to count no message left
+/// How long a round waits for the broker to count no message left
 /// before it starts the next round's consumers.
 const SETTLE: Duration = Duration::from_secs(15);
 
@@ -143,16 +143,16 @@ impl World {
                 },
             )
             .await;
-            // On the cluster, also until the consumers have acked what they
-            // hold: stopped with a window in hand, they give it back and
-            // the next round starts over.
-            self.cluster_settles(&queues, end, scenario).await;
+            // Also until the consumers have acked what they hold: stopped
+            // with a window in hand, they give it back and the next round
+            // starts over.
+            self.settles(&queues, end, scenario).await;
             consumers.stop(deadline, scenario).await;
             let mut left = 0u64;
             for q in &queues {
                 left += u64::from(settled_depth(&conn, q, end).await);
             }
-            if left == 0 && self.cluster_settles(&queues, end, scenario).await {
+            if left == 0 && self.settles(&queues, end, scenario).await {
                 break;
             }
             consumers = self.consumers().await;
@@ -170,16 +170,17 @@ impl World {
         }
     }
 
-    /// Whether the cluster counts no message left in `queues` (ready,
-    /// unacked or waiting to be dead-lettered) within [`SETTLE`]; off the
-    /// cluster, at once. Just after a node's restart a quorum queue's count
-    /// can be unreadable, or still hold what a killed consumer had checked
-    /// out until the queue gives it back, and consumers stopped as soon as
-    /// nothing was ready hand back the window they hold. Rounds that did
-    /// not wait for either spent all five in 8 s after a rolling restart
-    /// (CI: "messages still in the queues after 5 rounds"), each round's
-    /// consumers running about a second.
-    async fn cluster_settles(&self, queues: &[String], end: Instant, scenario: &str) -> bool {
+    /// Whether the broker counts no message left in `queues`, ready or
+    /// unacknowledged (or, on the cluster, waiting to be dead-lettered),
+    /// within [`SETTLE`]. Consumers stopped as soon as nothing was ready
+    /// hand back the window they hold, and just after a node's restart a
+    /// quorum queue's count can be unreadable or still hold what a killed
+    /// consumer had checked out. Rounds that did not wait for this spent
+    /// all five in 8 s after a rolling restart (CI: "messages still in the
+    /// queues after 5 rounds"), each round's consumers running about a
+    /// second; on one node, in 18 s, with the 1,000 copies a SIGCONTed
+    /// relay published late in the consumers' windows.
+    async fn settles(&self, queues: &[String], end: Instant, scenario: &str) -> bool {
         let by = (Instant::now() + SETTLE).min(end);
         loop {
             let n = self.nodes.uncounted(queues).await;
@@ -192,7 +193,7 @@ impl World {
                 } else {
                     format!("counts {n} messages left in the queues")
                 };
-                eprintln!("{scenario}: after {SETTLE:?} the cluster {what}; another round");
+                eprintln!("{scenario}: after {SETTLE:?} the broker {what}; another round");
                 return false;
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
