@@ -63,7 +63,7 @@
 //! Words (dedup, sequencing, turn, outcome, verdict, deferral, ack) mean
 //! what the [glossary](outbox#glossary-the-pipeline-and-the-words-for-it)
 //! says; a batch goes `session.rs` (deliveries in, reconnects) →
-//! `process/` (decode, then each delivery's disposition) → `batch.rs`
+//! `process/` (decode, then each delivery's disposition) → `batch/`
 //! (one transaction: `inbox.rs`, `sequence/`, the handler) → `ack.rs`
 //! (republish, then ack); `consumer.rs` is the handle that runs it, and
 //! `pause.rs` the backoff pause both the session and the stages use.

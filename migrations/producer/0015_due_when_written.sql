@@ -2,7 +2,7 @@
 -- written, not when its transaction began.
 --
 -- The relay claims unordered events from a cursor in `outbox_due_idx`
--- (relay-bin/src/claim/floor.rs), so that a held xmin horizon, which keeps
+-- (relay/src/claim/floor.rs), so that a held xmin horizon, which keeps
 -- the entries of every published event in the index, does not make each
 -- claim walk all of them again. The cursor never passes a key a row may
 -- still commit with. A transaction that writes to the outbox holds a

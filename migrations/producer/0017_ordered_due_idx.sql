@@ -6,7 +6,7 @@
 -- xmin horizon back, so that walk stepped over every ordered event
 -- published since the horizon was taken, on every claim. Now each worker
 -- walks the ordered events that became due since its cursor in this index
--- (relay-bin/src/claim/ordered.rs), as the unordered claim does in
+-- (relay/src/claim/ordered.rs), as the unordered claim does in
 -- `outbox_due_idx`, and finds each aggregate's head from the last sequence
 -- number it knows to be gone.
 --

@@ -6,12 +6,15 @@
 //! Depend on them, not on this crate; the parts meant for users are
 //! re-exported there (`outbox::Ident`, `outbox::redact`).
 //!
-//! One home per helper: SQL identifiers ([`Ident`]), the migration runner
+//! One home per helper: the AMQP message contract's names ([`wire`]), SQL
+//! identifiers ([`Ident`]), the migration runner
 //! ([`migrate`]), which database errors are worth retrying ([`db`]),
 //! exponential backoff with jitter ([`backoff`]), one log line per outage
 //! ([`outage`]), a consumer's queue names ([`queues`]), passwords kept out of logs ([`redact`]) and, with the
-//! `amqp` feature, bounded broker calls and connecting with failover
-//! ([`amqp`]).
+//! `amqp` feature, the broker seam ([`amqp`]): bounded calls, connecting
+//! with failover, flow control, the one broker error (`BrokerError`) and
+//! the message an event becomes (`event_properties`, `json_header_value`:
+//! one copy for the relay, the consumer's test events and the console).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(feature = "amqp")]

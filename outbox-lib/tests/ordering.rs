@@ -295,7 +295,7 @@ async fn sql_producers_get_numbers_from_the_documented_function() {
 /// once the relay has deleted it, the id is a new row with the next number
 /// (the outbox cannot know it was published). Consumers pass over that
 /// number without running the handler
-/// (`consumer-lib/tests/ordering.rs`,
+/// (`consumer-lib/tests/ordering/sequence.rs`,
 /// `an_id_that_comes_back_with_a_new_number_is_passed_over`).
 #[tokio::test]
 async fn an_id_enqueued_again_after_delivery_takes_the_next_number() {

@@ -18,9 +18,9 @@
 //!
 //! The public items are the engine's: [`Relay`] with its [`RelayConfig`]
 //! (and [`WalCapture`]), its [`Health`], its [`Error`] (with
-//! [`ConfigError`]), the options of the pool it runs on best
+//! [`BrokerError`] and [`ConfigError`]), the options of the pool it runs on best
 //! ([`pool_options`]), the WAL capture's set-up ([`create_wal_slot`],
-//! [`drop_wal_slot`], [`recorded_wal_slot`]), the message an event becomes
+//! [`drop_wal_slot`], [`recorded_wal_slot`], [`WalSetUp`]), the message an event becomes
 //! ([`OutboxEvent`]) and the move of events to the dead-letter table
 //! ([`dead_letter_events`], what an operator's skip does). The
 //! `outbox-relay` binary and the operator tools (status, dead letters,
@@ -65,7 +65,9 @@
 //! Words (claim, chain, lease, receipt, settle, held back, dead letter)
 //! mean what the [glossary](outbox#glossary-the-pipeline-and-the-words-for-it)
 //! says; the files follow the stages (`docs/ARCHITECTURE.md` draws them):
-//! `supervisor.rs` (workers and the maintenance round), `broker.rs`
+//! `relay.rs` (builds the stages), `supervisor.rs` (the broker session and
+//! its workers), `maintenance.rs` (leases, stats, the claims' floor, the
+//! archive's days: `archive.rs`), `broker.rs`
 //! (connections with failover, the broker's blocks), `db.rs` (every
 //! database call bounded), `worker.rs` (one batch), `claim/`
 //! (ordered and unordered events, claimed in one statement), `lease.rs`,

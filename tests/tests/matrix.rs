@@ -299,10 +299,27 @@ async fn kill_relays_in_flight(w: &World, rounds: usize) -> usize {
     // next reader published some again (the kill landed on published,
     // unconfirmed events; copies come before anything new, in log order).
     let mut copies_at_kill = None;
+    let wire_queue = [w.wire_queue.clone()];
+    let conn = w.nodes.connect().await;
     for _ in 0..rounds * 8 {
         if landed >= rounds {
             break;
         }
+        // The tap still counting what the last relay published would pass
+        // for the new one publishing, and the new one be killed before it
+        // read anything (CI: 16 relays killed before their first line, no
+        // kill landed): first the tap counts everything the broker holds
+        // of the wire, ready or unacknowledged.
+        wait_until(
+            deadline(),
+            "the wire tap to count what was published",
+            // A passive declare first: the broker's own count boots a VM.
+            || async {
+                e2e::depth(&conn, &w.wire_queue).await.0 == 0
+                    && w.nodes.uncounted(&wire_queue).await == 0
+            },
+        )
+        .await;
         let before = w.wire.distinct();
         let child = w.relay_process_with(&MATRIX_RELAY);
         wait_until(deadline(), "the relay publishing", || async {
@@ -319,6 +336,11 @@ async fn kill_relays_in_flight(w: &World, rounds: usize) -> usize {
         }
         kill_now(child);
     }
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        conn.close(200, "ok".into()),
+    )
+    .await;
     landed
 }
 

@@ -1,5 +1,5 @@
 //! One batch of deliveries, stage by stage: decode (poison stays in its
-//! delivery), the batch transaction (`batch.rs`; retried while the
+//! delivery), the batch transaction (`batch/`; retried while the
 //! database is unreachable, event by event when the batch keeps failing),
 //! a disposition per delivery from its verdict and the retry budgets, then
 //! the ack stage (`ack.rs`) and the counters. Everything before the ack

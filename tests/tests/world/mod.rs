@@ -1,4 +1,5 @@
-//! The one world of the fault suites (`faults`, `cluster`, `ordering`) and
+//! The one world of the fault suites (`faults`, `outages`, `matrix`,
+//! `cluster`, `ordering`) and
 //! its one oracle, [`World::judge`].
 //!
 //! A world is a producer schema, a consumer schema with an effects table
