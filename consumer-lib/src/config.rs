@@ -278,13 +278,17 @@ impl ConsumerConfig {
     pub(crate) fn begin_batch(&self) -> sqlx::SqlStr {
         let ms = |d: Duration| d.as_millis().max(1);
         let idle = self.handler_timeout + self.broker_timeout + Duration::from_secs(5);
-        sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(format!(
-            "BEGIN; SET LOCAL statement_timeout = '{}ms'; SET LOCAL lock_timeout = '{}ms'; \
-             SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
-            ms(self.handler_timeout),
-            ms(self.lock_timeout),
-            ms(idle)
-        )))
+        // `SET` takes no bind parameters: the durations are the
+        // configuration's own numbers.
+        outbox_core::sql::Template::unqualified(
+            "BEGIN; SET LOCAL statement_timeout = '{statement_ms}ms'; \
+             SET LOCAL lock_timeout = '{lock_ms}ms'; \
+             SET LOCAL idle_in_transaction_session_timeout = '{idle_ms}ms'",
+        )
+        .with("statement_ms", ms(self.handler_timeout).to_string())
+        .with("lock_ms", ms(self.lock_timeout).to_string())
+        .with("idle_ms", ms(idle).to_string())
+        .render()
     }
 
     /// Name of the retry queue.

@@ -1,7 +1,8 @@
 //! The inbox statements, built once per schema.
 
 use outbox::Ident;
-use sqlx::{AssertSqlSafe, PgConnection, SqlSafeStr, SqlStr};
+use outbox_core::sql::render;
+use sqlx::{PgConnection, SqlStr};
 
 /// The inbox of one schema and consumer name.
 #[derive(Debug, Clone)]
@@ -24,26 +25,10 @@ pub(crate) struct Inbox {
 
 impl Inbox {
     pub(crate) fn new(schema: &Ident, consumer: &str) -> Self {
-        let s = schema.quoted();
         Self {
             consumer: consumer.to_owned(),
-            claim: AssertSqlSafe(format!(
-                "INSERT INTO {s}.inbox_processed (consumer, event_id, event_at) \
-                 SELECT $1, k, {s}.inbox_event_time(k) FROM unnest($2::text[]) AS k \
-                 WHERE NOT EXISTS (SELECT 1 FROM {s}.inbox o WHERE o.consumer = $1 AND o.event_id = k) \
-                 ON CONFLICT (consumer, event_id, event_at) DO NOTHING \
-                 RETURNING event_id"
-            ))
-            .into_sql_str(),
-            forget: AssertSqlSafe(format!(
-                "WITH gone AS ( \
-                     DELETE FROM {s}.inbox_processed WHERE consumer = $1 AND event_id = ANY($2::text[]) \
-                 ) \
-                 INSERT INTO {s}.inbox_parked (consumer, event_id, event_at) \
-                 SELECT $1, k, {s}.inbox_event_time(k) FROM unnest($2::text[]) AS k \
-                 ON CONFLICT (consumer, event_id) DO UPDATE SET parked_at = now()"
-            ))
-            .into_sql_str(),
+            claim: render(include_str!("inbox/claim.sql"), schema),
+            forget: render(include_str!("inbox/forget.sql"), schema),
         }
     }
 

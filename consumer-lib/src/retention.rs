@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use outbox::Ident;
-use sqlx::{AssertSqlSafe, PgPool, SqlSafeStr};
+use outbox_core::sql::{Template, render};
+use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::ConsumerConfig;
@@ -93,7 +94,7 @@ pub async fn inbox_retention(
     consumer: Option<&str>,
     older_than: Duration,
 ) -> Result<RetentionReport> {
-    let s = Ident::new("schema", schema)?.quoted();
+    let s = Ident::new("schema", schema)?;
     let mut report = RetentionReport {
         days_prepared: prepare_days(pool, &s).await?,
         ..RetentionReport::default()
@@ -168,8 +169,8 @@ pub async fn cleanup_inbox(
 
 /// Prepares the day partitions from today to [`DAYS_AHEAD`] days later
 /// (`inbox_prepare_days`); returns how many it attached.
-pub(crate) async fn prepare_days(pool: &PgPool, s: &str) -> Result<u32> {
-    let sql = AssertSqlSafe(format!("SELECT {s}.inbox_prepare_days($1)"));
+pub(crate) async fn prepare_days(pool: &PgPool, s: &Ident) -> Result<u32> {
+    let sql = render("SELECT {schema}.inbox_prepare_days($1)", s);
     let made: i32 = sqlx::query_scalar(sql)
         .bind(DAYS_AHEAD)
         .fetch_one(pool)
@@ -178,11 +179,8 @@ pub(crate) async fn prepare_days(pool: &PgPool, s: &str) -> Result<u32> {
 }
 
 /// The parked copies of every consumer name, or `None` when there are none.
-async fn parked(pool: &PgPool, s: &str) -> Result<Option<Held>> {
-    let sql = AssertSqlSafe(format!(
-        "SELECT count(*), min(event_at) FILTER (WHERE event_at > '-infinity'), min(parked_at)
-         FROM {s}.inbox_parked"
-    ));
+async fn parked(pool: &PgPool, s: &Ident) -> Result<Option<Held>> {
+    let sql = render(include_str!("retention/parked.sql"), s);
     let (n, event_at, parked_at): (i64, Option<DateTime<Utc>>, Option<DateTime<Utc>>) =
         sqlx::query_as(sql).fetch_one(pool).await?;
     Ok(parked_at.filter(|_| n > 0).map(|oldest_parked_at| Held {
@@ -194,19 +192,14 @@ async fn parked(pool: &PgPool, s: &str) -> Result<Option<Held>> {
 
 /// Drops the day partitions ending at or before `before`; returns their
 /// names and the rows PostgreSQL estimates they held.
-async fn drop_days(pool: &PgPool, s: &str, before: DateTime<Utc>) -> Result<(Vec<String>, u64)> {
+async fn drop_days(pool: &PgPool, s: &Ident, before: DateTime<Utc>) -> Result<(Vec<String>, u64)> {
     // The estimate first: a dropped table has no statistics left.
-    let estimate = AssertSqlSafe(format!(
-        "SELECT coalesce(sum(greatest(c.reltuples, 0)), 0)::bigint
-         FROM pg_inherits h JOIN pg_class c ON c.oid = h.inhrelid
-         WHERE h.inhparent = '{s}.inbox_processed'::regclass AND c.relname ~ '^inbox_p[0-9]{{8}}$'
-           AND (to_date(substr(c.relname, 8), 'YYYYMMDD') + 1)::timestamp AT TIME ZONE 'UTC' <= $1"
-    ));
+    let estimate = render(include_str!("retention/day_rows.sql"), s);
     let rows: i64 = sqlx::query_scalar(estimate)
         .bind(before)
         .fetch_one(pool)
         .await?;
-    let sql = AssertSqlSafe(format!("SELECT {s}.inbox_drop_days($1)"));
+    let sql = render("SELECT {schema}.inbox_drop_days($1)", s);
     let dropped: Vec<String> = sqlx::query_scalar(sql).bind(before).fetch_all(pool).await?;
     let rows = if dropped.is_empty() {
         0
@@ -222,22 +215,14 @@ async fn drop_days(pool: &PgPool, s: &str, before: DateTime<Utc>) -> Result<(Vec
 /// share a boundary's time).
 async fn delete_chunks(
     pool: &PgPool,
-    s: &str,
+    s: &Ident,
     table: &str,
     consumer: Option<&str>,
     before: DateTime<Utc>,
 ) -> Result<u64> {
-    let sql = format!(
-        "WITH gone AS (
-             DELETE FROM {s}.{table} WHERE ctid = ANY(ARRAY(
-                 SELECT ctid FROM {s}.{table}
-                 WHERE processed_at >= coalesce($1::timestamptz, '-infinity') AND processed_at < $2
-                   AND ($3::text IS NULL OR consumer = $3)
-                 ORDER BY processed_at LIMIT $4))
-             RETURNING processed_at)
-         SELECT count(*), max(processed_at) FILTER (WHERE processed_at > '-infinity') FROM gone"
-    );
-    let sql = AssertSqlSafe(sql).into_sql_str();
+    let sql = Template::new(include_str!("retention/delete_chunk.sql"), s)
+        .with("table", table)
+        .render();
     Ok(
         outbox_core::db::delete_in_chunks(pool, CHUNK, |cursor, chunk| {
             sqlx::query_as(sql.clone())
@@ -255,13 +240,14 @@ async fn delete_chunks(
 /// consumed (or purged). Returns how many.
 async fn release_parked(
     pool: &PgPool,
-    s: &str,
+    s: &Ident,
     consumer: &str,
     before: DateTime<Utc>,
 ) -> Result<u64> {
-    let sql = AssertSqlSafe(format!(
-        "DELETE FROM {s}.inbox_parked WHERE consumer = $1 AND parked_at < $2"
-    ));
+    let sql = render(
+        "DELETE FROM {schema}.inbox_parked WHERE consumer = $1 AND parked_at < $2",
+        s,
+    );
     Ok(sqlx::query(sql)
         .bind(consumer)
         .bind(before)
@@ -320,7 +306,7 @@ impl RetentionTask {
     /// One retention pass.
     pub async fn run_once(&self) -> Result<RetentionReport> {
         if let Some(config) = &self.queues {
-            let s = Ident::new("schema", &self.schema)?.quoted();
+            let s = Ident::new("schema", &self.schema)?;
             let seen: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
                 .fetch_one(&self.pool)
                 .await?;
@@ -405,9 +391,8 @@ async fn queues_empty(config: &ConsumerConfig) -> Result<bool> {
 /// hour until `stop`, so records land in day partitions even where no
 /// retention task runs. Failures are logged; the next hour tries again.
 pub(crate) async fn prepare_days_hourly(pool: PgPool, schema: Ident, stop: CancellationToken) {
-    let s = schema.quoted();
     loop {
-        if let Err(e) = prepare_days(&pool, &s).await {
+        if let Err(e) = prepare_days(&pool, &schema).await {
             tracing::warn!(error = %e, schema = %schema, "preparing the inbox's day partitions failed; will retry");
         }
         tokio::select! {

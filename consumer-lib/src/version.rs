@@ -1,5 +1,6 @@
 use outbox::Ident;
-use sqlx::{AssertSqlSafe, PgConnection};
+use outbox_core::sql::render;
+use sqlx::PgConnection;
 
 use crate::error::Result;
 
@@ -25,18 +26,12 @@ pub async fn apply_if_newer(
     entity: &str,
     version: i64,
 ) -> Result<bool> {
-    let s = Ident::new("schema", schema)?.quoted();
-    let applied: Option<i32> = sqlx::query_scalar(AssertSqlSafe(format!(
-        "INSERT INTO {s}.inbox_versions AS v (consumer, entity, version) VALUES ($1, $2, $3)
-         ON CONFLICT (consumer, entity) DO UPDATE
-             SET version = EXCLUDED.version, updated_at = now()
-             WHERE v.version < EXCLUDED.version
-         RETURNING 1"
-    )))
-    .bind(consumer)
-    .bind(entity)
-    .bind(version)
-    .fetch_optional(conn)
-    .await?;
+    let schema = Ident::new("schema", schema)?;
+    let applied: Option<i32> = sqlx::query_scalar(render(include_str!("version.sql"), &schema))
+        .bind(consumer)
+        .bind(entity)
+        .bind(version)
+        .fetch_optional(conn)
+        .await?;
     Ok(applied.is_some())
 }

@@ -7,7 +7,8 @@
 //! re-exported there (`outbox::Ident`, `outbox::redact`).
 //!
 //! One home per helper: the AMQP message contract's names ([`wire`]), SQL
-//! identifiers ([`Ident`]), the migration runner
+//! identifiers ([`Ident`]) and the one way to put them into a statement
+//! ([`sql`]), the migration runner
 //! ([`migrate`]), which database errors are worth retrying ([`db`]),
 //! exponential backoff with jitter ([`backoff`]), one log line per outage
 //! ([`outage`]), a consumer's queue names ([`queues`]), passwords kept out of logs ([`redact`]) and, with the
@@ -27,6 +28,7 @@ pub mod migrate;
 pub mod outage;
 pub mod queues;
 pub mod redact;
+pub mod sql;
 pub mod wire;
 
 pub use crate::ident::{

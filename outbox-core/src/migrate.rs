@@ -6,7 +6,9 @@
 //! database-wide advisory lock makes concurrent `migrate` calls safe.
 
 // Identifiers in SQL text are validated `Ident`s; values are always bound.
-use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
+use sqlx::{Connection, PgConnection, PgPool};
+
+use crate::sql::render;
 
 use crate::ident::Ident;
 
@@ -113,21 +115,10 @@ async fn apply_locked(
     set: &MigrationSet,
     schema: &Ident,
 ) -> Result<Vec<i32>> {
-    let s = schema.quoted();
-    // In a transaction so SET LOCAL silences the "already exists" notices.
     let mut tx = conn.begin().await?;
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "SET LOCAL client_min_messages = warning;
-         CREATE SCHEMA IF NOT EXISTS {s};
-         CREATE TABLE IF NOT EXISTS {s}.outbox_toolkit_migrations (
-             migration_set text NOT NULL,
-             version integer NOT NULL,
-             name text NOT NULL,
-             applied_at timestamptz NOT NULL DEFAULT now(),
-             PRIMARY KEY (migration_set, version));"
-    )))
-    .execute(&mut *tx)
-    .await?;
+    sqlx::raw_sql(render(include_str!("migrate/ledger.sql"), schema))
+        .execute(&mut *tx)
+        .await?;
     tx.commit().await?;
     let current = current_version(conn, set, schema).await?;
     check_not_newer(set, schema, current)?;
@@ -139,9 +130,10 @@ async fn apply_locked(
             .execute(&mut *tx)
             .await?;
         sqlx::raw_sql(m.sql).execute(&mut *tx).await?;
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {s}.outbox_toolkit_migrations (migration_set, version, name) VALUES ($1, $2, $3)"
-        )))
+        sqlx::query(render(
+            "INSERT INTO {schema}.outbox_toolkit_migrations (migration_set, version, name) VALUES ($1, $2, $3)",
+            schema,
+        ))
         .bind(set.name)
         .bind(m.version)
         .bind(m.name)
@@ -159,17 +151,17 @@ async fn current_version(
     set: &MigrationSet,
     schema: &Ident,
 ) -> Result<i32> {
-    let table = format!("{}.outbox_toolkit_migrations", schema.quoted());
     let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
-        .bind(&table)
+        .bind(format!("{}.outbox_toolkit_migrations", schema.quoted()))
         .fetch_one(&mut *conn)
         .await?;
     if exists.is_none() {
         return Ok(0);
     }
-    let v: Option<i32> = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT max(version) FROM {table} WHERE migration_set = $1"
-    )))
+    let v: Option<i32> = sqlx::query_scalar(render(
+        "SELECT max(version) FROM {schema}.outbox_toolkit_migrations WHERE migration_set = $1",
+        schema,
+    ))
     .bind(set.name)
     .fetch_one(&mut *conn)
     .await?;

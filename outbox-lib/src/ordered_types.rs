@@ -7,7 +7,8 @@
 
 use std::collections::BTreeSet;
 
-use sqlx::{AssertSqlSafe, PgPool};
+use outbox_core::sql::render;
+use sqlx::PgPool;
 
 use crate::error::{Error, Result};
 use outbox_core::Ident;
@@ -72,10 +73,10 @@ pub async fn set_ordered(
             field: "aggregate_type",
         });
     }
-    sqlx::query(AssertSqlSafe(format!(
-        "SELECT {}.outbox_set_ordered($1, $2)",
-        schema.quoted()
-    )))
+    sqlx::query(render(
+        "SELECT {schema}.outbox_set_ordered($1, $2)",
+        &schema,
+    ))
     .bind(aggregate_type)
     .bind(ordered)
     .execute(pool)
@@ -87,10 +88,10 @@ pub async fn set_ordered(
 /// ([`ALL_TYPES`] when every type is).
 pub async fn ordered_types(pool: &PgPool, schema: &str) -> Result<Vec<String>> {
     let schema = Ident::new("schema", schema)?;
-    Ok(sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT aggregate_type FROM {}.outbox_ordered_types ORDER BY 1",
-        schema.quoted()
-    )))
+    Ok(sqlx::query_scalar(render(
+        "SELECT aggregate_type FROM {schema}.outbox_ordered_types ORDER BY 1",
+        &schema,
+    ))
     .fetch_all(pool)
     .await?)
 }

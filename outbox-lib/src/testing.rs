@@ -30,10 +30,11 @@
 
 use std::time::Duration;
 
+use outbox_core::sql::render;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{AssertSqlSafe, Connection as _, PgConnection, PgExecutor, PgPool};
+use sqlx::{Connection as _, PgConnection, PgExecutor, PgPool};
 use uuid::Uuid;
 
 use crate::error::Result;
@@ -72,7 +73,7 @@ impl TestSchema {
         // would hold its locks).
         let options = options.application_name(&application_name(&name));
         let mut conn = PgConnection::connect_with(&options).await?;
-        sqlx::raw_sql(AssertSqlSafe(format!("CREATE SCHEMA {}", name.quoted())))
+        sqlx::raw_sql(render("CREATE SCHEMA {schema}", &name))
             .execute(&mut conn)
             .await?;
         conn.close().await?;
@@ -153,11 +154,11 @@ async fn drop_schema(options: &PgConnectOptions, name: &Ident) -> Result<()> {
     .bind(application_name(name))
     .execute(&mut conn)
     .await?;
-    sqlx::raw_sql(AssertSqlSafe(format!(
+    sqlx::raw_sql(render(
         "SET lock_timeout = '10s'; SET client_min_messages = warning;
-         DROP SCHEMA IF EXISTS {} CASCADE",
-        name.quoted()
-    )))
+         DROP SCHEMA IF EXISTS {schema} CASCADE",
+        name,
+    ))
     .execute(&mut conn)
     .await?;
     conn.close().await?;
@@ -218,12 +219,12 @@ type Row = (
 /// write-ahead log, not rows: test with the default, [`Capture::Table`](crate::Capture::Table).
 pub async fn enqueued<'c>(conn: impl PgExecutor<'c>, schema: &str) -> Result<Vec<Enqueued>> {
     let schema = Ident::new("schema", schema)?;
-    let rows: Vec<Row> = sqlx::query_as(AssertSqlSafe(format!(
+    let rows: Vec<Row> = sqlx::query_as(render(
         "SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, exchange,
                 routing_key, aggregate_seq
-         FROM {}.outbox ORDER BY created_at, ctid",
-        schema.quoted()
-    )))
+         FROM {schema}.outbox ORDER BY created_at, ctid",
+        &schema,
+    ))
     .fetch_all(conn)
     .await?;
     Ok(rows

@@ -390,3 +390,48 @@ async fn a_large_selection_is_estimated_from_a_sample_within_15_percent() {
     }
     db.cleanup().await;
 }
+
+/// A replay is one more entry in the event's error history, kept to its
+/// last 20 like every failure the relay records (before, a replay added
+/// one past the cap).
+#[tokio::test]
+async fn a_replay_keeps_the_last_20_entries_of_the_error_history() {
+    let db = TestDb::producer("admin_replay_history").await;
+    let schema = outbox::Ident::new("schema", &db.schema).unwrap();
+    let id: Uuid = sqlx::query_scalar(AssertSqlSafe(format!(
+        "INSERT INTO \"{}\".outbox_dead_letters
+             (id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts,
+              last_error, error_history)
+         SELECT gen_random_uuid(), 'agg', 'a-1', 'Type', '{{}}', '{{}}', now(), 20, 'failure 20',
+                jsonb_agg(jsonb_build_object('at', now(), 'error', 'failure ' || i) ORDER BY i)
+         FROM generate_series(1, 20) i
+         RETURNING id",
+        db.schema
+    )))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let replayed = admin::replay_dead_letters(
+        &db.pool,
+        &schema,
+        &Selection::Ids(vec![id]),
+        std::time::Duration::from_secs(3600),
+        Some(1),
+    )
+    .await
+    .unwrap();
+    assert_eq!(replayed.ids, [id]);
+    let errors: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT e->>'error' FROM \"{}\".outbox, jsonb_array_elements(error_history) e
+         WHERE id = $1",
+        db.schema
+    )))
+    .bind(id)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(errors.len(), 20, "{errors:?}");
+    assert_eq!(errors[0], "failure 2", "the oldest entry went");
+    assert_eq!(errors[19], "replayed from dead letters");
+    db.cleanup().await;
+}

@@ -11,7 +11,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use outbox::Ident;
 use outbox_core::db::ChunkWalk;
-use sqlx::PgPool;
+use outbox_core::sql::Template;
+use sqlx::{PgPool, SqlStr};
 
 use crate::db::bounded;
 use crate::error::Error;
@@ -34,70 +35,86 @@ pub(crate) struct Pass {
     pub(crate) deleted: u64,
 }
 
-/// One pass over `schema`'s archive, each statement bounded by `bound`.
-pub(crate) async fn upkeep(
-    pool: &PgPool,
-    schema: &Ident,
-    retention: Duration,
-    bound: Duration,
-) -> Result<Pass, Error> {
-    let prepared: i32 = bounded("preparing the archive's days", bound, async {
-        let sql = render("SELECT {schema}.outbox_archive_prepare_days($1)", schema);
-        Ok::<_, Error>(
-            sqlx::query_scalar(sql)
-                .bind(DAYS_AHEAD)
-                .fetch_one(pool)
-                .await?,
-        )
-    })
-    .await?;
-    let now: DateTime<Utc> = bounded("the database's clock", bound, async {
-        Ok::<_, Error>(sqlx::query_scalar("SELECT now()").fetch_one(pool).await?)
-    })
-    .await?;
-    let window = chrono::Duration::from_std(retention).unwrap_or(chrono::TimeDelta::MAX);
-    let cutoff = now
-        .checked_sub_signed(window)
-        .unwrap_or(DateTime::<Utc>::MIN_UTC);
-    let dropped: Vec<String> = bounded("dropping the archive's past days", bound, async {
-        let sql = render("SELECT {schema}.outbox_archive_drop_days($1)", schema);
-        Ok::<_, Error>(sqlx::query_scalar(sql).bind(cutoff).fetch_all(pool).await?)
-    })
-    .await?;
-    let mut deleted = 0;
-    for table in ["outbox_published", "outbox_archive_other"] {
-        let sql = render(
-            &format!(
-                "WITH gone AS (
-                     DELETE FROM {{schema}}.{table} WHERE ctid = ANY(ARRAY(
-                         SELECT ctid FROM {{schema}}.{table}
-                         WHERE published_at >= coalesce($1::timestamptz, '-infinity') AND published_at < $2
-                         ORDER BY published_at LIMIT $3))
-                     RETURNING published_at)
-                 SELECT count(*), max(published_at) FILTER (WHERE published_at > '-infinity') FROM gone"
-            ),
-            schema,
-        );
-        let mut walk = ChunkWalk::new(CHUNK);
-        while let Some((cursor, chunk)) = walk.next() {
-            let done = bounded("trimming the archive", bound, async {
-                Ok::<_, Error>(
-                    sqlx::query_as(sql.clone())
-                        .bind(cursor)
-                        .bind(cutoff)
-                        .bind(chunk)
-                        .fetch_one(pool)
-                        .await?,
-                )
-            })
-            .await?;
-            walk.advance(done);
+/// The archive's statements for one schema, rendered once.
+#[derive(Debug)]
+pub(crate) struct Archive {
+    prepare_days: SqlStr,
+    drop_days: SqlStr,
+    /// Deletes a chunk of version 1's `outbox_published`, then of the
+    /// default partition (`outbox_archive_other`).
+    trim: [SqlStr; 2],
+}
+
+impl Archive {
+    pub(crate) fn new(schema: &Ident) -> Self {
+        let trim = |table: &str| {
+            Template::new(include_str!("archive/trim.sql"), schema)
+                .with("table", table)
+                .render()
+        };
+        Self {
+            prepare_days: render("SELECT {schema}.outbox_archive_prepare_days($1)", schema),
+            drop_days: render("SELECT {schema}.outbox_archive_drop_days($1)", schema),
+            trim: [trim("outbox_published"), trim("outbox_archive_other")],
         }
-        deleted += walk.deleted();
     }
-    Ok(Pass {
-        prepared,
-        dropped,
-        deleted,
-    })
+
+    /// One pass, each statement bounded by `bound`.
+    pub(crate) async fn upkeep(
+        &self,
+        pool: &PgPool,
+        retention: Duration,
+        bound: Duration,
+    ) -> Result<Pass, Error> {
+        let prepared: i32 = bounded("preparing the archive's days", bound, async {
+            Ok::<_, Error>(
+                sqlx::query_scalar(self.prepare_days.clone())
+                    .bind(DAYS_AHEAD)
+                    .fetch_one(pool)
+                    .await?,
+            )
+        })
+        .await?;
+        let now: DateTime<Utc> = bounded("the database's clock", bound, async {
+            Ok::<_, Error>(sqlx::query_scalar("SELECT now()").fetch_one(pool).await?)
+        })
+        .await?;
+        let window = chrono::Duration::from_std(retention).unwrap_or(chrono::TimeDelta::MAX);
+        let cutoff = now
+            .checked_sub_signed(window)
+            .unwrap_or(DateTime::<Utc>::MIN_UTC);
+        let dropped: Vec<String> = bounded("dropping the archive's past days", bound, async {
+            Ok::<_, Error>(
+                sqlx::query_scalar(self.drop_days.clone())
+                    .bind(cutoff)
+                    .fetch_all(pool)
+                    .await?,
+            )
+        })
+        .await?;
+        let mut deleted = 0;
+        for sql in &self.trim {
+            let mut walk = ChunkWalk::new(CHUNK);
+            while let Some((cursor, chunk)) = walk.next() {
+                let done = bounded("trimming the archive", bound, async {
+                    Ok::<_, Error>(
+                        sqlx::query_as(sql.clone())
+                            .bind(cursor)
+                            .bind(cutoff)
+                            .bind(chunk)
+                            .fetch_one(pool)
+                            .await?,
+                    )
+                })
+                .await?;
+                walk.advance(done);
+            }
+            deleted += walk.deleted();
+        }
+        Ok(Pass {
+            prepared,
+            dropped,
+            deleted,
+        })
+    }
 }

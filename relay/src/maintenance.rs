@@ -14,6 +14,7 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::archive::Archive;
 use crate::claim::floor::{self, Floor};
 use crate::config::RelayConfig;
 use crate::db::bounded;
@@ -27,10 +28,10 @@ use crate::wake::sleep_or_cancel;
 #[derive(Debug)]
 pub(crate) struct Maintenance {
     pool: PgPool,
-    schema: Ident,
     database_timeout: Duration,
-    /// With `--archive`: how long published events are kept.
-    archive_retention: Option<Duration>,
+    /// With `--archive`: its statements, and how long published events
+    /// are kept.
+    archive: Option<(Archive, Duration)>,
     /// Where the broker node in use is read from.
     health: Arc<Health>,
     leases: Arc<Leases>,
@@ -56,9 +57,10 @@ impl Maintenance {
     ) -> Self {
         Self {
             pool,
-            schema: schema.clone(),
             database_timeout: config.database_timeout,
-            archive_retention: config.archive.then_some(config.archive_retention),
+            archive: config
+                .archive
+                .then(|| (Archive::new(schema), config.archive_retention)),
             health,
             leases,
             stats,
@@ -135,12 +137,12 @@ impl Maintenance {
     /// every [`crate::archive::EVERY`] until `stop`; a pass that fails is
     /// tried again at the next.
     async fn keep_archive(&self, stop: CancellationToken) {
-        let Some(retention) = self.archive_retention else {
+        let Some((archive, retention)) = &self.archive else {
             return;
         };
         while !stop.is_cancelled() {
             let t = self.database_timeout;
-            match crate::archive::upkeep(&self.pool, &self.schema, retention, t).await {
+            match archive.upkeep(&self.pool, *retention, t).await {
                 Ok(pass) if !pass.dropped.is_empty() || pass.deleted > 0 => {
                     tracing::info!(days = ?pass.dropped, deleted = pass.deleted, "archive retention");
                 }

@@ -100,6 +100,7 @@ impl Relay {
             floor.clone(),
             wake.clone(),
         ));
+        let settle = Settle::new(&schema, &config);
         let worker = Arc::new(Worker::new(
             &config,
             &schema,
@@ -112,6 +113,7 @@ impl Relay {
             broker_outage.clone(),
             wake.clone(),
             maintenance.clone(),
+            settle.clone(),
         ));
         let reader = reader.map(|(reader, slot)| {
             WalReader::new(
@@ -122,7 +124,7 @@ impl Relay {
                 broker.clone(),
                 stats.clone(),
                 wake.clone(),
-                Settle::new(&schema, &config),
+                settle,
             )
         });
         let supervisor = Supervisor::new(

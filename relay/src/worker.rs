@@ -167,7 +167,7 @@ impl Worker {
     /// The workers of the relay `id` on `schema`, by `config`; `floor`,
     /// `leases` and `stats` are shared with the maintenance round,
     /// `health` and `broker_outage` with the supervisor, `wake` with
-    /// whatever wakes the workers.
+    /// whatever wakes the workers, `settle` with the log's reader.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         config: &RelayConfig,
@@ -181,8 +181,8 @@ impl Worker {
         broker_outage: Arc<Outage>,
         wake: watch::Sender<u64>,
         maintenance: Arc<Maintenance>,
+        settle: Settle,
     ) -> Self {
-        let settle = Settle::new(schema, config);
         Self {
             publish: PublishSettings::new(config),
             database_timeout: config.database_timeout,
@@ -633,13 +633,16 @@ fn trace_stages(start: std::time::Instant, events: &[OutboxEvent], at: [std::tim
 /// would be compiled for it.
 fn begin_async_commit(config: &RelayConfig) -> sqlx::SqlStr {
     let idle = config.publish_phase() + std::time::Duration::from_secs(5);
-    sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(format!(
-        "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL statement_timeout = '{}ms'; \
-         SET LOCAL idle_in_transaction_session_timeout = '{}ms'; \
+    // `SET` takes no bind parameters: the two durations are the relay's
+    // own numbers.
+    outbox_core::sql::Template::unqualified(
+        "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL statement_timeout = '{statement_ms}ms'; \
+         SET LOCAL idle_in_transaction_session_timeout = '{idle_ms}ms'; \
          SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off",
-        config.database_timeout.as_millis(),
-        idle.as_millis()
-    )))
+    )
+    .with("statement_ms", config.database_timeout.as_millis().to_string())
+    .with("idle_ms", idle.as_millis().to_string())
+    .render()
 }
 
 /// The longest pause between a worker's tries of a database that failed.

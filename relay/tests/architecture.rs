@@ -100,3 +100,48 @@ fn a_name_matches_at_a_folder_boundary_only() {
         ["a.rs", "d/"]
     );
 }
+
+/// The libraries' and the binary's sources: every `.rs` under a `src/` of
+/// the published crates.
+fn library_sources(root: &Path) -> Vec<String> {
+    const CRATES: [&str; 5] = [
+        "outbox-core",
+        "outbox-lib",
+        "consumer-lib",
+        "relay",
+        "relay-ops",
+    ];
+    tree(root)
+        .into_iter()
+        .filter(|p| {
+            p.ends_with(".rs") && CRATES.iter().any(|c| p.starts_with(&format!("{c}/src/")))
+        })
+        .collect()
+}
+
+/// One SQL style (`outbox_core::sql`): no library code vouches for SQL
+/// text of its own making. Every statement naming a schema is a template
+/// rendered by `outbox_core::sql`, the only user of `AssertSqlSafe`.
+#[test]
+fn sql_text_is_rendered_from_templates_only() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let sources = library_sources(&root);
+    assert!(
+        sources.len() > 100,
+        "too few sources read: {}",
+        sources.len()
+    );
+    let own: Vec<&String> = sources
+        .iter()
+        .filter(|p| p.as_str() != "outbox-core/src/sql.rs")
+        .filter(|p| {
+            std::fs::read_to_string(root.join(p))
+                .expect("readable source")
+                .contains("AssertSqlSafe")
+        })
+        .collect();
+    assert!(
+        own.is_empty(),
+        "SQL text made outside outbox_core::sql (render a template instead): {own:?}"
+    );
+}

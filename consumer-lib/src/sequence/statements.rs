@@ -2,7 +2,8 @@
 //! their last applied numbers, then record the numbers the batch moved.
 
 use outbox::Ident;
-use sqlx::{AssertSqlSafe, PgConnection, SqlSafeStr, SqlStr};
+use outbox_core::sql::render;
+use sqlx::{PgConnection, SqlStr};
 
 use super::position::{Aggregate, Position};
 use super::sequencer::{Locked, Sequencer};
@@ -24,25 +25,11 @@ pub(crate) struct Sequences {
 
 impl Sequences {
     pub(crate) fn new(schema: &Ident, consumer: &str, accept_first_seen: bool) -> Self {
-        let s = schema.quoted();
         Self {
             consumer: consumer.to_owned(),
             accept_first_seen,
-            lock: AssertSqlSafe(format!(
-                "INSERT INTO {s}.inbox_sequences AS q (consumer, aggregate_type, aggregate_id, last_seq) \
-                 SELECT $1, k.t, k.i, 0 \
-                 FROM unnest($2::text[], $3::text[]) WITH ORDINALITY AS k(t, i, n) ORDER BY k.n \
-                 ON CONFLICT (consumer, aggregate_type, aggregate_id) \
-                 DO UPDATE SET last_seq = q.last_seq \
-                 RETURNING q.aggregate_type, q.aggregate_id, q.last_seq, (q.xmax = 0) AS created"
-            ))
-            .into_sql_str(),
-            advance: AssertSqlSafe(format!(
-                "UPDATE {s}.inbox_sequences AS q SET last_seq = u.seq, updated_at = now() \
-                 FROM unnest($2::text[], $3::text[], $4::bigint[]) AS u(t, i, seq) \
-                 WHERE q.consumer = $1 AND q.aggregate_type = u.t AND q.aggregate_id = u.i"
-            ))
-            .into_sql_str(),
+            lock: render(include_str!("lock.sql"), schema),
+            advance: render(include_str!("advance.sql"), schema),
         }
     }
 

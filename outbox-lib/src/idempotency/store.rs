@@ -4,7 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row, SqlSafeStr, SqlStr};
+use outbox_core::sql::render;
+use sqlx::{PgConnection, PgPool, Row, SqlStr};
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
@@ -146,17 +147,7 @@ pub fn downstream_key(scope: &str, key: &IdempotencyKey) -> Uuid {
 /// plenty).
 pub async fn cleanup_idempotency_keys(pool: &PgPool, schema: &str) -> Result<u64> {
     let schema = Ident::new("schema", schema)?;
-    let sql = AssertSqlSafe(format!(
-        "WITH gone AS (
-             DELETE FROM {t} WHERE ctid = ANY(ARRAY(
-                 SELECT ctid FROM {t}
-                 WHERE expires_at >= coalesce($1::timestamptz, '-infinity') AND expires_at <= now()
-                 ORDER BY expires_at LIMIT $2))
-             RETURNING expires_at)
-         SELECT count(*), max(expires_at) FILTER (WHERE expires_at > '-infinity') FROM gone",
-        t = table(&schema)
-    ))
-    .into_sql_str();
+    let sql = render(include_str!("store/cleanup.sql"), &schema);
     Ok(
         outbox_core::db::delete_in_chunks(pool, 1_000, |cursor, chunk| {
             sqlx::query_as(sql.clone()).bind(cursor).bind(chunk)
@@ -348,10 +339,6 @@ fn headers_from_json(value: &serde_json::Value) -> Vec<(String, String)> {
         .collect()
 }
 
-fn table(schema: &Ident) -> String {
-    format!("{}.idempotency_keys", schema.quoted())
-}
-
 /// Every statement on `idempotency_keys`, built once per schema. The schema
 /// is a validated `Ident`; every value is bound.
 #[derive(Debug)]
@@ -377,53 +364,16 @@ pub(crate) struct Statements {
 
 impl Statements {
     fn new(schema: &Ident) -> Self {
-        let t = table(schema);
-        let sql = |s: String| AssertSqlSafe(s).into_sql_str();
-        let select = format!(
-            "SELECT fingerprint, state, response_status, response_headers, response_body,
-                    recovery_point, expires_at <= now() AS expired,
-                    extract(epoch FROM locked_until - now())::float8 AS lease_left
-             FROM {t} WHERE scope = $1 AND key = $2"
-        );
+        let sql = |text| render(text, schema);
         Self {
-            insert: sql(format!(
-                "INSERT INTO {t} (scope, key, fingerprint, expires_at, recovery_point, locked_until, lease_owner)
-                 VALUES ($1, $2, $3, now() + make_interval(secs => $4), $5,
-                         now() + make_interval(secs => $6), $7)
-                 ON CONFLICT (scope, key) DO NOTHING
-                 RETURNING true"
-            )),
-            replace_expired: sql(format!(
-                "UPDATE {t} SET fingerprint = $3, state = 'in_progress', response_status = NULL,
-                        response_headers = '[]', response_body = NULL, completed_at = NULL,
-                        created_at = now(), expires_at = now() + make_interval(secs => $4),
-                        recovery_point = $5, locked_until = now() + make_interval(secs => $6),
-                        lease_owner = $7
-                 WHERE scope = $1 AND key = $2 AND expires_at <= now()
-                 RETURNING true"
-            )),
-            select_for_update: sql(format!("{select} FOR UPDATE")),
-            select: sql(select),
-            take_over: sql(format!(
-                "UPDATE {t} SET locked_until = now() + make_interval(secs => $3), lease_owner = $4
-                 WHERE scope = $1 AND key = $2 AND state = 'in_progress'
-                   AND (locked_until IS NULL OR locked_until <= now())
-                 RETURNING recovery_point"
-            )),
-            complete: sql(format!(
-                "UPDATE {t} SET state = 'completed', response_status = $3, response_headers = $4,
-                        response_body = $5, completed_at = now(), locked_until = NULL, lease_owner = NULL
-                 WHERE scope = $1 AND key = $2 AND state = 'in_progress'
-                   AND lease_owner IS NOT DISTINCT FROM $6"
-            )),
-            checkpoint: sql(format!(
-                "UPDATE {t} SET recovery_point = $3, locked_until = now() + make_interval(secs => $4)
-                 WHERE scope = $1 AND key = $2 AND state = 'in_progress' AND lease_owner = $5"
-            )),
-            release: sql(format!(
-                "UPDATE {t} SET locked_until = now()
-                 WHERE scope = $1 AND key = $2 AND state = 'in_progress' AND lease_owner = $3"
-            )),
+            insert: sql(include_str!("store/insert.sql")),
+            replace_expired: sql(include_str!("store/replace_expired.sql")),
+            select: sql(include_str!("store/select.sql")),
+            select_for_update: sql(concat!(include_str!("store/select.sql"), "FOR UPDATE")),
+            take_over: sql(include_str!("store/take_over.sql")),
+            complete: sql(include_str!("store/complete.sql")),
+            checkpoint: sql(include_str!("store/checkpoint.sql")),
+            release: sql(include_str!("store/release.sql")),
         }
     }
 }

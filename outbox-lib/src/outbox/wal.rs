@@ -1,7 +1,8 @@
 //! [`Capture::Wal`]: events as transactional logical decoding messages in
 //! the write-ahead log, and the checks that something will read them.
 
-use sqlx::{AssertSqlSafe, PgConnection};
+use outbox_core::sql::render;
+use sqlx::PgConnection;
 use uuid::Uuid;
 
 use super::handle::Outbox;
@@ -68,10 +69,10 @@ impl Outbox {
     /// which raises and so aborts the caller's transaction: its business
     /// writes cannot commit without their event.
     async fn not_readable(&self, conn: &mut PgConnection) -> crate::Error {
-        let why = sqlx::query(AssertSqlSafe(format!(
-            "SELECT {}.outbox_wal_ready()",
-            self.inner.schema.quoted()
-        )))
+        let why = sqlx::query(render(
+            "SELECT {schema}.outbox_wal_ready()",
+            &self.inner.schema,
+        ))
         .execute(&mut *conn)
         .await;
         match why {

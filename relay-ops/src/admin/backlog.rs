@@ -4,12 +4,14 @@
 
 use chrono::{DateTime, Utc};
 use outbox::Ident;
+use outbox_core::sql::{Template, render};
 use serde::Serialize;
-use sqlx::{AssertSqlSafe, PgPool};
+use sqlx::PgPool;
 use uuid::Uuid;
 
 use super::Result;
-use super::status::{EXACT_COUNT_UP_TO, estimated_rows};
+use super::estimate::{estimated_rows, sample_percent};
+use super::status::EXACT_COUNT_UP_TO;
 
 /// An event waiting in the outbox.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -37,14 +39,12 @@ pub struct PendingEvent {
 /// the claim index. Ordered events wait in their aggregates' order instead:
 /// the blocked ones are listed by [`blocked_aggregates`](crate::admin::blocked_aggregates).
 pub async fn oldest_due(pool: &PgPool, schema: &Ident, limit: i64) -> Result<Vec<PendingEvent>> {
-    Ok(sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT id, aggregate_type, aggregate_id, event_type, attempts, created_at, available_at, last_error
-         FROM {}.outbox WHERE aggregate_seq IS NULL ORDER BY available_at, id LIMIT $1",
-        schema.quoted()
-    )))
-    .bind(limit)
-    .fetch_all(pool)
-    .await?)
+    Ok(
+        sqlx::query_as(render(include_str!("backlog/oldest_due.sql"), schema))
+            .bind(limit)
+            .fetch_all(pool)
+            .await?,
+    )
 }
 
 /// Events in the outbox per type.
@@ -70,42 +70,32 @@ pub struct BacklogByType {
     pub types: Vec<TypeBacklog>,
 }
 
-/// How many rows a sampled estimate reads, about.
-const SAMPLE_ROWS: f64 = 20_000.0;
-
 /// The backlog per event type: exact on an outbox of at most
 /// [`EXACT_COUNT_UP_TO`] rows (by the planner's estimate, scaled to the
-/// table's current size), otherwise from a
-/// `TABLESAMPLE SYSTEM` of about 20,000 rows scaled to the estimated row
-/// count, so the cost stays the same on any size of outbox.
+/// table's current size), otherwise from a `TABLESAMPLE SYSTEM` of about
+/// 800 of its pages (the estimates' one sampling policy, `estimate.rs`)
+/// scaled to the estimated row count, so the cost stays the same on any
+/// size of outbox.
 pub async fn backlog_by_type(pool: &PgPool, schema: &Ident) -> Result<BacklogByType> {
-    let s = schema.quoted();
-    let estimate: f64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT coalesce({}, 0)",
-        estimated_rows(&s, "outbox")
-    )))
+    let (estimate, percent): (f64, f32) = sqlx::query_as(
+        Template::new(include_str!("backlog/estimate.sql"), schema)
+            .with("estimated_rows", estimated_rows(schema, "outbox"))
+            .with("sample_percent", sample_percent("r.size"))
+            .render(),
+    )
     .fetch_one(pool)
     .await?;
     let exact = estimate <= EXACT_COUNT_UP_TO as f64;
     let rows: Vec<(String, String, i64)> = if exact {
-        sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT aggregate_type, event_type, count(*) FROM {s}.outbox
-             GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2 LIMIT 100"
-        )))
-        .fetch_all(pool)
-        .await?
+        sqlx::query_as(render(include_str!("backlog/by_type_exact.sql"), schema))
+            .fetch_all(pool)
+            .await?
     } else {
-        let percent = (SAMPLE_ROWS * 100.0 / estimate).min(100.0);
-        sqlx::query_as(AssertSqlSafe(format!(
-            "WITH s AS (SELECT aggregate_type, event_type FROM {s}.outbox TABLESAMPLE SYSTEM ($1)),
-                  n AS (SELECT greatest(count(*), 1)::float8 AS total FROM s)
-             SELECT aggregate_type, event_type, round(count(*) * $2 / (SELECT total FROM n))::bigint
-             FROM s GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2 LIMIT 100"
-        )))
-        .bind(percent as f32)
-        .bind(estimate)
-        .fetch_all(pool)
-        .await?
+        sqlx::query_as(render(include_str!("backlog/by_type_sampled.sql"), schema))
+            .bind(percent)
+            .bind(estimate)
+            .fetch_all(pool)
+            .await?
     };
     Ok(BacklogByType {
         exact,
@@ -135,15 +125,10 @@ pub struct MinuteRate {
 /// The last `minutes` minutes of `outbox_publish_stats`, oldest first, one
 /// entry per minute (zero where no relay recorded anything).
 pub async fn publish_rates(pool: &PgPool, schema: &Ident, minutes: i32) -> Result<Vec<MinuteRate>> {
-    Ok(sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT m.minute, coalesce(p.published, 0) AS published, coalesce(p.dead_lettered, 0) AS dead_lettered
-         FROM generate_series(date_trunc('minute', now()) - ($1 - 1) * interval '1 minute',
-                              date_trunc('minute', now()), interval '1 minute') AS m(minute)
-         LEFT JOIN {}.outbox_publish_stats p ON p.minute = m.minute
-         ORDER BY m.minute",
-        schema.quoted()
-    )))
-    .bind(minutes)
-    .fetch_all(pool)
-    .await?)
+    Ok(
+        sqlx::query_as(render(include_str!("backlog/publish_rates.sql"), schema))
+            .bind(minutes)
+            .fetch_all(pool)
+            .await?,
+    )
 }

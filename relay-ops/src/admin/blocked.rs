@@ -3,8 +3,9 @@
 
 use chrono::{DateTime, Utc};
 use outbox::Ident;
+use outbox_core::sql::{Template, render};
 use serde::Serialize;
-use sqlx::{AssertSqlSafe, PgPool};
+use sqlx::PgPool;
 use uuid::Uuid;
 
 use super::Result;
@@ -36,20 +37,16 @@ pub struct BlockedAggregate {
 /// million events queued behind its head costs no more than this to list.
 pub const WAITING_COUNTED_UP_TO: i64 = 10_000;
 
-/// The condition on `outbox o` that makes `o` a blocked aggregate's head:
-/// ordered, failed at least once (the partial index of migration 7),
-/// nothing earlier of its aggregate left. The "nothing earlier" is a
-/// correlated probe with `LIMIT 1`, not `NOT EXISTS`: on a table never
-/// analysed the planner took the failed events for a third of the outbox
-/// and turned `NOT EXISTS` into a hash anti-join over all of it (130-180 ms
-/// on 2,000,000 rows); a probe per failed head stays one index descent.
-pub(super) fn blocked_heads(s: &str) -> String {
-    format!(
-        "WHERE o.aggregate_seq IS NOT NULL AND o.attempts > 0
-           AND (SELECT 1 FROM {s}.outbox e
-                WHERE e.aggregate_type = o.aggregate_type AND e.aggregate_id = o.aggregate_id
-                  AND e.aggregate_seq < o.aggregate_seq LIMIT 1) IS NULL"
-    )
+/// The `WHERE` clause on `outbox o` that makes `o` a blocked aggregate's
+/// head, for `schema`: the value of a template's `{blocked_heads}`. Ordered,
+/// failed at least once (the partial index of migration 7), nothing
+/// earlier of its aggregate left. The "nothing earlier" is a correlated
+/// probe with `LIMIT 1`, not `NOT EXISTS`: on a table never analysed the
+/// planner took the failed events for a third of the outbox and turned
+/// `NOT EXISTS` into a hash anti-join over all of it (130-180 ms on
+/// 2,000,000 rows); a probe per failed head stays one index descent.
+pub(super) fn blocked_heads(schema: &Ident) -> String {
+    Template::new(include_str!("blocked/heads.sql"), schema).text()
 }
 
 /// Ordered aggregates whose head event has failed at least once, oldest
@@ -60,20 +57,11 @@ pub async fn blocked_aggregates(
     schema: &Ident,
     limit: i64,
 ) -> Result<Vec<BlockedAggregate>> {
-    let s = schema.quoted();
-    Ok(sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT o.aggregate_type, o.aggregate_id, o.id AS event_id, o.aggregate_seq, o.attempts, o.last_error,
-                o.available_at AS next_attempt_at,
-                (SELECT count(*) FROM (SELECT 1 FROM {s}.outbox w
-                 WHERE w.aggregate_type = o.aggregate_type AND w.aggregate_id = o.aggregate_id
-                   AND w.aggregate_seq > o.aggregate_seq LIMIT {WAITING_COUNTED_UP_TO}) x) AS waiting
-         FROM {s}.outbox o {}
-         ORDER BY o.created_at LIMIT $1",
-        blocked_heads(&s)
-    )))
-    .bind(limit)
-    .fetch_all(pool)
-    .await?)
+    let sql = Template::new(include_str!("blocked/aggregates.sql"), schema)
+        .with("waiting_counted_up_to", WAITING_COUNTED_UP_TO.to_string())
+        .with("blocked_heads", blocked_heads(schema))
+        .render();
+    Ok(sqlx::query_as(sql).bind(limit).fetch_all(pool).await?)
 }
 
 /// An event waiting behind a blocked aggregate's failing head.
@@ -104,21 +92,14 @@ pub async fn waiting_events(
     per_aggregate: i64,
 ) -> Result<Vec<WaitingEvent>> {
     let (types, ids): (Vec<String>, Vec<String>) = aggregates.iter().cloned().unzip();
-    Ok(sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT a.t AS aggregate_type, a.i AS aggregate_id, w.id, w.event_type, w.aggregate_seq, w.created_at
-         FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS a(t, i, n)
-         CROSS JOIN LATERAL (
-             SELECT o.id, o.event_type, o.aggregate_seq, o.created_at FROM {}.outbox o
-             WHERE o.aggregate_type = a.t AND o.aggregate_id = a.i AND o.aggregate_seq IS NOT NULL
-             ORDER BY o.aggregate_seq OFFSET 1 LIMIT $3) w
-         ORDER BY a.n, w.aggregate_seq",
-        schema.quoted()
-    )))
-    .bind(&types)
-    .bind(&ids)
-    .bind(per_aggregate)
-    .fetch_all(pool)
-    .await?)
+    Ok(
+        sqlx::query_as(render(include_str!("blocked/waiting.sql"), schema))
+            .bind(&types)
+            .bind(&ids)
+            .bind(per_aggregate)
+            .fetch_all(pool)
+            .await?,
+    )
 }
 
 /// The longest skip reason kept, in characters (the rest is cut).
@@ -131,20 +112,14 @@ pub(crate) const REASON_MAX_CHARS: usize = 1_000;
 /// done. Returns how many were moved; a moved event can be replayed like
 /// any dead letter.
 pub async fn skip_events(pool: &PgPool, schema: &Ident, ids: &[Uuid], reason: &str) -> Result<u64> {
-    let s = schema.quoted();
     let reason: String = reason.chars().take(REASON_MAX_CHARS).collect();
     let mut tx = pool.begin().await?;
     // The partitions' lease rows, exclusively: relays publish a partition
     // only while holding its row FOR KEY SHARE.
-    sqlx::query(AssertSqlSafe(format!(
-        "SELECT partition FROM {s}.outbox_leases
-         WHERE partition IN (SELECT {s}.outbox_partition(aggregate_type, aggregate_id)
-                             FROM {s}.outbox WHERE id = ANY($1))
-         ORDER BY partition FOR UPDATE"
-    )))
-    .bind(ids)
-    .execute(&mut *tx)
-    .await?;
+    sqlx::query(render(include_str!("blocked/lock_partitions.sql"), schema))
+        .bind(ids)
+        .execute(&mut *tx)
+        .await?;
     let errors = vec![format!("skipped by an operator: {reason}"); ids.len()];
     let moved = outbox_relay::dead_letter_events(&mut *tx, schema, ids, &errors).await?;
     // Each aggregate's next event becomes its head; it may have been due
@@ -152,20 +127,10 @@ pub async fn skip_events(pool: &PgPool, schema: &Ident, ids: &[Uuid], reason: &s
     // blocked it: its due time is written from the clock, so the walks
     // find it (relay/src/claim/ordered.rs). One not due yet keeps its
     // time.
-    sqlx::query(AssertSqlSafe(format!(
-        "UPDATE {s}.outbox o SET available_at = clock_timestamp()
-         FROM (SELECT DISTINCT aggregate_type, aggregate_id FROM {s}.outbox_dead_letters
-               WHERE id = ANY($1) AND aggregate_seq IS NOT NULL) d
-         CROSS JOIN LATERAL (
-             SELECT x.id FROM {s}.outbox x
-             WHERE x.aggregate_type = d.aggregate_type AND x.aggregate_id = d.aggregate_id
-               AND x.aggregate_seq IS NOT NULL
-             ORDER BY x.aggregate_seq LIMIT 1) n
-         WHERE o.id = n.id AND o.available_at <= now()"
-    )))
-    .bind(ids)
-    .execute(&mut *tx)
-    .await?;
+    sqlx::query(render(include_str!("blocked/next_heads_due.sql"), schema))
+        .bind(ids)
+        .execute(&mut *tx)
+        .await?;
     tx.commit().await?;
     Ok(moved)
 }
@@ -173,12 +138,14 @@ pub async fn skip_events(pool: &PgPool, schema: &Ident, ids: &[Uuid], reason: &s
 /// Makes the given failed events due now instead of at their next
 /// backoff. Returns how many were rescheduled.
 pub async fn retry_now(pool: &PgPool, schema: &Ident, ids: &[Uuid]) -> Result<u64> {
-    Ok(sqlx::query(AssertSqlSafe(format!(
-        "UPDATE {}.outbox SET available_at = clock_timestamp() WHERE id = ANY($1) AND available_at > now()",
-        schema.quoted()
-    )))
-    .bind(ids)
-    .execute(pool)
-    .await?
-    .rows_affected())
+    let sql = render(
+        "UPDATE {schema}.outbox SET available_at = clock_timestamp() \
+         WHERE id = ANY($1) AND available_at > now()",
+        schema,
+    );
+    Ok(sqlx::query(sql)
+        .bind(ids)
+        .execute(pool)
+        .await?
+        .rows_affected())
 }

@@ -4,6 +4,7 @@
 
 use chrono::{DateTime, Utc};
 use outbox::Ident;
+use outbox_core::sql::Template;
 use sqlx::{PgPool, Postgres, QueryBuilder};
 use uuid::Uuid;
 
@@ -79,6 +80,7 @@ pub struct DeadLetterPage {
     pub has_next: bool,
 }
 
+/// The columns of a [`DeadLetter`] (alias `d`): a template's `{columns}`.
 const COLUMNS: &str = "d.id, d.aggregate_type, d.aggregate_id, d.event_type, d.attempts, \
                        d.last_error, d.created_at, d.dead_lettered_at, d.exchange, d.routing_key";
 
@@ -130,33 +132,39 @@ fn query(
     let (key, descending) = order.key();
     // Walking backwards reads the list's order reversed, then turns it round.
     let down = descending != matches!(at, PageAt::Before(_));
-    let dir = if down { "DESC" } else { "ASC" };
-    let sort = key
-        .trim_matches(['(', ')'])
-        .replace(", ", &format!(" {dir}, "));
-    let table = format!("{}.outbox_dead_letters d WHERE TRUE", schema.quoted());
+    // The key's columns, each followed by the direction.
+    let order_by = if down {
+        key.trim_matches(['(', ')']).replace(", ", " DESC, ") + " DESC"
+    } else {
+        key.trim_matches(['(', ')']).replace(", ", " ASC, ") + " ASC"
+    };
     // Error words: with a window, checked on its rows; without, every match
     // through the GIN index, fenced (`OFFSET 0`) from the order and the
     // limit, or the planner walks the order's index through every row in
     // the hope of finding a page soon.
     let words = filter.error_words.is_some();
-    let mut q = QueryBuilder::new(if words {
-        format!("SELECT {COLUMNS} FROM (SELECT d.* FROM {table}")
+    let seed = if words {
+        "SELECT {columns} FROM (SELECT d.* FROM {schema}.outbox_dead_letters d WHERE TRUE"
     } else {
-        format!("SELECT {COLUMNS} FROM {table}")
-    });
+        "SELECT {columns} FROM {schema}.outbox_dead_letters d WHERE TRUE"
+    };
+    let mut q = QueryBuilder::new(Template::new(seed, schema).with("columns", COLUMNS).text());
     let mut rest = filter.clone();
     if window.is_some() {
         rest.error_words = None;
     }
     rest.push_conditions(&mut q);
     if let PageAt::After(c) | PageAt::Before(c) = at {
-        q.push(format_args!(" AND {key} {} ", if down { "<" } else { ">" }));
+        q.push(" AND ")
+            .push(key)
+            .push(if down { " < " } else { " > " });
         push_cursor(&mut q, order, c);
     }
     match (window, &filter.error_words) {
         (Some(w), Some(words)) => {
-            q.push(format_args!(" ORDER BY {sort} {dir} LIMIT "))
+            q.push(" ORDER BY ")
+                .push(&order_by)
+                .push(" LIMIT ")
                 .push_bind(w)
                 .push(") d WHERE TRUE");
             crate::admin::dead_letters::push_phrase(&mut q, words);
@@ -166,7 +174,9 @@ fn query(
         }
         _ => {}
     }
-    q.push(format_args!(" ORDER BY {sort} {dir} LIMIT "))
+    q.push(" ORDER BY ")
+        .push(&order_by)
+        .push(" LIMIT ")
         .push_bind(limit + 1);
     q
 }
@@ -210,10 +220,8 @@ pub async fn sample_dead_letters(
         let first = page_dead_letters(pool, schema, filter, Order::Newest, PageAt::First, limit);
         return Ok(first.await?.rows);
     }
-    let mut q = QueryBuilder::new(format!(
-        "SELECT {COLUMNS} FROM {}.outbox_dead_letters d WHERE TRUE",
-        schema.quoted()
-    ));
+    let seed = "SELECT {columns} FROM {schema}.outbox_dead_letters d WHERE TRUE";
+    let mut q = QueryBuilder::new(Template::new(seed, schema).with("columns", COLUMNS).text());
     selection.push_conditions(&mut q);
     q.push(" ORDER BY d.dead_lettered_at DESC, d.id DESC LIMIT ")
         .push_bind(limit);

@@ -8,11 +8,13 @@
 
 use chrono::{DateTime, Utc};
 use outbox::Ident;
+use outbox_core::sql::{Template, render};
 use serde::Serialize;
-use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, QueryBuilder};
+use sqlx::{PgConnection, PgPool, Postgres, QueryBuilder};
 use uuid::Uuid;
 
 use super::Result;
+use super::estimate::sample_percent;
 use super::failures::Exchange;
 
 /// A dead-lettered event.
@@ -104,7 +106,9 @@ impl Filter {
         ];
         for (column, value) in exact {
             if let Some(v) = value {
-                q.push(format_args!(" AND {column} = "))
+                q.push(" AND ")
+                    .push(column)
+                    .push(" = ")
                     .push_bind(v.clone());
             }
         }
@@ -192,11 +196,13 @@ pub async fn count_dead_letters(
     // Error words: the matches through the GIN index, fenced (`OFFSET 0`),
     // or the planner may scan the whole table for a cap it thinks near.
     let words = matches!(selection, Selection::Matching(f) if f.error_words.is_some());
-    let mut q = QueryBuilder::new(format!(
-        "SELECT count(*) FROM (SELECT 1 FROM {}{}.outbox_dead_letters d WHERE TRUE",
-        if words { "(SELECT d.id FROM " } else { "" },
-        schema.quoted()
-    ));
+    let seed = if words {
+        "SELECT count(*) FROM (SELECT 1 FROM (SELECT d.id FROM {schema}.outbox_dead_letters d \
+         WHERE TRUE"
+    } else {
+        "SELECT count(*) FROM (SELECT 1 FROM {schema}.outbox_dead_letters d WHERE TRUE"
+    };
+    let mut q = QueryBuilder::new(render(seed, schema).as_str());
     selection.push_conditions(&mut q);
     if words {
         q.push(" OFFSET 0) d");
@@ -208,33 +214,22 @@ pub async fn count_dead_letters(
     Ok(q.build_query_scalar().fetch_one(pool).await?)
 }
 
-/// Pages of the dead-letter table an estimate reads (6.4 MiB of 8 KiB
-/// pages). How many pages `TABLESAMPLE SYSTEM` picks varies from call to
-/// call (about ±1/sqrt(n)): at 200 pages that put about one estimate in
-/// ten outside 15% (the admin test failed 2 runs of 7); at 800 the
-/// spread is about ±3.5%.
-const ESTIMATE_PAGES: u32 = 800;
-
 /// About how many dead letters `selection` holds, without reading them
-/// all: the matches in a sample of about 800 of the
-/// table's pages (`TABLESAMPLE SYSTEM`), scaled up; exact on a table that
-/// small. For a selection too large to count while a page waits.
+/// all: the matches in a sample of about 800 of the table's pages
+/// (`TABLESAMPLE SYSTEM`, the estimates' one sampling policy:
+/// `estimate.rs`), scaled up; exact on a table that small. For a
+/// selection too large to count while a page waits.
 pub async fn estimate_dead_letters(
     pool: &PgPool,
     schema: &Ident,
     selection: &Selection,
 ) -> Result<i64> {
-    let s = schema.quoted();
-    let mut q = QueryBuilder::new(format!(
-        "SELECT ((SELECT count(*) FROM {s}.outbox_dead_letters d TABLESAMPLE SYSTEM (p.pct) WHERE TRUE"
-    ));
+    let seed = Template::new(include_str!("dead_letters/estimate.sql"), schema)
+        .with("sample_percent", sample_percent("r.size"))
+        .text();
+    let mut q = QueryBuilder::new(seed);
     selection.push_conditions(&mut q);
-    // The schema is a validated identifier: no quote can be in it.
-    let size = format!("pg_relation_size(to_regclass('{s}.outbox_dead_letters'))");
-    let pct = crate::admin::status::sample_percent(ESTIMATE_PAGES, &size);
-    q.push(format!(
-        ") * 100.0 / p.pct)::int8 FROM (SELECT {pct} AS pct) p"
-    ));
+    q.push(") * 100.0 / p.pct)::int8 FROM p");
     Ok(q.build_query_scalar().fetch_one(pool).await?)
 }
 
@@ -244,15 +239,12 @@ pub async fn dead_letter(
     schema: &Ident,
     id: Uuid,
 ) -> Result<Option<DeadLetterDetail>> {
-    Ok(sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at,
-                dead_lettered_at, payload, headers, exchange, routing_key, aggregate_seq, error_history
-         FROM {}.outbox_dead_letters WHERE id = $1",
-        schema.quoted()
-    )))
-    .bind(id)
-    .fetch_optional(pool)
-    .await?)
+    Ok(
+        sqlx::query_as(render(include_str!("dead_letters/detail.sql"), schema))
+            .bind(id)
+            .fetch_optional(pool)
+            .await?,
+    )
 }
 
 /// What a replay did.
@@ -337,15 +329,8 @@ async fn lock_selected(
     schema: &Ident,
     selection: &Selection,
 ) -> Result<Vec<Candidate>> {
-    let s = schema.quoted();
-    let mut q = QueryBuilder::new(format!(
-        "SELECT d.id,
-                EXISTS (SELECT 1 FROM {s}.outbox o WHERE o.id = d.id),
-                {s}.outbox_unpublishable(d.aggregate_type, d.event_type, d.exchange, d.routing_key, d.headers)
-                    IS NULL
-         FROM {s}.outbox_dead_letters d
-         WHERE TRUE"
-    ));
+    let seed = render(include_str!("dead_letters/lock_selected.sql"), schema);
+    let mut q = QueryBuilder::new(seed.as_str());
     selection.push_conditions(&mut q);
     q.push(" ORDER BY d.id FOR UPDATE OF d");
     let selected: Vec<(Uuid, bool, bool)> = q.build_query_as().fetch_all(&mut *tx).await?;
@@ -360,40 +345,32 @@ async fn lock_selected(
 }
 
 /// Copies the dead letters `ids` into the outbox, due now with attempts
-/// reset; an id in the outbox already is left out. Returns each inserted
-/// id and whether its event is older than `retention`.
+/// reset and the replay appended to their error history (its last 20
+/// entries kept, as every failure's); an id in the outbox already is left
+/// out. Returns each inserted id and whether its event is older than
+/// `retention`.
 async fn insert_into_outbox(
     tx: &mut PgConnection,
     schema: &Ident,
     ids: &[Uuid],
     retention: std::time::Duration,
 ) -> Result<Vec<(Uuid, bool)>> {
-    let s = schema.quoted();
-    Ok(sqlx::query_as(AssertSqlSafe(format!(
-        "INSERT INTO {s}.outbox (id, aggregate_type, aggregate_id, event_type, payload, headers, exchange,
-                                 routing_key, created_at, available_at, attempts, last_error, error_history,
-                                 aggregate_seq)
-         SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, exchange, routing_key,
-                created_at, clock_timestamp(), 0, NULL,
-                error_history || jsonb_build_array(jsonb_build_object('at', now(), 'error', 'replayed from dead letters')),
-                aggregate_seq
-         FROM {s}.outbox_dead_letters WHERE id = ANY($1)
-         ON CONFLICT (id) DO NOTHING
-         RETURNING id, created_at < now() - $2 * interval '1 millisecond'"
-    )))
-    .bind(ids)
-    .bind(retention.as_millis() as i64)
-    .fetch_all(&mut *tx)
-    .await?)
+    Ok(
+        sqlx::query_as(render(include_str!("dead_letters/replay.sql"), schema))
+            .bind(ids)
+            .bind(retention.as_millis() as i64)
+            .fetch_all(&mut *tx)
+            .await?,
+    )
 }
 
 /// Only what reached the outbox leaves the dead letters (an id a
 /// producer inserted meanwhile is a conflict too).
 async fn delete_replayed(tx: &mut PgConnection, schema: &Ident, replayed: &[Uuid]) -> Result<()> {
-    sqlx::query(AssertSqlSafe(format!(
-        "DELETE FROM {}.outbox_dead_letters WHERE id = ANY($1)",
-        schema.quoted()
-    )))
+    sqlx::query(render(
+        "DELETE FROM {schema}.outbox_dead_letters WHERE id = ANY($1)",
+        schema,
+    ))
     .bind(replayed)
     .execute(&mut *tx)
     .await?;
@@ -441,10 +418,11 @@ pub async fn purge_dead_letters(
 ) -> Result<Vec<Uuid>> {
     let mut tx = pool.begin().await?;
     sqlx::query(ACTION_TIMEOUT).execute(&mut *tx).await?;
-    let mut q = QueryBuilder::new(format!(
-        "DELETE FROM {}.outbox_dead_letters d WHERE TRUE",
-        schema.quoted()
-    ));
+    let seed = render(
+        "DELETE FROM {schema}.outbox_dead_letters d WHERE TRUE",
+        schema,
+    );
+    let mut q = QueryBuilder::new(seed.as_str());
     selection.push_conditions(&mut q);
     q.push(" RETURNING d.id");
     let ids: Vec<Uuid> = q.build_query_scalar().fetch_all(&mut *tx).await?;

@@ -12,8 +12,9 @@ use std::fmt;
 
 use chrono::{DateTime, Utc};
 use outbox::Ident;
+use outbox_core::sql::Template;
 use serde::Serialize;
-use sqlx::{AssertSqlSafe, PgPool};
+use sqlx::PgPool;
 
 use super::Result;
 
@@ -115,31 +116,11 @@ struct Row {
 /// exchange: the `top` largest groups of each, and the rest together.
 /// Reads every dead letter (see the module on its cost).
 pub async fn failures(pool: &PgPool, schema: &Ident, top: i64) -> Result<Failures> {
-    let rows: Vec<Row> = sqlx::query_as(AssertSqlSafe(format!(
-        "WITH grouped AS (
-             SELECT GROUPING(d.error_class, d.event_type, d.exchange) AS kind,
-                    CASE GROUPING(d.error_class, d.event_type, d.exchange)
-                        WHEN {BY_ERROR_CLASS} THEN d.error_class
-                        WHEN {BY_EVENT_TYPE} THEN d.event_type
-                        ELSE d.exchange END AS key,
-                    count(*) AS dead_letters, max(d.dead_lettered_at) AS newest
-             FROM {s}.outbox_dead_letters d
-             GROUP BY GROUPING SETS ((d.error_class), (d.event_type), (d.exchange))
-         ), ranked AS (
-             SELECT g.*, row_number() OVER (PARTITION BY g.kind ORDER BY g.dead_letters DESC, g.key NULLS FIRST) AS rank
-             FROM grouped g
-         )
-         SELECT kind, false AS others, key, dead_letters, newest, 1::bigint AS groups, rank
-         FROM ranked WHERE rank <= $1
-         UNION ALL
-         SELECT kind, true, NULL, sum(dead_letters)::bigint, max(newest), count(*), NULL
-         FROM ranked WHERE rank > $1 GROUP BY kind
-         ORDER BY kind, others, rank",
-        s = schema.quoted()
-    )))
-    .bind(top)
-    .fetch_all(pool)
-    .await?;
+    let sql = Template::new(include_str!("failures/grouped.sql"), schema)
+        .with("by_error_class", BY_ERROR_CLASS.to_string())
+        .with("by_event_type", BY_EVENT_TYPE.to_string())
+        .render();
+    let rows: Vec<Row> = sqlx::query_as(sql).bind(top).fetch_all(pool).await?;
     let by_error_class = breakdown(&rows, BY_ERROR_CLASS, Option::unwrap_or_default);
     Ok(Failures {
         dead_letters: by_error_class.dead_letters(),

@@ -10,8 +10,9 @@
 //! `claim/floor.rs`) claims slowed down with it.
 
 use outbox::Ident;
+use outbox_core::sql::render;
 use serde::Serialize;
-use sqlx::{AssertSqlSafe, PgPool};
+use sqlx::PgPool;
 
 use super::Result;
 
@@ -142,15 +143,11 @@ pub async fn horizon(pool: &PgPool, schema: &Ident) -> Result<Horizon> {
     )
     .fetch_optional(pool)
     .await?;
-    let s = schema.quoted();
-    let (outbox_dead_rows, outbox_bytes): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT coalesce((SELECT n_dead_tup FROM pg_stat_user_tables
-                          WHERE relid = to_regclass('{t}')), 0),
-                coalesce(pg_total_relation_size(to_regclass('{t}')), 0)",
-        t = format!("{s}.outbox").replace('\'', "''")
-    )))
-    .fetch_one(pool)
-    .await?;
+    // The schema is a validated identifier: no quote can be in it.
+    let (outbox_dead_rows, outbox_bytes): (i64, i64) =
+        sqlx::query_as(render(include_str!("horizon/outbox_cost.sql"), schema))
+            .fetch_one(pool)
+            .await?;
     Ok(Horizon {
         oldest,
         outbox_dead_rows,

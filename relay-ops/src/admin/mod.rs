@@ -4,8 +4,11 @@
 //! `dead_letter_pages.rs` (filter, page, read, replay, purge),
 //! `backlog.rs` (the oldest due events, the backlog per type, the publish
 //! rate), `failures.rs` (dead letters grouped by error class, event type
-//! and exchange), `horizon.rs` (what holds the xmin horizon back) and
-//! `wal.rs` (the capture's slot). The `outbox-relay`
+//! and exchange), `horizon.rs` (what holds the xmin horizon back),
+//! `wal.rs` (the capture's slot) and `estimate.rs` (how a count too
+//! costly to make is estimated). A statement longer than a line is a
+//! `.sql` file in the folder named after its module (`status/`,
+//! `blocked/`, ...); each is rendered by `outbox_core::sql`. The `outbox-relay`
 //! subcommands of the same names and the console (`outbox-relay console`)
 //! call these; they fail with their own [`Error`].
 
@@ -14,6 +17,7 @@ mod blocked;
 mod dead_letter_pages;
 mod dead_letters;
 mod error;
+mod estimate;
 mod failures;
 mod horizon;
 mod status;

@@ -3,12 +3,14 @@
 
 use chrono::{DateTime, Utc};
 use outbox::Ident;
+use outbox_core::sql::{Template, render};
 use serde::Serialize;
-use sqlx::{AssertSqlSafe, PgPool};
+use sqlx::PgPool;
 use uuid::Uuid;
 
 use super::Result;
 use super::blocked::{BlockedAggregate, blocked_aggregates, blocked_heads};
+use super::estimate::estimated_rows;
 use super::failures::{Failures, failures};
 
 /// The outbox at a glance (`outbox-relay status`).
@@ -85,33 +87,28 @@ pub struct FailingEvent {
 
 /// Reads the outbox status of `schema`.
 pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
-    let s = schema.quoted();
     let (backlog, due, oldest, retrying): (i64, i64, Option<f64>, i64) =
-        sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT count(*),
-                count(*) FILTER (WHERE available_at <= now()),
-                extract(epoch FROM now() - min(created_at))::float8,
-                count(*) FILTER (WHERE attempts > 0)
-         FROM {s}.outbox"
-        )))
-        .fetch_one(pool)
-        .await?;
-    let dead_letters: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM {s}.outbox_dead_letters"
-    )))
+        sqlx::query_as(render(include_str!("status/backlog.sql"), schema))
+            .fetch_one(pool)
+            .await?;
+    let dead_letters: i64 = sqlx::query_scalar(render(
+        "SELECT count(*) FROM {schema}.outbox_dead_letters",
+        schema,
+    ))
     .fetch_one(pool)
     .await?;
-    let failing = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT id, event_type, exchange, routing_key, attempts, last_error, available_at AS next_attempt_at
-         FROM {s}.outbox WHERE attempts > 0 ORDER BY attempts DESC, available_at LIMIT 10"
-    )))
-    .fetch_all(pool)
-    .await?;
+    let failing = sqlx::query_as(render(include_str!("status/failing.sql"), schema))
+        .fetch_all(pool)
+        .await?;
     let blocked = blocked_aggregates(pool, schema, 20).await?;
-    let blocked_count = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM {s}.outbox o {}",
-        blocked_heads(&s)
-    )))
+    let blocked_count = sqlx::query_scalar(
+        Template::new(
+            "SELECT count(*) FROM {schema}.outbox o {blocked_heads}",
+            schema,
+        )
+        .with("blocked_heads", blocked_heads(schema))
+        .render(),
+    )
     .fetch_one(pool)
     .await?;
     let (relays, unleased_partitions) = relays(pool, schema).await?;
@@ -138,20 +135,13 @@ pub async fn status(pool: &PgPool, schema: &Ident) -> Result<Status> {
 /// The relays in `outbox_relays` with the partitions each leases, and how
 /// many partitions no live relay holds. Small tables: cheap at any backlog.
 pub async fn relays(pool: &PgPool, schema: &Ident) -> Result<(Vec<RelayLeases>, i64)> {
-    let s = schema.quoted();
-    let relays = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT r.name, count(l.partition) AS partitions,
-                extract(epoch FROM now() - r.heartbeat_at)::float8 AS heartbeat_age_s,
-                r.broker
-         FROM {s}.outbox_relays r
-         LEFT JOIN {s}.outbox_leases l ON l.owner = r.id AND l.expires_at > now()
-         GROUP BY r.id, r.name, r.heartbeat_at, r.broker ORDER BY r.name"
-    )))
-    .fetch_all(pool)
-    .await?;
-    let unleased = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM {s}.outbox_leases WHERE owner IS NULL OR expires_at <= now()"
-    )))
+    let relays = sqlx::query_as(render(include_str!("status/relays.sql"), schema))
+        .fetch_all(pool)
+        .await?;
+    let unleased = sqlx::query_scalar(render(
+        "SELECT count(*) FROM {schema}.outbox_leases WHERE owner IS NULL OR expires_at <= now()",
+        schema,
+    ))
     .fetch_one(pool)
     .await?;
     Ok((relays, unleased))
@@ -178,61 +168,23 @@ pub struct Gauges {
 /// Up to this many rows (by the planner's estimate) a count is exact.
 pub const EXACT_COUNT_UP_TO: i64 = 100_000;
 
-/// Pages a never-analysed table's estimate reads (16 MiB of 8 KiB pages).
-const SAMPLE_PAGES: u32 = 2000;
-
-/// The percentage of a relation's pages that `TABLESAMPLE SYSTEM` reads
-/// to see about `pages` of them; `relation_size` is an SQL expression of
-/// its size in bytes.
-pub(crate) fn sample_percent(pages: u32, relation_size: &str) -> String {
-    format!(
-        "least(100, {pages} * 100.0 * current_setting('block_size')::float8 / greatest(1, {relation_size}))::float4"
-    )
-}
-
-/// SQL for the rows of `table` now, without scanning it: the last
-/// statistics' rows per page times the table's current pages (so a table
-/// that grew since is not taken for small); never analysed (a freshly
-/// loaded or restored table), the rows in a sample of about
-/// [`SAMPLE_PAGES`] of its pages (`TABLESAMPLE SYSTEM`), scaled up.
-pub(crate) fn estimated_rows(s: &str, table: &str) -> String {
-    let pct = sample_percent(SAMPLE_PAGES, "pg_relation_size(c.oid)");
-    format!(
-        "(SELECT CASE WHEN c.reltuples >= 0 AND c.relpages > 0
-                     THEN c.reltuples / c.relpages * (pg_relation_size(c.oid) / current_setting('block_size')::float8)
-                     WHEN pg_relation_size(c.oid) = 0 THEN 0
-                     ELSE (SELECT count(*) * 100.0 / p.pct FROM {s}.{table} TABLESAMPLE SYSTEM (p.pct)) END
-          FROM pg_class c,
-               LATERAL (SELECT {pct} AS pct) p
-          WHERE c.oid = to_regclass('{s}.{table}'))"
-    )
-}
-
 /// Reads the [`Gauges`] of `schema`.
 pub async fn gauges(pool: &PgPool, schema: &Ident) -> Result<Gauges> {
-    let s = schema.quoted();
-    let count = |table: &str| {
-        let estimate = estimated_rows(&s, table);
-        format!(
-            "(SELECT CASE WHEN e.n <= {EXACT_COUNT_UP_TO} THEN (SELECT count(*) FROM {s}.{table})
-                     ELSE e.n::bigint END
-              FROM (SELECT {estimate} AS n) e)"
-        )
+    // A table's rows: counted up to EXACT_COUNT_UP_TO, estimated above.
+    let count = |table: &'static str| {
+        Template::new(include_str!("status/gauge_count.sql"), schema)
+            .with("table", table)
+            .with("exact_count_up_to", EXACT_COUNT_UP_TO.to_string())
+            .with("estimated_rows", estimated_rows(schema, table))
+            .text()
     };
+    let sql = Template::new(include_str!("status/gauges.sql"), schema)
+        .with("backlog", count("outbox"))
+        .with("dead_letters", count("outbox_dead_letters"))
+        .with("blocked_heads", blocked_heads(schema))
+        .render();
     let (backlog, oldest_due_age_s, dead_letters, blocked_aggregates): (i64, f64, i64, i64) =
-        sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT {backlog},
-                    coalesce(greatest(0, extract(epoch FROM now() - (
-                        SELECT available_at FROM {s}.outbox WHERE aggregate_seq IS NULL
-                        ORDER BY available_at, id LIMIT 1)))::float8, 0),
-                    {dead},
-                    (SELECT count(*) FROM {s}.outbox o {blocked})",
-            backlog = count("outbox"),
-            dead = count("outbox_dead_letters"),
-            blocked = blocked_heads(&s),
-        )))
-        .fetch_one(pool)
-        .await?;
+        sqlx::query_as(sql).fetch_one(pool).await?;
     Ok(Gauges {
         backlog,
         oldest_due_age_s,

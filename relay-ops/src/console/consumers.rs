@@ -15,7 +15,7 @@ use chrono::{DateTime, Utc};
 use maud::{Markup, html};
 use outbox::Ident;
 use outbox::redact::SecretUrl;
-use sqlx::AssertSqlSafe;
+use outbox_core::sql::Template;
 use tokio_util::sync::CancellationToken;
 
 use super::amqp::Broker;
@@ -129,15 +129,13 @@ struct Rates {
     error: Option<String>,
 }
 
-const PROCESSED_LAST_MINUTE: &str = "SELECT consumer, count(*) FROM {inbox}.inbox_processed
-     WHERE processed_at >= now() - interval '1 minute' GROUP BY consumer ORDER BY consumer";
-
 /// Reads the processed rates every `--refresh`.
 pub(crate) async fn refresh_rates(console: Shared, shutdown: CancellationToken) {
-    let inbox = console.options.consumers.inbox_schema.quoted();
-    let sql = PROCESSED_LAST_MINUTE.replace("{inbox}", &inbox);
+    let sql = Template::unqualified(include_str!("consumers/processed_last_minute.sql"))
+        .with("inbox", console.options.consumers.inbox_schema.quoted())
+        .render();
     loop {
-        let read = sqlx::query_as::<_, (String, i64)>(AssertSqlSafe(sql.clone()))
+        let read = sqlx::query_as::<_, (String, i64)>(sql.clone())
             .fetch_all(&console.pool)
             .await;
         let mut rates = Rates {

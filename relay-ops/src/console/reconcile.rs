@@ -20,7 +20,8 @@ use axum::extract::{Extension, Query};
 use axum::http::HeaderMap;
 use chrono::{DateTime, Utc};
 use maud::{Markup, html};
-use sqlx::AssertSqlSafe;
+use outbox_core::sql::Template;
+use sqlx::SqlStr;
 use uuid::Uuid;
 
 use super::form::{Fields, bad_request, parse_time};
@@ -33,42 +34,32 @@ const FRESH: Duration = Duration::from_secs(30);
 /// The page lists this many of the missing events, oldest first.
 const LISTED: i64 = 100;
 
-/// The events of the window with no inbox row for `$1`: the archive's
-/// time index (the archive by day, and version 1's table a relay of an
-/// earlier release may still fill), the routing key's topic pattern (`$4`, NULL: all), and
+/// The events of the window with no inbox row for `$1`, from `FROM` on
+/// (a template's `{missing}`): the archive's time index (the archive by
+/// day, and version 1's table a relay of an earlier release may still
+/// fill), the routing key's topic pattern (`$4`, NULL: all), and
 /// anti-joins with the inbox (its records, and those version 1's table
-/// kept from before the consumer's migration 3).
-const MISSING: &str = "FROM (
-         SELECT id, published_at, aggregate_type, aggregate_id, event_type, payload, headers,
-                exchange, routing_key, created_at, attempts, aggregate_seq
-         FROM {archive}.outbox_archive
-         UNION ALL
-         SELECT id, published_at, aggregate_type, aggregate_id, event_type, payload, headers,
-                exchange, routing_key, created_at, attempts, aggregate_seq
-         FROM {archive}.outbox_published) p
-     WHERE p.published_at >= $2 AND p.published_at < $3
-       AND ($4::text IS NULL OR coalesce(p.routing_key, p.aggregate_type || '.' || p.event_type) ~ $4)
-       AND NOT EXISTS (SELECT 1 FROM {inbox}.inbox_processed i
-                       WHERE i.consumer = $1 AND i.event_id = p.id::text
-                         AND i.event_at = {inbox}.inbox_event_time(p.id::text))
-       AND NOT EXISTS (SELECT 1 FROM {inbox}.inbox o WHERE o.consumer = $1 AND o.event_id = p.id::text)";
+/// kept from before the consumer's migration 3). `$2` and `$3` bound the
+/// window.
+const MISSING: &str = include_str!("reconcile/missing.sql");
 
-const LIST_MISSING: &str =
-    "SELECT p.id, p.published_at, p.aggregate_type, p.aggregate_id, p.event_type,
-            count(*) OVER () AS total {missing} ORDER BY p.published_at, p.id LIMIT {listed}";
+/// The missing events as the page lists them, the first [`LISTED`], each
+/// with the count of all.
+const LIST_MISSING: &str = include_str!("reconcile/list_missing.sql");
 
-pub(super) const READ_MISSING: &str =
-    "SELECT p.id, p.aggregate_type, p.aggregate_id, p.event_type, p.payload::text,
-            p.headers::text, p.exchange, p.routing_key, p.created_at, p.attempts, p.aggregate_seq
-     {missing} ORDER BY p.published_at, p.id LIMIT $5";
+/// The missing events as the relay published them, the first `$5`.
+pub(super) const READ_MISSING: &str = include_str!("reconcile/read_missing.sql");
 
-pub(super) fn sql(console: &Console, template: &str) -> String {
-    let missing = MISSING
-        .replace("{archive}", &console.schema.quoted())
-        .replace("{inbox}", &console.options.consumers.inbox_schema.quoted());
-    template
-        .replace("{missing}", &missing)
-        .replace("{listed}", &LISTED.to_string())
+/// `template` (one of the above) for the console's schema (its archive)
+/// and the consumers' inbox schema.
+pub(super) fn sql(console: &Console, template: &str) -> SqlStr {
+    let missing = Template::new(MISSING, &console.schema)
+        .with("inbox", console.options.consumers.inbox_schema.quoted())
+        .text();
+    Template::unqualified(template)
+        .with("missing", missing)
+        .with("listed", LISTED.to_string())
+        .render()
 }
 
 /// A window to reconcile.
@@ -238,7 +229,7 @@ impl Reconciliations {
 
 async fn compare(console: Shared, w: Window) {
     let started = Instant::now();
-    let rows = sqlx::query_as::<_, Missing>(AssertSqlSafe(sql(&console, LIST_MISSING)))
+    let rows = sqlx::query_as::<_, Missing>(sql(&console, LIST_MISSING))
         .bind(&w.consumer)
         .bind(w.since)
         .bind(w.until)

@@ -9,7 +9,6 @@ use axum::http::{HeaderMap, StatusCode};
 use chrono::{DateTime, Utc};
 use maud::html;
 use outbox_relay::OutboxEvent;
-use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
 use super::consumers::urlencode;
@@ -156,7 +155,7 @@ async fn read_missing(
     w: &Window,
     limit: i64,
 ) -> anyhow::Result<Vec<OutboxEvent>> {
-    let rows = sqlx::query_as::<_, Archived>(AssertSqlSafe(sql(console, READ_MISSING)))
+    let rows = sqlx::query_as::<_, Archived>(sql(console, READ_MISSING))
         .bind(&w.consumer)
         .bind(w.since)
         .bind(w.until)

@@ -66,7 +66,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use outbox::Ident;
-use sqlx::{AssertSqlSafe, PgPool, SqlSafeStr, SqlStr};
+use sqlx::{PgPool, SqlStr};
 use uuid::Uuid;
 
 /// How often the floor task reads the lock table.
@@ -221,7 +221,6 @@ impl Claim {
 
 impl Floor {
     pub(crate) fn new(schema: &Ident) -> Self {
-        let table = format!("{}.outbox", schema.quoted());
         Self {
             at_us: AtomicI64::new(i64::MIN),
             cursor: std::sync::Mutex::new(Cursor::default()),
@@ -232,23 +231,7 @@ impl Floor {
             readings: std::sync::Mutex::new(Readings::default()),
             catch_ups: std::sync::Mutex::new(CatchUps::default()),
             started: std::time::Instant::now(),
-            sql: AssertSqlSafe(format!(
-                "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::int8,
-                        coalesce('x' || x.transactionid, 'v' || l.virtualtransaction),
-                        (extract(epoch FROM a.xact_start) * 1000000)::int8
-                 FROM (SELECT 1) one
-                 LEFT JOIN pg_locks l
-                   ON l.locktype = 'relation' AND l.mode = 'RowExclusiveLock'
-                  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                  AND l.relation = to_regclass('{}')
-                  AND l.pid IS DISTINCT FROM pg_backend_pid()
-                 LEFT JOIN pg_locks x
-                   ON x.locktype = 'transactionid' AND x.mode = 'ExclusiveLock'
-                  AND x.virtualtransaction = l.virtualtransaction
-                 LEFT JOIN pg_stat_activity a ON a.pid = l.pid",
-                table.replace('\'', "''")
-            ))
-            .into_sql_str(),
+            sql: crate::sql::render(include_str!("floor.sql"), schema),
         }
     }
 

@@ -5,8 +5,7 @@ WITH f AS (SELECT * FROM unnest($1::uuid[], $2::text[]) AS f(id, error)),
            RETURNING o.*, f.error AS final_error)
 INSERT INTO {schema}.outbox_dead_letters ({event_columns}, attempts, last_error, error_history)
 SELECT {event_columns}, attempts + 1, final_error,
-       (CASE WHEN jsonb_array_length(d.error_history) >= 20 THEN d.error_history - 0 ELSE d.error_history END)
-       || jsonb_build_array(jsonb_build_object('at', now(), 'error', d.final_error))
+       {error_history(d.error_history, d.final_error)}
 FROM d
 ON CONFLICT (id) DO UPDATE SET
     payload = EXCLUDED.payload, headers = EXCLUDED.headers, exchange = EXCLUDED.exchange,

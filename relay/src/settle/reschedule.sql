@@ -7,8 +7,6 @@ UPDATE {schema}.outbox o
 SET attempts = o.attempts + 1,
     available_at = clock_timestamp() + f.delay_ms * interval '1 millisecond',
     last_error = f.error,
-    error_history =
-        (CASE WHEN jsonb_array_length(o.error_history) >= 20 THEN o.error_history - 0 ELSE o.error_history END)
-        || jsonb_build_array(jsonb_build_object('at', now(), 'error', f.error))
+    error_history = {error_history(o.error_history, f.error)}
 FROM unnest($1::uuid[], $2::bigint[], $3::text[]) AS f(id, delay_ms, error)
 WHERE o.id = f.id

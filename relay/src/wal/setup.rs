@@ -4,7 +4,8 @@
 //! ([`docs/WAL_CAPTURE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/WAL_CAPTURE.md)).
 
 use outbox::Ident;
-use sqlx::{AssertSqlSafe, PgPool};
+use outbox_core::sql::{Template, render};
+use sqlx::PgPool;
 
 use crate::error::{Error, Result};
 
@@ -27,10 +28,10 @@ pub struct WalSetUp {
 /// producer schema, or one migrated before version 11). Producers check
 /// this slot with every write, and relays read it.
 pub async fn recorded_wal_slot(pool: &PgPool, schema: &Ident) -> sqlx::Result<Option<String>> {
-    let recorded = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT slot FROM {}.outbox_wal_capture",
-        schema.quoted()
-    )))
+    let recorded = sqlx::query_scalar(render(
+        "SELECT slot FROM {schema}.outbox_wal_capture",
+        schema,
+    ))
     .fetch_optional(pool)
     .await;
     match recorded {
@@ -167,7 +168,7 @@ async fn create_publication(pool: &PgPool, slot: &str) -> Result<bool> {
     if !publication_exists {
         // An empty publication: the relay reads logical decoding messages
         // only, never table changes. The name is checked by the caller.
-        sqlx::query(AssertSqlSafe(format!("CREATE PUBLICATION \"{slot}\"")))
+        sqlx::query(publication("CREATE PUBLICATION {publication}", slot))
             .execute(pool)
             .await?;
     }
@@ -176,14 +177,10 @@ async fn create_publication(pool: &PgPool, slot: &str) -> Result<bool> {
 
 /// Records `slot` as the one `schema`'s capture reads.
 async fn record_slot(pool: &PgPool, schema: &Ident, slot: &str) -> Result<()> {
-    sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO {}.outbox_wal_capture (slot) VALUES ($1)
-         ON CONFLICT (singleton) DO UPDATE SET slot = EXCLUDED.slot",
-        schema.quoted()
-    )))
-    .bind(slot)
-    .execute(pool)
-    .await?;
+    sqlx::query(render(include_str!("record_slot.sql"), schema))
+        .bind(slot)
+        .execute(pool)
+        .await?;
     Ok(())
 }
 
@@ -204,18 +201,24 @@ pub async fn drop_wal_slot(pool: &PgPool, schema: &Ident) -> Result<bool> {
     .bind(&slot)
     .fetch_optional(pool)
     .await?;
-    sqlx::query(AssertSqlSafe(format!(
-        "DROP PUBLICATION IF EXISTS \"{slot}\""
-    )))
+    sqlx::query(publication(
+        "DROP PUBLICATION IF EXISTS {publication}",
+        &slot,
+    ))
     .execute(pool)
     .await?;
     if recorded.is_some() {
-        sqlx::query(AssertSqlSafe(format!(
-            "DELETE FROM {}.outbox_wal_capture",
-            schema.quoted()
-        )))
-        .execute(pool)
-        .await?;
+        sqlx::query(render("DELETE FROM {schema}.outbox_wal_capture", schema))
+            .execute(pool)
+            .await?;
     }
     Ok(dropped.is_some())
+}
+
+/// `template` with `{publication}` the publication of `slot` (its name: a
+/// name [`check_slot_name`] passed, or one recorded after it did).
+fn publication(template: &str, slot: &str) -> sqlx::SqlStr {
+    Template::unqualified(template)
+        .with("publication", format!("\"{slot}\""))
+        .render()
 }
