@@ -15,7 +15,8 @@
 #   stop-node N      stop node N gracefully
 #   start-node N     start node N again, wait until it runs in the cluster
 #   leader Q [VHOST] the node leading quorum queue Q (exit 2: no such queue or no leader)
-#   messages Q [VHOST] every message of queue Q: ready, unacked, and (quorum)
+#   messages Q...    every message of the queues Q (vhost $VHOST, default /), summed:
+#                    ready, unacked, and (quorum)
 #                    those waiting to be dead-lettered at-least-once
 set -euo pipefail
 
@@ -295,13 +296,13 @@ cmd_status() {
     done
 }
 
-cmd_messages() { # all messages of a queue: ready, unacked and those waiting to be dead-lettered
-    local q=$1 vhost=${2:-/} i
+cmd_messages() { # every message of the queues named (vhost $VHOST, default /): ready, unacked and those waiting to be dead-lettered, summed; one listing for all
+    local vhost=${VHOST:-/} i listed
     for i in 0 1 2; do
         node_up "$i" || continue
-        ctl "$i" -q list_queues -p "$vhost" name messages --formatter json |
-            jq -r --arg q "$q" '.[] | select(.name == $q) | .messages'
-        return 0
+        listed=$(ctl "$i" -q list_queues -p "$vhost" name messages --formatter json) || die "list_queues failed on ${NODES[$i]}"
+        jq -r --args '. as $l | [$ARGS.positional[] as $q | ($l[] | select(.name == $q) | .messages) // error("no queue \($q)")] | add' "$@" <<<"$listed"
+        return
     done
     die "no node of the cluster is running"
 }
@@ -348,7 +349,7 @@ status) cmd_status ;;
 kill) [ $# = 2 ] || die "usage: $0 kill N"; cmd_kill "$2" ;;
 stop-node) [ $# = 2 ] || die "usage: $0 stop-node N"; lock; stop_one "$(index_of "$2")" ;;
 start-node) [ $# = 2 ] || die "usage: $0 start-node N"; lock; cmd_start_node "$2" ;;
-messages) [ $# -ge 2 ] || die "usage: $0 messages QUEUE [VHOST]"; cmd_messages "$2" "${3:-/}" ;;
+messages) [ $# -ge 2 ] || die "usage: $0 messages QUEUE..."; shift; cmd_messages "$@" ;;
 leader) [ $# -ge 2 ] || die "usage: $0 leader QUEUE [VHOST]"; cmd_leader "$2" "${3:-/}" ;;
 *) die "usage: $0 [start|stop|reset|status|kill N|stop-node N|start-node N|leader QUEUE [VHOST]]" ;;
 esac

@@ -10,7 +10,7 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use tokio::sync::watch;
 
-use crate::{amqp_url, connect_any, depth, settled_depth, wait_until};
+use crate::{amqp_url, connect_any, depth, settled_depth, wait_until, wait_until_every};
 
 /// What a [`Collector`] received, keyed by message id.
 #[derive(Debug, Default)]
@@ -142,8 +142,10 @@ impl Tap {
                 // The tap consumes them as the queue gives them back.
                 self.resume();
                 let left = deadline.saturating_duration_since(Instant::now());
-                wait_until(
+                // A count may run `rabbitmqctl`: once a second.
+                wait_until_every(
                     left,
+                    Duration::from_secs(1),
                     &format!("{} to give back what it held", self.queue),
                     || async { uncounted().await == 0 },
                 )

@@ -28,4 +28,4 @@ pub use http::{HttpReply, http_get, post_json};
 pub use process::{KillOnDrop, ProcessLogs, freeze_mid_batch, kill_now, stop_child, wait_exit};
 pub use proxy::{Mode, Proxy};
 pub use relay::{RunningRelay, TestRelay};
-pub use wait::wait_until;
+pub use wait::{wait_until, wait_until_every};

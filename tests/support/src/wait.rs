@@ -12,7 +12,19 @@ const LAST_CHECK: Duration = Duration::from_secs(5);
 /// the wait at its deadline instead of hanging the test until the test
 /// runner kills it without a word. (A check begun near or after the
 /// deadline still gets 5 s to answer.)
-pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut check: F)
+pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    wait_until_every(timeout, Duration::from_millis(20), what, check).await;
+}
+
+/// [`wait_until`], polling every `every`: for a check that costs more
+/// than a round trip, such as one that runs `rabbitmqctl` (a VM boot,
+/// about 0.6 s of CPU a look: polled every 20 ms, a wait on it took a core
+/// from the tests beside it).
+pub async fn wait_until_every<F, Fut>(timeout: Duration, every: Duration, what: &str, mut check: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
@@ -31,7 +43,7 @@ where
             Instant::now() < deadline,
             "timed out after {timeout:?} waiting for {what}"
         );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(every).await;
     }
 }
 

@@ -108,11 +108,7 @@ impl Broker {
         let Some(cluster) = self.cluster() else {
             return on_one_node(queues).await;
         };
-        let mut n = 0;
-        for q in queues {
-            n += cluster.messages(q).await.unwrap_or(u64::MAX / 4);
-        }
-        n
+        cluster.messages_in(queues).await.unwrap_or(u64::MAX / 4)
     }
 
     /// Deletes `queues` and `exchanges`, then the consumer's queue and the

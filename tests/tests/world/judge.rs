@@ -105,17 +105,11 @@ impl World {
         let deadline = self.deadline;
         let retries = self.retry_queues();
         if let Some(cluster) = self.nodes.cluster() {
-            e2e::wait_until(
+            e2e::wait_until_every(
                 deadline,
+                Duration::from_secs(1),
                 &format!("{scenario}: the retry path to empty"),
-                || async {
-                    for q in &retries {
-                        if cluster.messages(q).await.ok() != Some(0) {
-                            return false;
-                        }
-                    }
-                    true
-                },
+                || async { cluster.messages_in(&retries).await.ok() == Some(0) },
             )
             .await;
         }
@@ -196,7 +190,8 @@ impl World {
                 eprintln!("{scenario}: after {SETTLE:?} the broker {what}; another round");
                 return false;
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            // Each count runs `rabbitmqctl` (a VM boot): once a second.
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
     }
 
