@@ -63,11 +63,21 @@ impl TestSchema {
     /// Creates a fresh schema in the database at `database_url` (a test
     /// database: `postgres://postgres@127.0.0.1:5432/test`).
     pub async fn create(database_url: &str) -> Result<Self> {
+        let name = format!("t_{}", &Uuid::new_v4().simple().to_string()[..16]);
+        Self::create_as(database_url, Ident::new("schema", &name)?).await
+    }
+
+    /// [`create`](Self::create), the name telling which test made it:
+    /// `t_<prefix>_<random>`, so a schema a failed run left behind says
+    /// where it came from. `prefix`: a-z, 0-9 and `_`, at most 40
+    /// characters.
+    pub async fn with_prefix(database_url: &str, prefix: &str) -> Result<Self> {
+        let name = format!("t_{prefix}_{}", &Uuid::new_v4().simple().to_string()[..12]);
+        Self::create_as(database_url, Ident::new("schema", &name)?).await
+    }
+
+    async fn create_as(database_url: &str, name: Ident) -> Result<Self> {
         let options: PgConnectOptions = database_url.parse()?;
-        let name = Ident::new(
-            "schema",
-            &format!("t_{}", &Uuid::new_v4().simple().to_string()[..16]),
-        )?;
         // The sessions are named after the schema, so the drop can end the
         // ones still open (a transaction a panicking test left behind
         // would hold its locks).

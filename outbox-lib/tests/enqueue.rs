@@ -20,7 +20,8 @@ async fn outbox(pool: &sqlx::PgPool, schema: &str) -> Outbox {
 
 #[tokio::test]
 async fn committed_event_has_every_contract_column() {
-    let (pool, schema) = migrated("commit").await;
+    let db = TestDb::producer("commit").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let outbox = outbox(&pool, &schema).await;
     let mut tx = pool.begin().await.unwrap();
     let event = NewEvent::new(
@@ -80,12 +81,13 @@ async fn committed_event_has_every_contract_column() {
     assert_eq!(row.get::<i32, _>("attempts"), 0);
     assert_eq!(row.get::<Option<String>, _>("last_error"), None);
     assert_eq!(row.get::<serde_json::Value, _>("error_history"), json!([]));
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn rolled_back_transaction_leaves_nothing() {
-    let (pool, schema) = migrated("rollback").await;
+    let db = TestDb::producer("rollback").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let outbox = outbox(&pool, &schema).await;
     let mut tx = pool.begin().await.unwrap();
     outbox
@@ -108,12 +110,13 @@ async fn rolled_back_transaction_leaves_nothing() {
             .unwrap();
     }
     assert_eq!(count(&pool, &schema, "outbox").await, 0);
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn enqueue_many_writes_a_thousand_events_in_one_statement() {
-    let (pool, schema) = migrated("many").await;
+    let db = TestDb::producer("many").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let outbox = outbox(&pool, &schema).await;
     let mut tx = pool.begin().await.unwrap();
     // A first statement, so the batch cannot be command 0 by accident.
@@ -141,12 +144,13 @@ async fn enqueue_many_writes_a_thousand_events_in_one_statement() {
     .await
     .unwrap();
     assert_eq!((rows, commands), (1000, 1));
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn deterministic_id_enqueued_twice_yields_one_event() {
-    let (pool, schema) = migrated("detid").await;
+    let db = TestDb::producer("detid").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let outbox = outbox(&pool, &schema).await;
     let make = |qty: i32| {
         NewEvent::new("payment", "p-9", "PaymentCaptured", &json!({"qty": qty}))
@@ -176,12 +180,13 @@ async fn deterministic_id_enqueued_twice_yields_one_event() {
     .await
     .unwrap();
     assert_eq!(payloads, vec![json!({"qty": 1})], "the first write wins");
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn bad_input_gets_a_typed_error_and_writes_nothing() {
-    let (pool, schema) = migrated("bad").await;
+    let db = TestDb::producer("bad").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let mut config = OutboxConfig::default();
     config.schema = schema.to_string();
     config.wakeup = Wakeup::PollOnly;
@@ -265,19 +270,20 @@ async fn bad_input_gets_a_typed_error_and_writes_nothing() {
         assert!(matches!(err, Error::InvalidIdentifier { .. }), "{err:?}");
     }
     assert_eq!(count(&pool, &schema, "outbox").await, 0);
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn migrating_twice_is_a_no_op() {
-    let pool = pool().await;
-    let schema = unique_schema("mig");
+    let db = TestDb::empty("mig").await;
+    let other_db = TestDb::empty("mig2").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let first = outbox::migrate(&pool, &schema).await.unwrap();
     assert_eq!(first, (1..=17).collect::<Vec<i32>>());
     let second = outbox::migrate(&pool, &schema).await.unwrap();
     assert!(second.is_empty());
     // Concurrent runs are serialised too.
-    let other = unique_schema("mig2");
+    let other = other_db.schema.clone();
     let (a, b) = tokio::join!(
         outbox::migrate(&pool, &other),
         outbox::migrate(&pool, &other)
@@ -285,14 +291,14 @@ async fn migrating_twice_is_a_no_op() {
     let mut applied = [a.unwrap(), b.unwrap()];
     applied.sort();
     assert_eq!(applied, [vec![], (1..=17).collect::<Vec<i32>>()]);
-    drop_schema(&pool, &schema).await;
-    drop_schema(&pool, &other).await;
+    db.cleanup().await;
+    other_db.cleanup().await;
 }
 
 #[tokio::test]
 async fn unmigrated_database_names_the_fix() {
-    let pool = pool().await;
-    let schema = unique_schema("nomig");
+    let db = TestDb::empty("nomig").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let err = Outbox::new(&pool, {
         let mut c = OutboxConfig::default();
         c.schema = schema.to_string();
@@ -310,11 +316,13 @@ async fn unmigrated_database_names_the_fix() {
     let message = err.to_string();
     assert!(message.contains("outbox-relay migrate"), "{message}");
     assert!(message.contains(&schema), "{message}");
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn wakeup_after_commit_notifies_listeners_outside_the_transaction() {
-    let (pool, schema) = migrated("wake").await;
+    let db = TestDb::producer("wake").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let outbox = Outbox::new(&pool, {
         let mut c = OutboxConfig::default();
         c.schema = schema.to_string();
@@ -346,12 +354,13 @@ async fn wakeup_after_commit_notifies_listeners_outside_the_transaction() {
         .expect("a wake-up within the deadline")
         .unwrap();
     assert_eq!(n.channel(), format!("outbox_{schema}"));
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn wakeup_in_transaction_notifies_on_commit_only() {
-    let (pool, schema) = migrated("wakeintx").await;
+    let db = TestDb::producer("wakeintx").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let mut config = OutboxConfig::default();
     config.schema = schema.to_string();
     config.wakeup = Wakeup::InTransaction;
@@ -384,13 +393,14 @@ async fn wakeup_in_transaction_notifies_on_commit_only() {
         .expect("a wake-up within the deadline")
         .unwrap();
     assert_eq!(n.channel(), format!("outbox_{schema}"));
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn a_plain_sql_insert_gets_the_documented_defaults() {
     // What a producer in another language does: only the required columns.
-    let (pool, schema) = migrated("rawsql").await;
+    let db = TestDb::producer("rawsql").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "INSERT INTO \"{schema}\".outbox (aggregate_type, aggregate_id, event_type, payload)
          VALUES ('order', 'o-1', 'OrderPlaced', '{{\"sku\":\"A-1\"}}')
@@ -424,5 +434,5 @@ async fn a_plain_sql_insert_gets_the_documented_defaults() {
         .unwrap_err();
         assert!(err.to_string().contains("check constraint"), "{err}");
     }
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }

@@ -57,7 +57,8 @@ async fn lock_waiters(pool: &PgPool, schema: &str) -> i64 {
 
 #[tokio::test]
 async fn claim_record_and_replay_in_one_transaction() {
-    let (pool, schema) = migrated("idem_atomic").await;
+    let db = TestDb::producer("idem_atomic").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let idem = idempotency(&pool, &schema, IdempotencyConfig::default()).await;
     let k = key("k-1");
     let mut tx = pool.begin().await.unwrap();
@@ -109,12 +110,13 @@ async fn claim_record_and_replay_in_one_transaction() {
     assert!(matches!(claim, Claim::Execute(_)));
     tx.rollback().await.unwrap();
     assert_eq!(count(&pool, &schema, "idempotency_keys").await, 1);
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn a_concurrent_claim_waits_for_the_first_then_replays() {
-    let (pool, schema) = migrated("idem_wait").await;
+    let db = TestDb::producer("idem_wait").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let idem = idempotency(&pool, &schema, IdempotencyConfig::default()).await;
     let mut first = pool.begin().await.unwrap();
     let Claim::Execute(claimed) = idem
@@ -151,12 +153,13 @@ async fn a_concurrent_claim_waits_for_the_first_then_replays() {
         Claim::Replay(r) => assert_eq!((r.status, r.body.as_slice()), (200, &b"done"[..])),
         other => panic!("expected a replay, got {other:?}"),
     }
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn past_the_wait_bound_or_with_no_wait_a_concurrent_claim_gets_in_use() {
-    let (pool, schema) = migrated("idem_busy").await;
+    let db = TestDb::producer("idem_busy").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let mut bounded = IdempotencyConfig::default();
     bounded.wait = Duration::from_millis(200);
     bounded.retry_after = Duration::from_secs(2);
@@ -207,12 +210,13 @@ async fn past_the_wait_bound_or_with_no_wait_a_concurrent_claim_gets_in_use() {
         .unwrap();
     assert_eq!(timeout, "0");
     first.rollback().await.unwrap();
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn a_rolled_back_or_killed_claim_leaves_nothing_behind() {
-    let (pool, schema) = migrated("idem_kill").await;
+    let db = TestDb::producer("idem_kill").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let idem = idempotency(&pool, &schema, IdempotencyConfig::default()).await;
     // Rolled back: no row, no lock.
     let mut tx = pool.begin().await.unwrap();
@@ -271,12 +275,13 @@ async fn a_rolled_back_or_killed_claim_leaves_nothing_behind() {
         other => panic!("{other:?}"),
     }
     tx.rollback().await.unwrap();
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn an_expired_key_counts_as_absent_and_cleanup_removes_it() {
-    let (pool, schema) = migrated("idem_ttl").await;
+    let db = TestDb::producer("idem_ttl").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let idem = idempotency(&pool, &schema, IdempotencyConfig::default()).await;
     for k in ["old", "fresh"] {
         let mut tx = pool.begin().await.unwrap();
@@ -345,12 +350,13 @@ async fn an_expired_key_counts_as_absent_and_cleanup_removes_it() {
         cleanup_idempotency_keys(&pool, "Bad-Schema").await,
         Err(Error::InvalidIdentifier { .. })
     ));
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn key_retention_under_a_held_horizon_walks_each_expired_entry_once() {
-    let (setup, schema) = migrated("idem_walk").await;
+    let db = TestDb::producer("idem_walk").await;
+    let (setup, schema) = (db.pool.clone(), db.schema.clone());
     const N: i64 = 10_000;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "INSERT INTO \"{schema}\".idempotency_keys (scope, key, fingerprint, expires_at)
@@ -395,12 +401,13 @@ async fn key_retention_under_a_held_horizon_walks_each_expired_entry_once() {
     .await
     .unwrap();
     assert_eq!(cleanup_idempotency_keys(&pool, &schema).await.unwrap(), 1);
-    drop_schema(&setup, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn two_phase_crash_after_the_external_call_resumes_with_the_same_downstream_key() {
-    let (pool, schema) = migrated("idem_2pc").await;
+    let db = TestDb::producer("idem_2pc").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     // The fake payment gateway dedups on the downstream key, like Stripe.
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE TABLE \"{schema}\".gateway_charges (downstream_key uuid PRIMARY KEY, amount int NOT NULL);
@@ -516,12 +523,13 @@ async fn two_phase_crash_after_the_external_call_resumes_with_the_same_downstrea
     .unwrap();
     assert_eq!(calls, 102, "two calls, one downstream key");
     assert_eq!(charges, 1, "charged once");
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn two_phase_release_lets_a_retry_resume_at_once() {
-    let (pool, schema) = migrated("idem_release").await;
+    let db = TestDb::producer("idem_release").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let idem = idempotency(&pool, &schema, IdempotencyConfig::default()).await;
     let k = key("k");
     let TwoPhaseStart::Run(mut run) = idem.begin_two_phase("s", &k, fp("a")).await.unwrap() else {
@@ -544,12 +552,13 @@ async fn two_phase_release_lets_a_retry_resume_at_once() {
     assert!(matches!(err, Error::IdempotencyKeyInUse { .. }), "{err:?}");
     tx.rollback().await.unwrap();
     idem.release(run).await.unwrap();
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn the_table_refuses_what_the_library_refuses() {
-    let (pool, schema) = migrated("idem_table").await;
+    let db = TestDb::producer("idem_table").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     for bad in [
         "('s', 'has space', decode(repeat('00', 32), 'hex'))",
         "('s', '', decode(repeat('00', 32), 'hex'))",
@@ -575,5 +584,5 @@ async fn the_table_refuses_what_the_library_refuses() {
         err.to_string().contains("check constraint"),
         "a completed row needs a response: {err}"
     );
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }

@@ -48,7 +48,8 @@ async fn rows(pool: &sqlx::PgPool, schema: &str) -> Vec<(String, String, i64, Op
 
 #[tokio::test]
 async fn ordered_types_are_numbered_per_aggregate_and_others_are_not() {
-    let (pool, schema) = migrated("ord_types").await;
+    let db = TestDb::producer("ord_types").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let outbox = outbox(&pool, &schema, OrderedAggregates::types(["order"])).await;
     let mut tx = pool.begin().await.unwrap();
     for n in 1..=3 {
@@ -73,12 +74,13 @@ async fn ordered_types_are_numbered_per_aggregate_and_others_are_not() {
             _ => assert_eq!(seq, None, "{t}/{a} is not ordered"),
         }
     }
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn enqueue_many_numbers_in_input_order_and_continues_the_sequence() {
-    let (pool, schema) = migrated("ord_many").await;
+    let db = TestDb::producer("ord_many").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let outbox = outbox(&pool, &schema, OrderedAggregates::All).await;
     let mut tx = pool.begin().await.unwrap();
     outbox
@@ -94,12 +96,13 @@ async fn enqueue_many_numbers_in_input_order_and_continues_the_sequence() {
     for (t, a, n, seq) in rows(&pool, &schema).await {
         assert_eq!(seq, Some(n), "{t}/{a} #{n}");
     }
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn a_repeated_id_takes_no_number_and_leaves_no_hole() {
-    let (pool, schema) = migrated("ord_dup").await;
+    let db = TestDb::producer("ord_dup").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let outbox = outbox(&pool, &schema, OrderedAggregates::All).await;
     let mut tx = pool.begin().await.unwrap();
     let first = event("order", "a", 1).id_from_key("k1");
@@ -134,12 +137,13 @@ async fn a_repeated_id_takes_no_number_and_leaves_no_hole() {
     .await
     .unwrap();
     assert_eq!(last, 5, "the counter has no hole either");
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn a_rolled_back_transaction_gives_its_numbers_back() {
-    let (pool, schema) = migrated("ord_rollback").await;
+    let db = TestDb::producer("ord_rollback").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let outbox = outbox(&pool, &schema, OrderedAggregates::All).await;
     let mut tx = pool.begin().await.unwrap();
     outbox
@@ -154,14 +158,15 @@ async fn a_rolled_back_transaction_gives_its_numbers_back() {
         .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(rows(&pool, &schema).await[0].3, Some(1));
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 /// Concurrent writers of one aggregate: numbers follow commit order, so a
 /// writer that holds its transaction open makes the other wait.
 #[tokio::test]
 async fn numbers_follow_commit_order_across_concurrent_writers() {
-    let (pool, schema) = migrated("ord_concurrent").await;
+    let db = TestDb::producer("ord_concurrent").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let outbox = outbox(&pool, &schema, OrderedAggregates::All).await;
     let writers = 8;
     let per_writer = 25;
@@ -243,12 +248,13 @@ async fn numbers_follow_commit_order_across_concurrent_writers() {
     .unwrap();
     let n = (writers * per_writer) as i64;
     assert_eq!(last, vec![(-1, Some(n + 1)), (-2, Some(n + 2))]);
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 #[tokio::test]
 async fn sql_producers_get_numbers_from_the_documented_function() {
-    let (pool, schema) = migrated("ord_sql").await;
+    let db = TestDb::producer("ord_sql").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let mut tx = pool.begin().await.unwrap();
     let last: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT \"{schema}\".outbox_next_seq('order', 'a', 2)"
@@ -287,7 +293,7 @@ async fn sql_producers_get_numbers_from_the_documented_function() {
     .execute(&pool)
     .await;
     assert!(dup.is_err(), "unique (aggregate, seq)");
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 /// The producer's side of an id that comes back: while its first copy is
@@ -299,7 +305,8 @@ async fn sql_producers_get_numbers_from_the_documented_function() {
 /// `an_id_that_comes_back_with_a_new_number_is_passed_over`).
 #[tokio::test]
 async fn an_id_enqueued_again_after_delivery_takes_the_next_number() {
-    let (pool, schema) = migrated("ord_again").await;
+    let db = TestDb::producer("ord_again").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     let outbox = outbox(&pool, &schema, OrderedAggregates::All).await;
     let again = || event("order", "a", 1).id_from_key("checkout-1");
     for _ in 0..2 {
@@ -332,7 +339,7 @@ async fn an_id_enqueued_again_after_delivery_takes_the_next_number() {
             ("order".into(), "a".into(), 2, Some(3))
         ]
     );
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }
 
 /// Ordering is the database's, not a handle's: two handles that differ
@@ -341,7 +348,8 @@ async fn an_id_enqueued_again_after_delivery_takes_the_next_number() {
 /// aggregate's next number; other types stay unordered.
 #[tokio::test]
 async fn every_writer_numbers_an_ordered_type_whatever_its_handle_says() {
-    let (pool, schema) = migrated("ord_every").await;
+    let db = TestDb::producer("ord_every").await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     // A handle that relies on an ordering the database lacks refuses to
     // start, naming the command.
     let refused = Outbox::new(&pool, {
@@ -429,5 +437,5 @@ async fn every_writer_numbers_an_ordered_type_whatever_its_handle_says() {
             .await
             .contains(&("order".into(), "b".into(), 1, None))
     );
-    drop_schema(&pool, &schema).await;
+    db.cleanup().await;
 }

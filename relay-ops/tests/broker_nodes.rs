@@ -5,7 +5,7 @@
 //! of the same broker serve as more working nodes, and port 1 as a dead
 //! one.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use e2e::{Collector, KillOnDrop, Proxy, TestBroker, TestDb, amqp_url, database_url, wait_until};
@@ -50,17 +50,10 @@ async fn proxy_node() -> (Proxy, String) {
 /// The relay binary started as a deployment starts it (its start-up
 /// broker check first), logging at info to `log`.
 fn relay_cmd(db: &TestDb, broker: &TestBroker, urls: &[String], log: &std::path::Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
-    c.env("DATABASE_URL", database_url())
-        .env("AMQP_URL", urls.join(","))
-        .env("OUTBOX_SCHEMA", &db.schema)
-        .env("OUTBOX_EXCHANGE", &broker.exchange)
-        .env("OUTBOX_DECLARE_EXCHANGE", "none")
-        .env("OUTBOX_POLL_INTERVAL", "100ms")
+    let mut c = e2e::relay_command(env!("CARGO_BIN_EXE_outbox-relay"), db, broker);
+    c.env("AMQP_URL", urls.join(","))
         .env("OUTBOX_BROKER_TIMEOUT", "2s")
         .env("RUST_LOG", "info")
-        .arg("run")
-        .stdout(Stdio::null())
         .stderr(std::fs::File::create(log).expect("log file"));
     c
 }

@@ -14,12 +14,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use e2e::{KillOnDrop, TestBroker, TestDb, amqp_url, database_url, http_get};
+use e2e::{KillOnDrop, TestBroker, TestDb, amqp_url, http_get};
 use lapin::options::QueueDeleteOptions;
 use lapin::types::FieldTable;
 use metrics_exporter_prometheus::PrometheusBuilder;
@@ -460,18 +460,10 @@ impl World {
 /// `/metrics` on `addr`.
 fn spawn_relay(db: &TestDb, broker: &TestBroker, addr: SocketAddr) -> KillOnDrop {
     KillOnDrop(
-        Command::new(BIN)
-            .env("DATABASE_URL", database_url())
-            .env("AMQP_URL", amqp_url())
-            .env("OUTBOX_SCHEMA", &db.schema)
-            .env("OUTBOX_EXCHANGE", &broker.exchange)
-            .env("OUTBOX_DECLARE_EXCHANGE", "none")
-            .env("OUTBOX_POLL_INTERVAL", "100ms")
+        e2e::relay_command(BIN, db, broker)
             .env("OUTBOX_CAPTURE", "wal")
             .env("OUTBOX_METRICS_ADDR", addr.to_string())
-            .env("RUST_LOG", "warn")
-            .arg("run")
-            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
             .spawn()
             .expect("outbox-relay starts"),
     )
@@ -565,10 +557,7 @@ impl Handler for Conditions {
 
 /// A free loopback port: bind, read it, release it.
 fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    SocketAddr::from(([127, 0, 0, 1], e2e::free_port()))
 }
 
 async fn scrape(addr: SocketAddr) -> String {

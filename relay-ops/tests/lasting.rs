@@ -35,31 +35,18 @@ struct RelayProcess {
 impl RelayProcess {
     fn start(db: &TestDb, broker: &TestBroker, database: &str, batch_size: usize) -> Self {
         let name = format!("lasting-{}", suffix());
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let metrics = format!("127.0.0.1:{port}");
+        let metrics = format!("127.0.0.1:{}", e2e::free_port());
         let log = std::env::temp_dir().join(format!("{name}.log"));
-        let mut c = Command::new(BIN);
+        let mut c = e2e::relay_command(BIN, db, broker);
         c.env("DATABASE_URL", database)
-            .env("AMQP_URL", amqp_url())
-            .env("OUTBOX_SCHEMA", &db.schema)
-            .env("OUTBOX_EXCHANGE", &broker.exchange)
-            .env("OUTBOX_DECLARE_EXCHANGE", "none")
-            .env("OUTBOX_POLL_INTERVAL", "100ms")
             .env("OUTBOX_BATCH_SIZE", batch_size.to_string())
             .env("OUTBOX_DATABASE_TIMEOUT", "3s")
             .env("OUTBOX_METRICS_ADDR", &metrics)
             .env("OUTBOX_RELAY_NAME", &name)
             .env("RUST_LOG", "warn,outbox_relay=info")
-            .arg("run")
-            .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap());
         if db.capture == Capture::Wal {
-            c.env("OUTBOX_CAPTURE", "wal")
-                .env("OUTBOX_WAL_SENDER_TIMEOUT", "3s");
+            c.env("OUTBOX_WAL_SENDER_TIMEOUT", "3s");
         }
         Self {
             child: KillOnDrop(c.spawn().unwrap()),

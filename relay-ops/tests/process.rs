@@ -5,9 +5,7 @@ use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use e2e::{
-    Collector, KillOnDrop, TestBroker, TestDb, amqp_url, database_url, http_get, wait_until,
-};
+use e2e::{Collector, KillOnDrop, TestBroker, TestDb, database_url, http_get, wait_until};
 use lapin::types::FieldTable;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -15,18 +13,7 @@ use nix::unistd::Pid;
 const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 
 fn relay_cmd(db: &TestDb, broker: &TestBroker) -> Command {
-    let mut c = Command::new(BIN);
-    c.env("DATABASE_URL", database_url())
-        .env("AMQP_URL", amqp_url())
-        .env("OUTBOX_SCHEMA", &db.schema)
-        .env("OUTBOX_EXCHANGE", &broker.exchange)
-        .env("OUTBOX_DECLARE_EXCHANGE", "none")
-        .env("OUTBOX_POLL_INTERVAL", "100ms")
-        .env("RUST_LOG", "warn")
-        .arg("run")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    c
+    e2e::relay_command(BIN, db, broker)
 }
 
 fn signal(child: &Child, sig: Signal) {
@@ -640,13 +627,7 @@ async fn metrics_health_and_readiness_are_served() {
     let broker = TestBroker::new("metrics", FieldTable::default()).await;
     let collector = Collector::start(&broker.queue);
     let ids = db.produce(300, 100, Duration::ZERO).await;
-    // A free port: bind, read it, release it.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = format!("127.0.0.1:{}", e2e::free_port());
     let mut child = e2e::KillOnDrop(
         relay_cmd(&db, &broker)
             .env("OUTBOX_METRICS_ADDR", &addr)

@@ -1,10 +1,11 @@
 //! Shared test harness: a fresh schema, queue and exchange per test, against
 //! the real Postgres and RabbitMQ.
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
 use std::future::Future;
 use std::time::Duration;
 
+use e2e::TestDb;
 use lapin::message::BasicGetMessage;
 use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions,
@@ -13,25 +14,18 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use outbox_consumer::{Consumer, ConsumerConfig, TopologyConfig};
-use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
-pub fn db_url() -> String {
-    std::env::var("TEST_DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
+pub use e2e::{amqp_url, database_url as db_url};
 
-pub fn amqp_url() -> String {
-    std::env::var("TEST_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-/// One test's world: its own schema, exchange and queues.
+/// One test's world: its own schema (`e2e::TestDb`), exchange and
+/// queues.
 pub struct Env {
+    db: TestDb,
     pub pool: PgPool,
     pub schema: String,
     pub amqp: Connection,
@@ -57,19 +51,14 @@ impl Env {
 
     async fn migrated(latest: bool) -> Env {
         let suffix = &uuid::Uuid::new_v4().simple().to_string()[..12];
-        let pool = PgPoolOptions::new()
-            .max_connections(4)
-            .connect(&db_url())
-            .await
-            .unwrap();
-        let schema = format!("t_c_{suffix}");
+        let db = TestDb::empty("c").await;
+        let (pool, schema) = (db.pool.clone(), db.schema.clone());
         if latest {
             outbox_consumer::migrate(&pool, &schema).await.unwrap();
         } else {
             let mut tx = pool.begin().await.unwrap();
             sqlx::raw_sql(AssertSqlSafe(format!(
-                "CREATE SCHEMA {schema};
-                 CREATE TABLE {schema}.outbox_toolkit_migrations (
+                "CREATE TABLE {schema}.outbox_toolkit_migrations (
                      migration_set text NOT NULL, version integer NOT NULL, name text NOT NULL,
                      applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (migration_set, version));
                  INSERT INTO {schema}.outbox_toolkit_migrations (migration_set, version, name)
@@ -106,6 +95,7 @@ impl Env {
         let exchange = format!("t_c_x_{suffix}");
         let queue = format!("t_c_q_{suffix}");
         let mut env = Env {
+            db,
             pool,
             schema,
             amqp,
@@ -258,31 +248,17 @@ impl Env {
                 .await;
         }
         let _ = self.amqp.close(200, "bye".into()).await;
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "DROP SCHEMA {} CASCADE",
-            self.schema
-        )))
-        .execute(&self.pool)
-        .await
-        .unwrap();
-        self.pool.close().await;
+        self.db.cleanup().await;
     }
 }
 
-/// Polls `cond` every 20 ms until it holds; panics after the deadline.
-pub async fn wait_until<F, Fut>(what: &str, mut cond: F)
+/// [`e2e::wait_until`] with the consumer tests' [`DEADLINE`].
+pub async fn wait_until<F, Fut>(what: &str, cond: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while !cond().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    e2e::wait_until(DEADLINE, what, cond).await;
 }
 
 /// A running consumer.

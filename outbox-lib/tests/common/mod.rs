@@ -1,47 +1,14 @@
-//! Per-test isolation: every test gets its own schema in the test database.
-#![allow(dead_code, unreachable_pub)]
+//! What the producer's tests add to the workspace's one harness (`e2e`):
+//! a schema per test is `e2e::TestDb`; here, reads of a schema's tables
+//! and its statistics.
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
+pub use e2e::{TestDb, database_url};
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
 
-pub fn database_url() -> String {
-    std::env::var("TEST_DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
-}
-
+/// A pool on the test database, outside any test's schema.
 pub async fn pool() -> PgPool {
-    pool_of(8).await
-}
-
-async fn pool_of(connections: u32) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(connections)
-        .connect(&database_url())
-        .await
-        .expect("test database reachable (run `make services`)")
-}
-
-/// A fresh schema name, unique per test run and test.
-pub fn unique_schema(prefix: &str) -> String {
-    let id = uuid::Uuid::new_v4().simple().to_string();
-    format!("t_{prefix}_{}", &id[..12])
-}
-
-/// A pool and a migrated schema of its own.
-pub async fn migrated(prefix: &str) -> (PgPool, String) {
-    let pool = pool().await;
-    let schema = unique_schema(prefix);
-    outbox::migrate(&pool, &schema).await.expect("migrate");
-    (pool, schema)
-}
-
-pub async fn drop_schema(pool: &PgPool, schema: &str) {
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"
-    )))
-    .execute(pool)
-    .await
-    .expect("drop schema");
+    e2e::pool("outbox-lib-test", 8).await
 }
 
 pub async fn count(pool: &PgPool, schema: &str, table: &str) -> i64 {
@@ -56,22 +23,14 @@ pub async fn count(pool: &PgPool, schema: &str, table: &str) -> i64 {
 /// A pool of one connection: every statement runs in the same backend, so
 /// its statistics can be flushed on demand ([`scans`]).
 pub async fn single_pool() -> PgPool {
-    pool_of(1).await
+    e2e::pool("outbox-lib-test-single", 1).await
 }
 
 /// A transaction on its own connection that has taken its snapshot: it
 /// holds the database's xmin horizon (no vacuum, no index-entry killing)
 /// until it is dropped.
 pub async fn hold_snapshot() -> sqlx::PgConnection {
-    use sqlx::Connection;
-    let mut conn = sqlx::PgConnection::connect(&database_url())
-        .await
-        .expect("connect");
-    sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
-        .execute(&mut conn)
-        .await
-        .expect("snapshot");
-    conn
+    e2e::hold_snapshot(&database_url().parse().expect("TEST_DATABASE_URL")).await
 }
 
 /// `table`'s sequential scans and the index entries its indexes returned,

@@ -178,7 +178,7 @@ async fn a_request_killed_mid_flight_leaves_a_key_the_retry_executes_once() {
     assert_eq!(h.executions(), 2);
     assert_eq!(h.count("orders").await, 1);
     assert_eq!(h.count("outbox").await, 1);
-    drop_schema(&h.pool, &h.schema).await;
+    h.db.clone().cleanup().await;
 }
 
 #[tokio::test]

@@ -262,6 +262,7 @@ impl tracing::Subscriber for Errors {
 }
 
 struct Harness {
+    db: TestDb,
     pool: PgPool,
     schema: String,
     addr: SocketAddr,
@@ -270,7 +271,8 @@ struct Harness {
 }
 
 async fn start(prefix: &str, config: IdempotencyConfig, hold: Duration) -> Harness {
-    let (pool, schema) = migrated(prefix).await;
+    let db = TestDb::producer(prefix).await;
+    let (pool, schema) = (db.pool.clone(), db.schema.clone());
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE TABLE \"{schema}\".orders (id text PRIMARY KEY, sku text NOT NULL, qty int NOT NULL)"
     )))
@@ -336,6 +338,7 @@ async fn start(prefix: &str, config: IdempotencyConfig, hold: Duration) -> Harne
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
     Harness {
+        db,
         pool,
         schema,
         addr,
@@ -412,7 +415,7 @@ impl Harness {
     }
 
     async fn finish(self) {
-        drop_schema(&self.pool, &self.schema).await;
+        self.db.cleanup().await;
     }
 }
 

@@ -35,7 +35,7 @@ async fn a_concurrent_request_past_the_wait_gets_409_with_retry_after() {
     assert_eq!(first.await.unwrap().status, 201);
     assert!(h.post("/orders", Some("k"), ORDER).await.replayed());
     assert_eq!(h.executions(), 1);
-    drop_schema(&h.pool, &h.schema).await;
+    h.db.clone().cleanup().await;
 }
 
 /// The small app of the pool test: a held idempotent route and a plain
@@ -73,7 +73,8 @@ async fn ping(State(app): State<Held>) -> StatusCode {
 /// one; once the first finishes, every copy gets its recorded response.
 #[tokio::test]
 async fn concurrent_duplicates_do_not_take_the_pool() {
-    let (setup, schema) = migrated("idem_pool").await;
+    let db = TestDb::producer("idem_pool").await;
+    let schema = db.schema.clone();
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(5)
         .acquire_timeout(Duration::from_secs(5))
@@ -126,7 +127,7 @@ async fn concurrent_duplicates_do_not_take_the_pool() {
     assert!(replies.iter().all(|r| r.status == 201), "{replies:?}");
     assert_eq!(replies.iter().filter(|r| r.replayed()).count(), 9);
     assert_eq!(app.executions.load(Ordering::SeqCst), 1);
-    drop_schema(&setup, &schema).await;
+    db.cleanup().await;
 }
 
 /// A handler that returns without `finish` cannot send its response: its

@@ -10,32 +10,15 @@ mod browser;
 #[allow(unused_imports)]
 pub(crate) use browser::Browser;
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::Duration;
 
-use e2e::{KillOnDrop, TestBroker, TestDb, amqp_url, database_url, wait_until};
+use e2e::{KillOnDrop, TestBroker, TestDb, database_url};
+pub(crate) use e2e::{free_port, wait_for_port};
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
 pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
-
-pub(crate) fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-pub(crate) async fn wait_for_port(port: u16, what: &str) {
-    wait_until(Duration::from_secs(30), what, || async move {
-        tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-    })
-    .await;
-}
 
 pub(crate) fn artifacts(dir: &str) -> PathBuf {
     let d = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -97,19 +80,9 @@ pub(crate) fn start_relay_with(
     broker: &TestBroker,
     settings: &[(&str, &str)],
 ) -> KillOnDrop {
-    let child = Command::new(BIN)
-        .env("DATABASE_URL", database_url())
-        .env("AMQP_URL", amqp_url())
-        .env("OUTBOX_SCHEMA", &db.schema)
-        .env("OUTBOX_EXCHANGE", &broker.exchange)
-        .env("OUTBOX_DECLARE_EXCHANGE", "none")
-        .env("OUTBOX_POLL_INTERVAL", "100ms")
+    let child = e2e::relay_command(BIN, db, broker)
         .env("OUTBOX_LEASE_TTL", "3s")
-        .env("RUST_LOG", "warn")
         .envs(settings.iter().copied())
-        .arg("run")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
         .spawn()
         .expect("relay");
     KillOnDrop(child)

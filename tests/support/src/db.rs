@@ -2,13 +2,14 @@
 //! replication slots, and row locks.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
 
-use crate::{database_url, suffix, wait_until};
+use outbox::testing::TestSchema;
+
+use crate::{database_url, wait_until};
 
 /// A pool on the test database whose sessions carry `application_name`
 /// (so a test can find and terminate exactly its own backends).
@@ -21,12 +22,16 @@ pub async fn pool(application_name: &str, max: u32) -> PgPool {
         .expect("test database reachable (run `make services`)")
 }
 
-/// A migrated producer schema of its own. It is dropped (with its slot)
-/// by [`TestDb::cleanup`], or when the last clone goes, a panicking test's
-/// included.
+/// A schema of its own ([`outbox::testing::TestSchema`], named
+/// `t_<prefix>_<random>`), migrated as a producer's unless made
+/// [`empty`](TestDb::empty). It is dropped (with its slot) by
+/// [`TestDb::cleanup`]; when the last clone goes without it (a panicking
+/// test), the schema goes with its `TestSchema` and a slot it had with its
+/// guard.
 #[derive(Debug, Clone)]
 pub struct TestDb {
-    /// Pool for the test's own queries.
+    /// Pool for the test's own queries (the schema first on its
+    /// `search_path`).
     pub pool: PgPool,
     /// The schema (`t_<prefix>_<random>`).
     pub schema: String,
@@ -34,23 +39,26 @@ pub struct TestDb {
     /// [`TestDb::producer_wal`]) a message in the write-ahead log.
     pub capture: outbox::Capture,
     /// Drops the schema when the last clone goes, unless cleaned up.
-    guard: Arc<DropGuard>,
+    owner: Arc<TestSchema>,
+    /// [`TestDb::producer_wal`]'s: drops the slot when the last clone
+    /// goes, unless cleaned up.
+    slot_guard: Option<Arc<SlotGuard>>,
 }
 
-/// What a [`TestDb`] leaves behind when its test ends without
-/// [`TestDb::cleanup`] (a panic, an early return).
+/// A schema's replication slot, dropped (with its publication) when the
+/// last [`TestDb`] clone goes without [`TestDb::cleanup`] (a panicking
+/// test): it would keep the server's WAL for ever.
 #[derive(Debug)]
-struct DropGuard {
-    schema: String,
-    cleaned: AtomicBool,
+struct SlotGuard {
+    slot: String,
 }
 
-impl Drop for DropGuard {
+impl Drop for SlotGuard {
     fn drop(&mut self) {
-        if self.cleaned.load(Ordering::Relaxed) {
+        let slot = std::mem::take(&mut self.slot);
+        if slot.is_empty() {
             return;
         }
-        let schema = self.schema.clone();
         // No runtime to await on here (and the test's may be the one
         // panicking): a thread with a runtime and a connection of its own.
         let dropped = std::thread::spawn(move || {
@@ -59,58 +67,48 @@ impl Drop for DropGuard {
                 .build()
                 .expect("a runtime for the cleanup");
             rt.block_on(async {
-                // Bounded: a panicking test's transaction may still hold a
-                // lock (its rollback never runs on the stopped runtime).
                 let options: PgConnectOptions = database_url().parse().expect("TEST_DATABASE_URL");
-                let options = options
-                    .application_name(&format!("cleanup-{schema}"))
-                    .options([("lock_timeout", "10s"), ("statement_timeout", "30s")]);
                 let Ok(pool) = PgPoolOptions::new()
                     .max_connections(1)
                     .acquire_timeout(Duration::from_secs(10))
-                    .connect_with(options)
+                    .connect_with(options.application_name(&format!("cleanup-{slot}")))
                     .await
                 else {
                     return;
                 };
-                drop_schema(&pool, &schema).await;
+                drop_slot(&pool, &slot).await;
                 pool.close().await;
             });
         })
         .join();
         if dropped.is_err() {
-            eprintln!("TestDb: schema {} not dropped", self.schema);
+            eprintln!("TestDb: a replication slot was not dropped");
         }
     }
 }
 
-/// Drops `schema`'s slot and publication (ending the session reading it),
-/// then the schema.
-async fn drop_schema(pool: &PgPool, schema: &str) {
-    drop_slot(pool, &format!("outbox_{schema}")).await;
-    let _ = sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"
-    )))
-    .execute(pool)
-    .await;
-}
-
 impl TestDb {
-    /// Creates and migrates a fresh schema.
-    pub async fn producer(prefix: &str) -> Self {
-        let schema = format!("t_{prefix}_{}", suffix());
-        let pool = pool(&format!("test-{schema}"), 8).await;
-        outbox::migrate(&pool, &schema).await.expect("migrate");
-        let guard = Arc::new(DropGuard {
-            schema: schema.clone(),
-            cleaned: AtomicBool::new(false),
-        });
+    /// A fresh schema with nothing in it.
+    pub async fn empty(prefix: &str) -> Self {
+        let owner = TestSchema::with_prefix(&database_url(), prefix)
+            .await
+            .expect("test database reachable (run `make services`)");
         Self {
-            pool,
-            schema,
+            pool: owner.pool().clone(),
+            schema: owner.name().to_owned(),
             capture: outbox::Capture::Table,
-            guard,
+            owner: Arc::new(owner),
+            slot_guard: None,
         }
+    }
+
+    /// A fresh schema, migrated as a producer's.
+    pub async fn producer(prefix: &str) -> Self {
+        let db = Self::empty(prefix).await;
+        outbox::migrate(&db.pool, &db.schema)
+            .await
+            .expect("migrate");
+        db
     }
 
     /// A migrated schema with its write-ahead-log capture set up (what
@@ -124,6 +122,7 @@ impl TestDb {
         db.capture = outbox::Capture::Wal;
         drop_orphan_slots(&db.pool).await;
         let slot = db.slot();
+        db.slot_guard = Some(Arc::new(SlotGuard { slot: slot.clone() }));
         sqlx::raw_sql(AssertSqlSafe(format!("CREATE PUBLICATION \"{slot}\"")))
             .execute(&db.pool)
             .await
@@ -283,8 +282,30 @@ impl TestDb {
     /// Drops the schema, and its slot and publication if it has them
     /// (ending a session still reading the slot).
     pub async fn cleanup(self) {
-        drop_schema(&self.pool, &self.schema).await;
-        self.guard.cleaned.store(true, Ordering::Relaxed);
+        drop_slot(&self.pool, &self.slot()).await;
+        if let Some(Ok(mut guard)) = self.slot_guard.map(Arc::try_unwrap) {
+            guard.slot.clear();
+        }
+        match Arc::try_unwrap(self.owner) {
+            Ok(owner) => {
+                if let Err(e) = owner.cleanup().await {
+                    eprintln!("TestDb: schema {} not dropped: {e}", self.schema);
+                }
+            }
+            // A clone lives on (a producer task, say): dropped now all
+            // the same (its `TestSchema`'s drop finds nothing left).
+            Err(shared) => {
+                let dropped = sqlx::raw_sql(AssertSqlSafe(format!(
+                    "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+                    shared.name()
+                )))
+                .execute(shared.pool())
+                .await;
+                if let Err(e) = dropped {
+                    eprintln!("TestDb: schema {} not dropped: {e}", self.schema);
+                }
+            }
+        }
     }
 }
 

@@ -4,6 +4,8 @@
 
 pub mod cluster;
 pub mod service;
+
+pub use service::free_port;
 pub mod wal;
 
 mod assert;
@@ -25,7 +27,10 @@ pub use db::{TestDb, drop_orphan_slots, drop_slot, hold_snapshot, locked_rows, p
 pub use effect::RecordEffect;
 pub use env::{amqp_url, database_url, suffix};
 pub use http::{HttpReply, http_get, post_json};
-pub use process::{KillOnDrop, ProcessLogs, freeze_mid_batch, kill_now, stop_child, wait_exit};
+pub use process::{
+    KillOnDrop, ProcessLogs, freeze_mid_batch, kill_now, relay_command, stop_child, wait_exit,
+    wait_for_port,
+};
 pub use proxy::{Mode, Proxy};
 pub use relay::{RunningRelay, TestRelay};
 pub use wait::{wait_until, wait_until_every};

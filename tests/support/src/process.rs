@@ -161,3 +161,42 @@ impl Drop for ProcessLogs {
         }
     }
 }
+
+/// `outbox-relay run` (the binary at `bin`: a test of the package that
+/// builds it passes `env!("CARGO_BIN_EXE_outbox-relay")`) publishing
+/// `db`'s outbox to `broker`'s exchange, which it does not declare,
+/// polling every 100 ms, with `db`'s capture; its output discarded and
+/// its log at `warn`. Set more with `.env(..)`; spawn it into a
+/// [`KillOnDrop`].
+pub fn relay_command(
+    bin: &str,
+    db: &crate::TestDb,
+    broker: &crate::TestBroker,
+) -> std::process::Command {
+    use std::process::Stdio;
+    let mut c = std::process::Command::new(bin);
+    c.env("DATABASE_URL", crate::database_url())
+        .env("AMQP_URL", crate::amqp_url())
+        .env("OUTBOX_SCHEMA", &db.schema)
+        .env("OUTBOX_EXCHANGE", &broker.exchange)
+        .env("OUTBOX_DECLARE_EXCHANGE", "none")
+        .env("OUTBOX_POLL_INTERVAL", "100ms")
+        .env("RUST_LOG", "warn")
+        .arg("run")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    if db.capture == outbox::Capture::Wal {
+        c.env("OUTBOX_CAPTURE", "wal");
+    }
+    c
+}
+
+/// Waits until something accepts connections on loopback `port`.
+pub async fn wait_for_port(port: u16, what: &str) {
+    wait_until(Duration::from_secs(30), what, || async move {
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+    })
+    .await;
+}
