@@ -1,11 +1,9 @@
 //! Time bounds: a handler that never returns cannot stall its consumer, nor
 //! another instance on the same queue waiting behind its locks.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{Env, Running, id, wait_until};
+use e2e::consumer::{Env, Running, id, wait_until};
 use lapin::types::AMQPValue;
 use outbox_consumer::{Consumer, Event, Handler, Outcome};
 use sqlx::{AssertSqlSafe, PgConnection};

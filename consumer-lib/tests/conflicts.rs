@@ -4,12 +4,10 @@
 //! through the retry queue, not counted against `max_retries` or
 //! `max_batch_attempts`.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{Env, Running, id, wait_until};
+use e2e::consumer::{Env, Running, id, wait_until};
 use outbox_consumer::{
     BatchHandler, BatchOutcome, Consumer, ConsumerStats, Event, Handler, Outcome,
 };
@@ -190,11 +188,11 @@ async fn a_batch_handlers_deadlock_reruns_the_batch_instead_of_retrying_its_even
 }
 
 /// A serialization failure of one of the library's own statements (the
-/// inbox claim, failed once by a trigger): the batch runs again at once,
+/// inbox's record of the keys, failed once by a trigger): the batch runs again at once,
 /// not after a backoff counted against `max_batch_attempts` (here 1: a
 /// counted failure would split the batch).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_serialization_failure_of_the_inbox_claim_reruns_the_batch_at_once() {
+async fn a_serialization_failure_of_the_inbox_record_reruns_the_batch_at_once() {
     struct Effect {
         sql: String,
         calls: Arc<Calls>,

@@ -1,11 +1,9 @@
 //! The core guarantee: one effect per event id and consumer name, whatever
 //! the duplicates, races and crashes.
 
-mod common;
-
 use std::time::Instant;
 
-use common::{Env, Running, id, wait_until};
+use e2e::consumer::{Env, Running, id, wait_until};
 use outbox_consumer::{BatchHandler, BatchOutcome, Consumer, Event, Handler, Outcome};
 use rand::Rng as _;
 use rand::seq::SliceRandom as _;
@@ -284,7 +282,7 @@ async fn ack_lost_after_commit_redelivery_is_a_duplicate() {
     env.publish(Some(&id()), "{}").await;
     // Inside the handler, before COMMIT: the link goes silent, then the
     // batch commits and its ack vanishes.
-    tokio::time::timeout(common::DEADLINE, gate.entered.notified())
+    tokio::time::timeout(e2e::consumer::DEADLINE, gate.entered.notified())
         .await
         .expect("the handler ran");
     proxy.set(e2e::Mode::Blackhole);

@@ -1,8 +1,6 @@
 //! The version-check helper (retention: `retention.rs`).
 
-mod common;
-
-use common::Env;
+use e2e::consumer::Env;
 use outbox_consumer::apply_if_newer;
 use sqlx::AssertSqlSafe;
 

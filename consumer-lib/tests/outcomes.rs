@@ -1,13 +1,11 @@
 //! Retry, reject and poison: every outcome ends acked and accounted for,
 //! and the consumer keeps running.
 
-mod common;
-
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{Env, Running, id, wait_until};
+use e2e::consumer::{Env, Running, id, wait_until};
 use lapin::types::AMQPValue;
 use outbox_consumer::{Consumer, DedupKey, Event, Handler, Outcome};
 use sqlx::{AssertSqlSafe, PgConnection};

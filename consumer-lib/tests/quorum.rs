@@ -2,13 +2,11 @@
 //! coming back ends in the dead-letter queue, and a queue declared
 //! otherwise before gives one clear error.
 
-mod common;
-
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{DEADLINE, Env, Running, wait_until};
+use e2e::consumer::{DEADLINE, Env, Running, wait_until};
 use lapin::options::{BasicGetOptions, BasicNackOptions};
 use lapin::types::AMQPValue;
 use outbox_consumer::{
@@ -79,7 +77,9 @@ async fn retries_expiring_into_a_full_work_queue(
     let expired_by = r.retry_ten().await;
     assert_eq!(depth(&r.env, &r.queue).await, 0);
     // Fill the work queue to its bound before any retry expires.
-    let fillers: Vec<String> = (0..20).map(|i| format!("f-{i}-{}", common::id())).collect();
+    let fillers: Vec<String> = (0..20)
+        .map(|i| format!("f-{i}-{}", e2e::consumer::id()))
+        .collect();
     publish(&r.env, &fillers, "full.filler").await;
     assert!(
         tokio::time::Instant::now() < expired_by,
@@ -153,7 +153,9 @@ impl RetryPath {
     /// stopped. Returns when the last retry expires at the latest.
     async fn retry_ten(&self) -> tokio::time::Instant {
         let running = self.consumer();
-        let ids: Vec<String> = (0..10).map(|i| format!("r-{i}-{}", common::id())).collect();
+        let ids: Vec<String> = (0..10)
+            .map(|i| format!("r-{i}-{}", e2e::consumer::id()))
+            .collect();
         publish(&self.env, &ids, &format!("{}.retried", self.key)).await;
         wait_until("every event sent to the retry queue", || async {
             running.consumer.stats().retried == 10
@@ -346,7 +348,7 @@ async fn a_message_that_keeps_coming_back_ends_in_the_dead_letter_queue() {
     topology.delivery_limit = 3;
     declare_topology(&env.amqp, &topology).await.unwrap();
     env.delete_on_teardown(&queue);
-    let poison = format!("p-{}", common::id());
+    let poison = format!("p-{}", e2e::consumer::id());
     publish(&env, std::slice::from_ref(&poison), "limit.x").await;
     // Delivered and returned unacked until the broker gives up on it.
     let mut deliveries = 0;
@@ -398,7 +400,7 @@ async fn a_message_that_keeps_coming_back_ends_in_the_dead_letter_queue() {
     assert_eq!(reason, "delivery_limit");
 
     // The consumer reads how often a message came back.
-    let second = format!("s-{}", common::id());
+    let second = format!("s-{}", e2e::consumer::id());
     publish(&env, std::slice::from_ref(&second), "limit.x").await;
     for _ in 0..2 {
         let got = loop {
@@ -445,7 +447,7 @@ async fn a_queue_of_another_type_is_one_clear_error() {
     declare_topology(&env.amqp, &classic).await.unwrap();
     env.delete_on_teardown(&queue);
     // The helper's channel closed with the error; a fresh connection.
-    let conn = lapin::Connection::connect(&common::amqp_url(), Default::default())
+    let conn = lapin::Connection::connect(&e2e::consumer::amqp_url(), Default::default())
         .await
         .unwrap();
     let e = declare_topology(&conn, &TopologyConfig::new(&queue, &env.exchange, "old.#"))

@@ -2,12 +2,10 @@
 //! most 1,000 rows, parked copies holding it back, and the live migration
 //! from the inbox of the release before.
 
-mod common;
-
 use std::time::Duration;
 
 use chrono::{DateTime, Days, Utc};
-use common::{Env, Running, id, wait_until};
+use e2e::consumer::{Env, Running, id, wait_until};
 use outbox_consumer::{
     Consumer, DEFAULT_RETENTION, Event, Handler, Outcome, RetentionTask, cleanup_inbox,
     inbox_retention,
@@ -187,27 +185,6 @@ async fn retention_drops_days_past_the_window_whole_and_deletes_the_rest_in_smal
     env.teardown().await;
 }
 
-/// `table`'s sequential scans and the index entries its indexes returned,
-/// after `pool`'s one backend has flushed its statistics.
-async fn scans(pool: &sqlx::PgPool, schema: &str, table: &str) -> (i64, i64) {
-    // The flush happens when the backend goes idle after this statement;
-    // the next statement on the same backend starts after it.
-    sqlx::query("SELECT pg_stat_force_next_flush()")
-        .execute(pool)
-        .await
-        .unwrap();
-    sqlx::query_as(
-        "SELECT t.seq_scan, coalesce(sum(i.idx_tup_read), 0)::bigint
-         FROM pg_stat_user_tables t LEFT JOIN pg_stat_user_indexes i ON i.relid = t.relid
-         WHERE t.schemaname = $1 AND t.relname = $2 GROUP BY t.seq_scan",
-    )
-    .bind(schema)
-    .bind(table)
-    .fetch_one(pool)
-    .await
-    .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunked_retention_under_a_held_horizon_walks_each_record_once() {
     use sqlx::Connection;
@@ -226,7 +203,7 @@ async fn chunked_retention_under_a_held_horizon_walks_each_record_once() {
     // A long report holds the horizon: no entry of a deleted record can be
     // removed or marked dead, so a chunk that starts at the oldest entry
     // walks every earlier chunk's records again.
-    let mut report = sqlx::PgConnection::connect(&common::db_url())
+    let mut report = sqlx::PgConnection::connect(&e2e::consumer::db_url())
         .await
         .unwrap();
     sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
@@ -235,14 +212,14 @@ async fn chunked_retention_under_a_held_horizon_walks_each_record_once() {
         .unwrap();
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
-        .connect(&common::db_url())
+        .connect(&e2e::consumer::db_url())
         .await
         .unwrap();
-    let before = scans(&pool, &env.schema, "inbox_untimed").await;
+    let before = e2e::scans(&pool, &env.schema, "inbox_untimed").await;
     let done = inbox_retention(&pool, &env.schema, None, DEFAULT_RETENTION)
         .await
         .unwrap();
-    let after = scans(&pool, &env.schema, "inbox_untimed").await;
+    let after = e2e::scans(&pool, &env.schema, "inbox_untimed").await;
     drop(report);
     assert_eq!(done.rows_deleted, N as u64);
     assert_eq!(after.0, before.0, "no sequential scan of the records");

@@ -1,9 +1,7 @@
 //! Supervision: the consumer waits out a missing queue (or a broker that
 //! is away) with backoff and resumes by itself.
 
-mod common;
-
-use common::{Env, Running, id, wait_until};
+use e2e::consumer::{Env, Running, id, wait_until};
 use outbox_consumer::{Consumer, Error, Event, Handler, Outcome};
 use sqlx::PgConnection;
 
@@ -117,7 +115,7 @@ async fn disruptive_broker_restart_is_survived_without_help() {
     assert!(restarted, "rabbitmqctl could not restart the broker");
     // Publish more after the restart, on a fresh connection.
     let after_env = {
-        let conn = lapin::Connection::connect(&common::amqp_url(), Default::default())
+        let conn = lapin::Connection::connect(&e2e::consumer::amqp_url(), Default::default())
             .await
             .unwrap();
         let ch = conn.create_channel().await.unwrap();
@@ -168,8 +166,8 @@ async fn disruptive_broker_restart_is_survived_without_help() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_end_run_with_an_error_instead_of_retrying() {
     let env = Env::new().await;
-    let wrong_password = common::amqp_url().replace("guest:guest", "guest:S3cret-wrong");
-    let no_vhost = common::amqp_url().replace("%2f", "no-such-vhost");
+    let wrong_password = e2e::consumer::amqp_url().replace("guest:guest", "guest:S3cret-wrong");
+    let no_vhost = e2e::consumer::amqp_url().replace("%2f", "no-such-vhost");
     // <queue>.retry exists already as a plain queue without the retry
     // arguments the consumer declares.
     let clash = format!("{}_clash", env.queue);
@@ -188,7 +186,11 @@ async fn refusals_end_run_with_an_error_instead_of_retrying() {
     for (what, url, queue) in [
         ("a refused login", wrong_password, env.queue.clone()),
         ("a missing vhost", no_vhost, env.queue.clone()),
-        ("a conflicting declaration", common::amqp_url(), clash),
+        (
+            "a conflicting declaration",
+            e2e::consumer::amqp_url(),
+            clash,
+        ),
     ] {
         let mut cfg = env.config("svc");
         cfg.amqp_url = url.into();

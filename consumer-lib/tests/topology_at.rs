@@ -3,9 +3,7 @@
 //! that answers declares, as the consumer connects; a malformed URL is
 //! refused before anything connects, and never quoted.
 
-mod common;
-
-use common::{Env, amqp_url};
+use e2e::consumer::{Env, amqp_url};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use outbox_consumer::{

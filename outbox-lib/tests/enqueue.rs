@@ -1,8 +1,6 @@
 //! The write side against a real PostgreSQL.
 
-mod common;
-
-use common::*;
+use e2e::TestDb;
 use outbox::{Error, NewEvent, Outbox, OutboxConfig, Wakeup};
 use serde_json::json;
 use sqlx::Row;
@@ -109,7 +107,7 @@ async fn rolled_back_transaction_leaves_nothing() {
             .await
             .unwrap();
     }
-    assert_eq!(count(&pool, &schema, "outbox").await, 0);
+    assert_eq!(db.count("outbox").await, 0);
     db.cleanup().await;
 }
 
@@ -269,7 +267,7 @@ async fn bad_input_gets_a_typed_error_and_writes_nothing() {
         let err = outbox::migrate(&pool, bad_schema).await.unwrap_err();
         assert!(matches!(err, Error::InvalidIdentifier { .. }), "{err:?}");
     }
-    assert_eq!(count(&pool, &schema, "outbox").await, 0);
+    assert_eq!(db.count("outbox").await, 0);
     db.cleanup().await;
 }
 

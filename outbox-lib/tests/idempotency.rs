@@ -4,11 +4,9 @@
     reason = "`&mut *tx` is the documented way to pass a transaction"
 )]
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use e2e::{TestDb, database_url};
 use outbox::Error;
 use outbox::idempotency::{
     Claim, Fingerprint, Idempotency, IdempotencyConfig, IdempotencyKey, RECOVERY_POINT_STARTED,
@@ -109,7 +107,7 @@ async fn claim_record_and_replay_in_one_transaction() {
         .unwrap();
     assert!(matches!(claim, Claim::Execute(_)));
     tx.rollback().await.unwrap();
-    assert_eq!(count(&pool, &schema, "idempotency_keys").await, 1);
+    assert_eq!(db.count("idempotency_keys").await, 1);
     db.cleanup().await;
 }
 
@@ -223,7 +221,7 @@ async fn a_rolled_back_or_killed_claim_leaves_nothing_behind() {
     let claim = idem.claim(&mut *tx, "s", &key("k"), fp("a")).await.unwrap();
     assert!(matches!(claim, Claim::Execute(_)));
     tx.rollback().await.unwrap();
-    assert_eq!(count(&pool, &schema, "idempotency_keys").await, 0);
+    assert_eq!(db.count("idempotency_keys").await, 0);
 
     // Killed mid-request while a retry waits: the retry takes over at once.
     let mut doomed = pool.begin().await.unwrap();
@@ -318,7 +316,7 @@ async fn an_expired_key_counts_as_absent_and_cleanup_removes_it() {
 
     assert_eq!(cleanup_idempotency_keys(&pool, &schema).await.unwrap(), 1);
     assert_eq!(cleanup_idempotency_keys(&pool, &schema).await.unwrap(), 0);
-    assert_eq!(count(&pool, &schema, "idempotency_keys").await, 1);
+    assert_eq!(db.count("idempotency_keys").await, 1);
     // At volume: never a DELETE of more than 1,000 rows (each statement's
     // rows counted by a trigger).
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
@@ -345,7 +343,7 @@ async fn an_expired_key_counts_as_absent_and_cleanup_removes_it() {
     .await
     .unwrap();
     assert!(largest <= 1_000, "a DELETE of {largest} rows");
-    assert_eq!(count(&pool, &schema, "idempotency_keys").await, 1);
+    assert_eq!(db.count("idempotency_keys").await, 1);
     assert!(matches!(
         cleanup_idempotency_keys(&pool, "Bad-Schema").await,
         Err(Error::InvalidIdentifier { .. })
@@ -375,14 +373,14 @@ async fn key_retention_under_a_held_horizon_walks_each_expired_entry_once() {
     // A long report: while it runs no entry of a deleted row can be
     // removed or marked dead, so a chunk that starts at the oldest entry
     // walks every earlier chunk's rows again.
-    let report = hold_snapshot().await;
-    let pool = single_pool().await;
-    let before = scans(&pool, &schema, "idempotency_keys").await;
+    let report = e2e::hold_snapshot(&database_url().parse().unwrap()).await;
+    let pool = e2e::pool("single", 1).await;
+    let before = e2e::scans(&pool, &schema, "idempotency_keys").await;
     assert_eq!(
         cleanup_idempotency_keys(&pool, &schema).await.unwrap(),
         N as u64
     );
-    let after = scans(&pool, &schema, "idempotency_keys").await;
+    let after = e2e::scans(&pool, &schema, "idempotency_keys").await;
     drop(report);
     assert_eq!(after.0, before.0, "no sequential scan of the keys");
     let walked = after.1 - before.1;

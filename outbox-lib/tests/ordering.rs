@@ -1,11 +1,9 @@
 //! Per-aggregate sequence numbers on the write side, against a real
 //! PostgreSQL.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use e2e::TestDb;
 use outbox::{NewEvent, OrderedAggregates, Outbox, OutboxConfig, Wakeup};
 use serde_json::json;
 

@@ -2,8 +2,6 @@
 //! dropped (by `cleanup`, and by `Drop` even behind an open transaction),
 //! and the events a transaction enqueued, read back.
 
-mod common;
-
 use outbox::testing::{TestSchema, enqueued};
 use outbox::{NewEvent, Outbox, OutboxConfig};
 use sqlx::PgPool;
@@ -18,8 +16,8 @@ async fn schema_exists(pool: &PgPool, name: &str) -> bool {
 
 #[tokio::test]
 async fn a_test_schema_is_first_on_the_search_path_and_dropped_by_cleanup() {
-    let outside = common::pool().await;
-    let db = TestSchema::create(&common::database_url()).await.unwrap();
+    let outside = e2e::pool("outbox-lib-test", 8).await;
+    let db = TestSchema::create(&e2e::database_url()).await.unwrap();
     let name = db.name().to_owned();
     assert!(name.starts_with("t_"), "{name}");
     assert!(schema_exists(&outside, &name).await);
@@ -40,8 +38,8 @@ async fn a_test_schema_is_first_on_the_search_path_and_dropped_by_cleanup() {
 
 #[tokio::test]
 async fn a_dropped_test_schema_goes_even_behind_an_open_transaction() {
-    let outside = common::pool().await;
-    let db = TestSchema::create(&common::database_url()).await.unwrap();
+    let outside = e2e::pool("outbox-lib-test", 8).await;
+    let db = TestSchema::create(&e2e::database_url()).await.unwrap();
     let name = db.name().to_owned();
     sqlx::query("CREATE TABLE things (id int)")
         .execute(db.pool())
@@ -61,7 +59,7 @@ async fn a_dropped_test_schema_goes_even_behind_an_open_transaction() {
 
 #[tokio::test]
 async fn enqueued_reads_what_a_transaction_wrote_and_nothing_it_rolled_back() {
-    let db = TestSchema::create(&common::database_url()).await.unwrap();
+    let db = TestSchema::create(&e2e::database_url()).await.unwrap();
     outbox::migrate(db.pool(), db.name()).await.unwrap();
     let mut config = OutboxConfig::default();
     config.schema = db.name().to_owned();

@@ -11,9 +11,8 @@ use lapin::types::FieldTable;
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
-mod console_support;
-
-use console_support::*;
+use e2e::browser::Browser;
+use e2e::console::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_overview_shows_the_outbox_with_real_numbers() {

@@ -11,9 +11,8 @@ use e2e::{TestDb, wait_until};
 use lapin::BasicProperties;
 use uuid::Uuid;
 
-mod console_support;
-
-use console_support::*;
+use e2e::browser::Browser;
+use e2e::console::*;
 
 #[path = "console_consumers/world.rs"]
 mod world;

@@ -5,9 +5,8 @@
 
 use e2e::TestDb;
 
-mod console_support;
-
-use console_support::*;
+use e2e::browser::Browser;
+use e2e::console::*;
 
 /// On the Failures page: the first row of breakdown `table` is `key` with
 /// `n` dead letters; its link lands on the Dead letters page counting `n`

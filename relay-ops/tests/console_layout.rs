@@ -9,9 +9,8 @@ use e2e::TestDb;
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
-mod console_support;
-
-use console_support::*;
+use e2e::browser::Browser;
+use e2e::console::*;
 
 /// A legal aggregate id of 5,000 characters.
 fn long_id() -> String {

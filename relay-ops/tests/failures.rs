@@ -9,9 +9,9 @@ use e2e::{TestDb, database_url};
 use outbox_relay_ops::admin::{self, Exchange, Failures, Filter, Selection};
 use sqlx::AssertSqlSafe;
 
-mod console_support;
+use e2e::console::*;
 
-use console_support::*;
+const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 
 #[tokio::test]
 async fn error_classes_replace_ids_quoted_values_hex_and_numbers() {

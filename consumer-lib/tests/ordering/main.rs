@@ -5,8 +5,6 @@
 //! effects read back); `sequence.rs` applies sequences, `partitions.rs`
 //! routes aggregates to partition queues.
 
-#[path = "../common/mod.rs"]
-mod common;
 mod partitions;
 mod sequence;
 
@@ -14,7 +12,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use common::{Env, Running, amqp_url, db_url, id, wait_until};
+use e2e::consumer::{Env, Running, amqp_url, db_url, id, wait_until};
 use futures_util::StreamExt as _;
 use lapin::options::{
     BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions, QueueDeclareOptions,

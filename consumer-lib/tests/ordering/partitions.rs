@@ -105,7 +105,7 @@ async fn partitions_keep_each_aggregate_on_one_queue_in_publish_order() {
     }
     // Drain: per queue, (aggregate, publish number) in queue order.
     let mut drained: Vec<Vec<(String, u64)>> = vec![Vec::new(); queues.len()];
-    let deadline = tokio::time::Instant::now() + common::DEADLINE;
+    let deadline = tokio::time::Instant::now() + e2e::consumer::DEADLINE;
     while drained.iter().map(Vec::len).sum::<usize>() < 400 {
         let mut got = false;
         for (q, into) in queues.iter().zip(&mut drained) {
@@ -184,7 +184,7 @@ async fn partitions_keep_each_aggregate_on_one_queue_in_publish_order() {
     let mut received = 0;
     while received < 20 {
         // Without single active consumer, half would go to the second.
-        tokio::time::timeout(common::DEADLINE, streams[0].next())
+        tokio::time::timeout(e2e::consumer::DEADLINE, streams[0].next())
             .await
             .expect("the first consumer received everything")
             .unwrap()

@@ -6,8 +6,6 @@
 //! handlers that do not finish, requests their extractors refuse).
 #![cfg(feature = "axum")]
 
-#[path = "../common/mod.rs"]
-mod common;
 mod keys;
 mod rejections;
 
@@ -22,7 +20,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use common::*;
+use e2e::{TestDb, database_url};
 use outbox::idempotency::{Idempotency, IdempotencyConfig, Idempotent, IdempotentRoute};
 use outbox::{NewEvent, Outbox, OutboxConfig, Wakeup};
 use serde_json::{Value, json};
@@ -362,7 +360,7 @@ impl Harness {
     }
 
     async fn count(&self, table: &str) -> i64 {
-        count(&self.pool, &self.schema, table).await
+        self.db.count(table).await
     }
 
     fn executions(&self) -> usize {

@@ -18,7 +18,7 @@ use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::console_support::Console;
+use e2e::console::Console;
 
 /// A consumer named `stock` with its topology (work, retry and
 /// dead-letter queues, quorum) bound to the test's exchange, and its inbox

@@ -393,3 +393,26 @@ pub async fn hold_snapshot(options: &PgConnectOptions) -> sqlx::PgConnection {
     assert!(xmin.is_some(), "the snapshot holds the horizon");
     held
 }
+
+/// `table`'s sequential scans and the index entries its indexes returned,
+/// after `pool`'s backend has flushed its statistics: give it a pool of
+/// one connection (`pool(name, 1)`), so every statement runs in the
+/// backend whose counts are flushed.
+pub async fn scans(pool: &PgPool, schema: &str, table: &str) -> (i64, i64) {
+    // The flush happens when the backend goes idle after this statement;
+    // the next statement on the same backend starts after it.
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(pool)
+        .await
+        .expect("flush");
+    sqlx::query_as(
+        "SELECT t.seq_scan, coalesce(sum(i.idx_tup_read), 0)::bigint
+         FROM pg_stat_user_tables t LEFT JOIN pg_stat_user_indexes i ON i.relid = t.relid
+         WHERE t.schemaname = $1 AND t.relname = $2 GROUP BY t.seq_scan",
+    )
+    .bind(schema)
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .expect("scans")
+}

@@ -2,7 +2,10 @@
 //! exchange and queue names per test, and waits on conditions with
 //! deadlines (never sleep-and-hope).
 
+pub mod browser;
 pub mod cluster;
+pub mod console;
+pub mod consumer;
 pub mod service;
 
 pub use service::free_port;
@@ -23,7 +26,7 @@ mod wait;
 pub use assert::{assert_applied_once, assert_contract};
 pub use broker::{TestBroker, connect, connect_any, declare_tap_queue, depth, settled_depth};
 pub use collect::{Collector, Received, SeqLog};
-pub use db::{TestDb, drop_orphan_slots, drop_slot, hold_snapshot, locked_rows, pool};
+pub use db::{TestDb, drop_orphan_slots, drop_slot, hold_snapshot, locked_rows, pool, scans};
 pub use effect::RecordEffect;
 pub use env::{amqp_url, database_url, suffix};
 pub use http::{HttpReply, http_get, post_json};

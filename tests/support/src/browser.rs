@@ -6,19 +6,22 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use e2e::KillOnDrop;
+use crate::KillOnDrop;
 use fantoccini::{Client, ClientBuilder, Locator};
 
-use super::{artifacts, free_port, wait_for_port};
+use crate::console::artifacts;
+use crate::{free_port, wait_for_port};
 
 /// Headless chromium behind its own chromedriver.
-pub(crate) struct Browser {
-    pub(crate) client: Client,
+pub struct Browser {
+    /// The WebDriver session.
+    pub client: Client,
     _driver: KillOnDrop,
 }
 
 impl Browser {
-    pub(crate) async fn start() -> Browser {
+    /// Starts chromedriver on a free port and a headless chromium session.
+    pub async fn start() -> Browser {
         let port = free_port();
         // Its own process group, so the chromium it starts goes with it
         // when the test ends, a panicking one included (see `Drop`).
@@ -50,13 +53,14 @@ impl Browser {
         }
     }
 
-    pub(crate) async fn goto(&self, url: &str) {
+    /// Opens `url`.
+    pub async fn goto(&self, url: &str) {
         self.client.goto(url).await.expect("navigate");
     }
 
     /// The text of the first element matching `css`, waiting up to 10 s
     /// for it (the overview replaces its content as it refreshes).
-    pub(crate) async fn text(&self, css: &str) -> String {
+    pub async fn text(&self, css: &str) -> String {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let got = match self.client.find(Locator::Css(css)).await {
@@ -71,7 +75,8 @@ impl Browser {
         }
     }
 
-    pub(crate) async fn attr(&self, css: &str, name: &str) -> Option<String> {
+    /// Attribute `name` of the first element matching `css`, if both exist.
+    pub async fn attr(&self, css: &str, name: &str) -> Option<String> {
         let e = self
             .client
             .wait()
@@ -82,7 +87,8 @@ impl Browser {
         e.attr(name).await.expect("attribute")
     }
 
-    pub(crate) async fn click(&self, css: &str) {
+    /// Clicks the first element matching `css`.
+    pub async fn click(&self, css: &str) {
         self.client
             .wait()
             .at_most(Duration::from_secs(10))
@@ -98,7 +104,7 @@ impl Browser {
     /// and waits up to 10 s for that page to have loaded. A read straight
     /// after a bare click can still find the old page, whose elements the
     /// new one often shares (a filter's count, a page of rows).
-    pub(crate) async fn click_to_page(&self, css: &str) {
+    pub async fn click_to_page(&self, css: &str) {
         self.client
             .execute("window.__outboxOldPage = true;", vec![])
             .await
@@ -128,7 +134,8 @@ impl Browser {
         }
     }
 
-    pub(crate) async fn type_into(&self, css: &str, text: &str) {
+    /// Replaces the text of the input matching `css` with `text`.
+    pub async fn type_into(&self, css: &str, text: &str) {
         let e = self
             .client
             .find(Locator::Css(css))
@@ -138,7 +145,8 @@ impl Browser {
         e.send_keys(text).await.expect("type");
     }
 
-    pub(crate) async fn exists(&self, css: &str) -> bool {
+    /// Whether an element matches `css` now.
+    pub async fn exists(&self, css: &str) -> bool {
         !self
             .client
             .find_all(Locator::Css(css))
@@ -150,7 +158,7 @@ impl Browser {
     /// On an action's confirmation page: checks it counts `n` events
     /// (screenshot `shot` of it, if given), gives a reason, confirms, and
     /// checks the result says it touched `n`.
-    pub(crate) async fn confirm_action(&self, n: usize, shot: Option<&str>) {
+    pub async fn confirm_action(&self, n: usize, shot: Option<&str>) {
         let n = n.to_string();
         let counted = self.attr("#confirm-count", "data-count").await;
         assert_eq!(
@@ -172,13 +180,15 @@ impl Browser {
         );
     }
 
-    pub(crate) async fn screenshot(&self, name: &str) {
+    /// Saves a screenshot as `target/console-screenshots/<name>.png`.
+    pub async fn screenshot(&self, name: &str) {
         let png = self.client.screenshot().await.expect("screenshot");
         let path = artifacts("console-screenshots").join(format!("{name}.png"));
         std::fs::write(&path, png).expect("write screenshot");
     }
 
-    pub(crate) async fn close(self) {
+    /// Ends the session and its chromium.
+    pub async fn close(self) {
         let _ = self.client.clone().close().await;
     }
 }

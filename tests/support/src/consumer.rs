@@ -1,11 +1,12 @@
-//! Shared test harness: a fresh schema, queue and exchange per test, against
-//! the real Postgres and RabbitMQ.
-#![allow(dead_code, unreachable_pub, unused_imports)]
+//! The consumer library's test world ([`Env`]): a schema of its own
+//! ([`TestDb`], with the inbox), an exchange and queues per test,
+//! publishing with the contract's properties, and a running consumer
+//! ([`Running`]).
 
 use std::future::Future;
 use std::time::Duration;
 
-use e2e::TestDb;
+use crate::TestDb;
 use lapin::message::BasicGetMessage;
 use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions,
@@ -18,25 +19,33 @@ use sqlx::{AssertSqlSafe, PgPool};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+/// How long a consumer test waits for anything.
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
-pub use e2e::{amqp_url, database_url as db_url};
+pub use crate::{amqp_url, database_url as db_url};
 
 /// One test's world: its own schema (`e2e::TestDb`), exchange and
 /// queues.
 pub struct Env {
     db: TestDb,
+    /// The test's schema's pool.
     pub pool: PgPool,
+    /// The test's schema (inbox migrated, tables `effects` and `stock`).
     pub schema: String,
+    /// A broker connection of the test's own.
     pub amqp: Connection,
+    /// A confirm-mode channel on it.
     pub channel: Channel,
+    /// The test's topic exchange.
     pub exchange: String,
+    /// The work queue, bound to it with `#`.
     pub queue: String,
     queues: Vec<String>,
     exchanges: Vec<String>,
 }
 
 impl Env {
+    /// A world with the inbox at the current migration.
     pub async fn new() -> Env {
         Self::migrated(true).await
     }
@@ -69,8 +78,8 @@ impl Env {
             .await
             .unwrap();
             for sql in [
-                include_str!("../../migrations/0001_inbox.sql"),
-                include_str!("../../migrations/0002_inbox_sequences.sql"),
+                include_str!("../../../migrations/consumer/0001_inbox.sql"),
+                include_str!("../../../migrations/consumer/0002_inbox_sequences.sql"),
             ] {
                 sqlx::raw_sql(sql).execute(&mut *tx).await.unwrap();
             }
@@ -137,6 +146,7 @@ impl Env {
         self.exchanges.push(exchange.to_owned());
     }
 
+    /// A consumer of the work queue named `consumer_name`, retrying after 100 ms.
     pub fn config(&self, consumer_name: &str) -> ConsumerConfig {
         let mut c = {
             let mut c = ConsumerConfig::new(amqp_url(), &self.queue, consumer_name);
@@ -193,6 +203,7 @@ impl Env {
         }
     }
 
+    /// Publishes one message (see [`Env::publish_all`]).
     pub async fn publish(&self, id: Option<&str>, body: &str) {
         self.publish_all(&[(id.map(str::to_owned), body.as_bytes().to_vec())])
             .await;
@@ -223,6 +234,7 @@ impl Env {
         got
     }
 
+    /// `SELECT count(*) FROM` `sql_from_where`, its `{s}` the schema.
     pub async fn count(&self, sql_from_where: &str) -> i64 {
         let sql = format!(
             "SELECT count(*) FROM {}",
@@ -234,6 +246,7 @@ impl Env {
             .unwrap()
     }
 
+    /// Deletes the test's queues and exchanges and drops its schema.
     pub async fn teardown(self) {
         for q in &self.queues {
             let _ = self
@@ -252,23 +265,27 @@ impl Env {
     }
 }
 
-/// [`e2e::wait_until`] with the consumer tests' [`DEADLINE`].
+/// [`crate::wait_until`] with the consumer tests' [`DEADLINE`].
 pub async fn wait_until<F, Fut>(what: &str, cond: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    e2e::wait_until(DEADLINE, what, cond).await;
+    crate::wait_until(DEADLINE, what, cond).await;
 }
 
 /// A running consumer.
 pub struct Running {
+    /// The consumer.
     pub consumer: Consumer,
+    /// Cancels its run.
     pub shutdown: CancellationToken,
+    /// Its run.
     pub task: JoinHandle<outbox_consumer::Result<()>>,
 }
 
 impl Running {
+    /// Runs `consumer` in a task.
     pub fn start(consumer: Consumer) -> Running {
         let shutdown = CancellationToken::new();
         let (c, s) = (consumer.clone(), shutdown.clone());
@@ -280,6 +297,7 @@ impl Running {
         }
     }
 
+    /// Stops it and waits (bounded) for its run to end cleanly.
     pub async fn stop(self) {
         self.shutdown.cancel();
         tokio::time::timeout(DEADLINE, self.task)
@@ -290,6 +308,7 @@ impl Running {
     }
 }
 
+/// A fresh event id (UUIDv7).
 pub fn id() -> String {
     uuid::Uuid::now_v7().to_string()
 }

@@ -1,28 +1,33 @@
-//! What the console's browser tests share: headless chromium behind its
-//! own chromedriver ([`Browser`], in `browser.rs`), a console process on
-//! its own port, and the rows the pages are tried on. Each console test
-//! file includes it with `mod console_support;` and uses what it needs.
-#![allow(dead_code)]
-
-mod browser;
-
-// Not every file that includes this module drives a browser.
-#[allow(unused_imports)]
-pub(crate) use browser::Browser;
+//! What the console's tests share: a console process on its own port
+//! ([`Console`]), relay processes, and the rows the pages are tried on;
+//! the browser is [`crate::browser::Browser`].
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-use e2e::{KillOnDrop, TestBroker, TestDb, database_url};
-pub(crate) use e2e::{free_port, wait_for_port};
+use crate::{KillOnDrop, TestBroker, TestDb, database_url};
+pub use crate::{free_port, wait_for_port};
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
-pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+/// The relay binary of the package under test (`outbox-relay-ops`): what
+/// cargo or nextest names in `CARGO_BIN_EXE_outbox-relay`, else the
+/// binary beside the test's own folder (`target/<profile>/outbox-relay`).
+pub fn relay_bin() -> String {
+    std::env::var("CARGO_BIN_EXE_outbox-relay").unwrap_or_else(|_| {
+        let exe = std::env::current_exe().expect("the test's path");
+        let profile = exe
+            .parent()
+            .and_then(|deps| deps.parent())
+            .expect("a test binary in target/<profile>/deps");
+        profile.join("outbox-relay").to_string_lossy().into_owned()
+    })
+}
 
-pub(crate) fn artifacts(dir: &str) -> PathBuf {
+/// `target/<dir>/`, created: where the console tests leave screenshots and logs.
+pub fn artifacts(dir: &str) -> PathBuf {
     let d = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../target")
+        .join("../../target")
         .join(dir);
     std::fs::create_dir_all(&d).expect("artifact dir");
     d
@@ -30,14 +35,17 @@ pub(crate) fn artifacts(dir: &str) -> PathBuf {
 
 /// A console process on its own port; its log goes to a file under
 /// `target/console-logs/` (for the audit-log checks).
-pub(crate) struct Console {
+pub struct Console {
     _child: KillOnDrop,
-    pub(crate) url: String,
-    pub(crate) log: PathBuf,
+    /// Its address (`http://127.0.0.1:<port>`).
+    pub url: String,
+    /// Its log file.
+    pub log: PathBuf,
 }
 
-pub(crate) fn console_cmd(db: &TestDb, listen: &str, log: &PathBuf) -> Command {
-    let mut c = Command::new(BIN);
+/// `outbox-relay console` on `db`'s schema listening on `listen`, refreshing every 200 ms, logging to `log`.
+pub fn console_cmd(db: &TestDb, listen: &str, log: &PathBuf) -> Command {
+    let mut c = Command::new(relay_bin());
     c.env("DATABASE_URL", database_url())
         .env("OUTBOX_SCHEMA", &db.schema)
         .env("RUST_LOG", "info")
@@ -50,7 +58,8 @@ pub(crate) fn console_cmd(db: &TestDb, listen: &str, log: &PathBuf) -> Command {
 }
 
 impl Console {
-    pub(crate) async fn start(db: &TestDb, configure: impl FnOnce(&mut Command)) -> Console {
+    /// Starts a console on a free port (`configure` adds arguments) and waits until it listens.
+    pub async fn start(db: &TestDb, configure: impl FnOnce(&mut Command)) -> Console {
         let port = free_port();
         let log = artifacts("console-logs").join(format!("{}.log", db.schema));
         let mut cmd = console_cmd(db, &format!("127.0.0.1:{port}"), &log);
@@ -64,23 +73,20 @@ impl Console {
         }
     }
 
-    pub(crate) fn log(&self) -> String {
+    /// What it logged so far.
+    pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 }
 
 /// A relay process publishing `db`'s outbox to `broker`'s exchange.
-pub(crate) fn start_relay(db: &TestDb, broker: &TestBroker) -> KillOnDrop {
+pub fn start_relay(db: &TestDb, broker: &TestBroker) -> KillOnDrop {
     start_relay_with(db, broker, &[])
 }
 
 /// [`start_relay`] with more settings (`OUTBOX_*` variables).
-pub(crate) fn start_relay_with(
-    db: &TestDb,
-    broker: &TestBroker,
-    settings: &[(&str, &str)],
-) -> KillOnDrop {
-    let child = e2e::relay_command(BIN, db, broker)
+pub fn start_relay_with(db: &TestDb, broker: &TestBroker, settings: &[(&str, &str)]) -> KillOnDrop {
+    let child = crate::relay_command(&relay_bin(), db, broker)
         .env("OUTBOX_LEASE_TTL", "3s")
         .envs(settings.iter().copied())
         .spawn()
@@ -91,7 +97,7 @@ pub(crate) fn start_relay_with(
 /// Dead letters of `event_type`, as the relay would have left them:
 /// `n` rows for aggregates `<prefix>-1..n`, one second apart. Returns
 /// their ids.
-pub(crate) async fn dead_letters(
+pub async fn dead_letters(
     db: &TestDb,
     event_type: &str,
     prefix: &str,
@@ -119,12 +125,13 @@ pub(crate) async fn dead_letters(
 }
 
 /// The text between `start` and the next `end` after it.
-pub(crate) fn between<'a>(text: &'a str, start: &str, end: &str) -> &'a str {
+pub fn between<'a>(text: &'a str, start: &str, end: &str) -> &'a str {
     let from = text.find(start).unwrap_or_else(|| panic!("no {start:?}")) + start.len();
     &text[from..from + text[from..].find(end).expect("end")]
 }
 
-pub(crate) async fn count_where(db: &TestDb, table: &str, condition: &str) -> i64 {
+/// Rows of `table` in `db`'s schema matching `condition` (SQL).
+pub async fn count_where(db: &TestDb, table: &str, condition: &str) -> i64 {
     sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM \"{}\".{table} WHERE {condition}",
         db.schema
@@ -137,7 +144,7 @@ pub(crate) async fn count_where(db: &TestDb, table: &str, condition: &str) -> i6
 /// An ordered aggregate `account/<id>` with `n` events whose head has
 /// failed and waits an hour for its next attempt. Returns the ids in
 /// sequence order.
-pub(crate) async fn blocked_aggregate(db: &TestDb, id: &str, n: usize) -> Vec<Uuid> {
+pub async fn blocked_aggregate(db: &TestDb, id: &str, n: usize) -> Vec<Uuid> {
     outbox::set_ordered(&db.pool, &db.schema, "account", true)
         .await
         .expect("order account");
@@ -172,7 +179,7 @@ pub(crate) async fn blocked_aggregate(db: &TestDb, id: &str, n: usize) -> Vec<Uu
 /// `exchange` (`None`: the relay's default) and failed alike: in `error`,
 /// `{n}` becomes a number and `{id}` a fresh UUID, different on each row,
 /// so the texts differ and their error class is one. Returns their ids.
-pub(crate) async fn failed_alike(
+pub async fn failed_alike(
     db: &TestDb,
     event_type: &str,
     exchange: Option<&str>,
@@ -197,17 +204,19 @@ pub(crate) async fn failed_alike(
 }
 
 /// The error classes [`failure_mix`] leaves, most dead letters first.
-pub(crate) const NO_ROUTE_CLASS: &str = "returned by the broker: <n> NO_ROUTE (exchange \"…\")";
-pub(crate) const TOO_LARGE_CLASS: &str =
-    "payload is <n> bytes, over the relay's limit of <n> bytes";
-pub(crate) const REJECTED_CLASS: &str = "consumer rejected event <id>";
-pub(crate) const PRECONDITION_CLASS: &str = "the broker closed the channel: <n> PRECONDITION_FAILED - message size <n> is larger than configured max size <n>";
+pub const NO_ROUTE_CLASS: &str = "returned by the broker: <n> NO_ROUTE (exchange \"…\")";
+/// See [`NO_ROUTE_CLASS`].
+pub const TOO_LARGE_CLASS: &str = "payload is <n> bytes, over the relay's limit of <n> bytes";
+/// See [`NO_ROUTE_CLASS`].
+pub const REJECTED_CLASS: &str = "consumer rejected event <id>";
+/// See [`NO_ROUTE_CLASS`].
+pub const PRECONDITION_CLASS: &str = "the broker closed the channel: <n> PRECONDITION_FAILED - message size <n> is larger than configured max size <n>";
 
 /// Ten dead letters that failed four ways, each row's error text its own:
 /// by class NO_ROUTE 4, too large 3, rejected 2, precondition 1; by event
 /// type OrderPlaced 6, OrderPaid 3, Refunded 1; by exchange the relay's
 /// default 5, `orders` 4, `billing` 1.
-pub(crate) async fn failure_mix(db: &TestDb) {
+pub async fn failure_mix(db: &TestDb) {
     let rows = [
         (
             "OrderPlaced",
@@ -236,7 +245,7 @@ pub(crate) async fn failure_mix(db: &TestDb) {
 
 /// One HTTP/1.1 request with these headers (`Host` is the URL's unless
 /// given) and a form body: (status, the whole response as text).
-pub(crate) async fn http_request(
+pub async fn http_request(
     method: &str,
     url: &str,
     headers: &[(&str, String)],
