@@ -139,7 +139,7 @@ pub struct ConsumerConfig {
     pub broker_timeout: Duration,
     /// Bound, from the consumer's side, on each database round trip of
     /// its own beyond the lock waits `lock_timeout` allows (taking a
-    /// connection, `BEGIN`, the inbox claim, the sequence locks,
+    /// connection, `BEGIN`, the inbox's record of the keys, the sequence locks,
     /// savepoints, `COMMIT`; the statement after a handler call gets
     /// `handler_timeout` more). A connection that does not answer within
     /// it (a link gone silent: no RST ever comes) is closed, never given
@@ -168,7 +168,7 @@ pub struct ConsumerConfig {
     /// `max_retries`), its effects rolled back. Also the batch
     /// transaction's `statement_timeout`. Default 30 s.
     pub handler_timeout: Duration,
-    /// Longest any statement of the batch transaction (the inbox claim,
+    /// Longest any statement of the batch transaction (the inbox's record of the keys,
     /// the sequence locks, a handler's statements) waits for a row lock
     /// (`lock_timeout`): an instance never waits behind another's stuck
     /// batch for longer. Default 10 s.

@@ -13,7 +13,7 @@ pub(crate) struct Inbox {
     /// take their row locks in the same order (no deadlock). A key's
     /// partition is `inbox_event_time(key)`, a function of the key alone;
     /// records from before migration 3 are looked up in version 1's `inbox`.
-    claim: SqlStr,
+    record: SqlStr,
     /// Removes the records of events whose handler did not succeed, so
     /// their redelivery runs again, and parks them: a copy of each is on
     /// its way to the retry or dead-letter queue, and retention keeps what
@@ -27,18 +27,18 @@ impl Inbox {
     pub(crate) fn new(schema: &Ident, consumer: &str) -> Self {
         Self {
             consumer: consumer.to_owned(),
-            claim: render(include_str!("inbox/claim.sql"), schema),
+            record: render(include_str!("inbox/record.sql"), schema),
             forget: render(include_str!("inbox/forget.sql"), schema),
         }
     }
 
     /// Records `sorted_keys` (unique, sorted); returns the fresh ones.
-    pub(crate) async fn claim(
+    pub(crate) async fn record(
         &self,
         conn: &mut PgConnection,
         sorted_keys: &[&str],
     ) -> sqlx::Result<Vec<String>> {
-        sqlx::query_scalar(self.claim.clone())
+        sqlx::query_scalar(self.record.clone())
             .bind(&self.consumer)
             .bind(sorted_keys)
             .fetch_all(conn)

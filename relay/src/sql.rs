@@ -3,7 +3,7 @@
 //! `wal/*.sql`, `wal/divert/*.sql`), read in at compile time and rendered
 //! once per relay by the workspace's one renderer
 //! ([`outbox_core::sql`]): `{schema}` becomes the quoted schema (a
-//! validated identifier), `{event_columns}` and `{claimed_columns}` the
+//! validated identifier), `{event_columns}` and `{row_columns}` the
 //! column lists below. Every value is bound (arrays for batches), so each
 //! text is constant for the process's lifetime.
 
@@ -18,14 +18,14 @@ pub(crate) const EVENT_COLUMNS: &str = "id, aggregate_type, aggregate_id, event_
 
 /// Columns every claim returns, in this order (the shape of
 /// [`EventRow`](crate::message::EventRow)).
-pub(crate) const CLAIMED_COLUMNS: &str = "id, aggregate_type, aggregate_id, event_type, payload::text AS payload, \
+pub(crate) const ROW_COLUMNS: &str = "id, aggregate_type, aggregate_id, event_type, payload::text AS payload, \
      headers::text AS headers, exchange, routing_key, created_at, attempts, aggregate_seq";
 
 /// `template` for `schema`, with the relay's column lists.
 pub(crate) fn render(template: &str, schema: &Ident) -> SqlStr {
     Template::new(template, schema)
         .with("event_columns", EVENT_COLUMNS)
-        .with("claimed_columns", CLAIMED_COLUMNS)
+        .with("row_columns", ROW_COLUMNS)
         .render()
 }
 
@@ -37,7 +37,7 @@ mod tests {
     fn the_column_lists_are_placeholders() {
         let schema = Ident::new("schema", "shop").unwrap();
         let sql = render(
-            "-- what it does\nSELECT {event_columns} FROM {schema}.outbox RETURNING {claimed_columns}",
+            "-- what it does\nSELECT {event_columns} FROM {schema}.outbox RETURNING {row_columns}",
             &schema,
         );
         let text = sql.as_str();

@@ -1,4 +1,4 @@
-//! Pure planners of a pass: which ids the inbox claims, which events run
+//! Pure planners of a pass: which ids the inbox records, which events run
 //! and which the sequencer sees, which lose their inbox row.
 
 use std::collections::HashSet;
@@ -7,7 +7,7 @@ use super::{Batch, Verdict};
 use crate::event::Event;
 use crate::handler::Outcome;
 
-/// The batch's event ids, sorted and unique: the inbox claim takes its
+/// The batch's event ids, sorted and unique: the inbox's record takes its
 /// row locks in this order.
 pub(super) fn inbox_keys(events: &[Event]) -> Vec<&str> {
     let mut keys: Vec<&str> = events.iter().map(|e| e.id()).collect();

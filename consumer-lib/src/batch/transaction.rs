@@ -110,10 +110,10 @@ impl BatchTx<'_> {
         // bound here is the client's (a cancelled BEGIN's connection is
         // closed, see `process`).
         let mut tx = bounded(bound, Connection::begin_with(conn, self.begin.clone())).await?;
-        let fresh = bounded(bound, self.inbox.claim(&mut tx, &self.keys)).await?;
+        let fresh = bounded(bound, self.inbox.record(&mut tx, &self.keys)).await?;
         let fresh: HashSet<&str> = fresh.iter().map(String::as_str).collect();
         let (to_handle, passes) = select(batch, &fresh, self.sequences.is_some());
-        // After the inbox claim, in every instance: one lock order.
+        // After the inbox's record of the keys, in every instance: one lock order.
         let mut order = match self.sequences {
             Some(s) => {
                 let positions = passes.iter().filter_map(|&i| batch.position(i));

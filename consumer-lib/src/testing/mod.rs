@@ -13,7 +13,7 @@
 //!   dead-lettered, with the reason.
 //!
 //! Dedup, sequencing and outcomes behave as in production because they
-//! are the production code: the same inbox claim, sequence locks,
+//! are the production code: the same inbox record, sequence locks,
 //! savepoints, conflict reruns and retry budgets. What a test does not
 //! get is the broker's side: redelivery after a crash, the retry queue's
 //! delay (deliver the event again, built with

@@ -58,7 +58,7 @@ chain AS (SELECT greatest(1, $7 / greatest(count(*) FILTER (WHERE due), 1)) AS n
 ordered AS MATERIALIZED (
     SELECT r.*, heads.due AND r.available_at <= now() AS due, heads.partition, heads.ord
     FROM heads CROSS JOIN chain CROSS JOIN LATERAL (
-        SELECT {claimed_columns}, available_at FROM {schema}.outbox x
+        SELECT {row_columns}, available_at FROM {schema}.outbox x
         WHERE x.aggregate_type = heads.aggregate_type AND x.aggregate_id = heads.aggregate_id
           AND x.aggregate_seq IS NOT NULL AND x.aggregate_seq >= heads.aggregate_seq
         ORDER BY x.aggregate_seq
@@ -67,7 +67,7 @@ claimed AS (
   SELECT * FROM ordered
   UNION ALL
   SELECT * FROM (
-    SELECT {claimed_columns}, available_at, true AS due, NULL::int AS partition, NULL::bigint AS ord
+    SELECT {row_columns}, available_at, true AS due, NULL::int AS partition, NULL::bigint AS ord
     FROM {schema}.outbox
     WHERE available_at <= now() AND aggregate_seq IS NULL
       AND (available_at, id) >= (coalesce($8::timestamptz, '-infinity'), $9::uuid)

@@ -23,7 +23,7 @@ WITH probe AS MATERIALIZED (
           AND (o.available_at, o.id) >= (coalesce($4::timestamptz, '-infinity'), $5::uuid)
     ) AS ordered_waiting),
 claimed AS (
-    SELECT {claimed_columns}, available_at, true AS due, NULL::int AS partition, NULL::bigint AS ord
+    SELECT {row_columns}, available_at, true AS due, NULL::int AS partition, NULL::bigint AS ord
     FROM {schema}.outbox
     WHERE available_at <= now() AND aggregate_seq IS NULL
       AND (available_at, id) >= (coalesce($2::timestamptz, '-infinity'), $3::uuid)

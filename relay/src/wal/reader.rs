@@ -103,7 +103,7 @@ impl WalReader {
                 schema,
                 slot,
                 pool.clone(),
-                divert::Statements::new(schema, settle),
+                divert::Divert::new(schema, settle),
                 stats,
                 wake,
             ),

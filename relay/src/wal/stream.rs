@@ -22,7 +22,7 @@ use crate::publish::{Publisher, Receipt};
 use crate::settle::Settled;
 use crate::stats::Stats;
 use crate::wal::decode::decode;
-use crate::wal::divert;
+use crate::wal::divert::Divert;
 use crate::wal::reader::{ReadEnd, ReaderConfig};
 use crate::wal::slot::{self, wal_error};
 use crate::wal::window::{
@@ -53,7 +53,7 @@ pub(super) struct Stream {
     schema: Ident,
     slot: String,
     pool: PgPool,
-    divert: divert::Statements,
+    divert: Divert,
     stats: Arc<Stats>,
     /// The table workers' wake-up: events diverted to the table are due.
     wake: watch::Sender<u64>,
@@ -67,7 +67,7 @@ impl Stream {
         schema: &Ident,
         slot: &str,
         pool: PgPool,
-        divert: divert::Statements,
+        divert: Divert,
         stats: Arc<Stats>,
         wake: watch::Sender<u64>,
     ) -> Self {
@@ -246,7 +246,7 @@ impl Stream {
     ) -> Result<OnWire> {
         let cfg = &self.config;
         let events = std::mem::take(&mut pending.events);
-        let queued = divert::queued_aggregates(&self.pool, &self.divert, &events).await?;
+        let queued = self.divert.queued_aggregates(&self.pool, &events).await?;
         let queued: Vec<bool> = events
             .iter()
             .map(|e| {
@@ -351,14 +351,9 @@ impl Stream {
         let settled = if failed.is_empty() && batch.unreadable.is_empty() {
             Settled::default()
         } else {
-            divert::record(
-                &self.pool,
-                &self.divert,
-                &failed,
-                &failed_receipts,
-                &batch.unreadable,
-            )
-            .await?
+            self.divert
+                .record(&self.pool, &failed, &failed_receipts, &batch.unreadable)
+                .await?
         };
         // Delivered or recorded: the slot may move past them.
         if let Some(lsn) = batch.commit_end {
