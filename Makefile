@@ -41,12 +41,9 @@ test: ## run every test (unit, database, broker, end-to-end, browser, the cluste
 test-cluster: cluster ## the fault suite on the three-node cluster with quorum queues (stops and starts its nodes; runs alone)
 	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^cluster_/)'
 
-package: ## cargo publish --dry-run of the published crates: their packaged sources (migrations included) build on their own
-	@# Cargo's local overlay registry reuses the sources it unpacked for the
-	@# same version in an earlier dry run (stale code, or a false failure):
-	@# drop those copies so the packages verified are this tree's.
-	rm -rf $${CARGO_HOME:-$$HOME/.cargo}/registry/src/-*/{outbox-core,outbox-lib,consumer-lib,outbox-relay,outbox-relay-ops}-[0-9]*
-	$(CARGO) publish --dry-run -p outbox-core -p outbox-lib -p consumer-lib -p outbox-relay -p outbox-relay-ops
+package: ## cargo publish --dry-run of the published crates, without compiling them again: every file their sources need is in the package (scripts/check-package.sh)
+	$(CARGO) publish --dry-run --no-verify -p outbox-core -p outbox-lib -p consumer-lib -p outbox-relay -p outbox-relay-ops
+	./scripts/check-package.sh
 
 lint: ## rustfmt and clippy, warnings are errors; make targets share one feature set
 	$(CARGO) fmt --all --check

@@ -3,8 +3,9 @@
 //! Rust or SQL; ordering off or on), run with bad inputs mixed into the
 //! stream, the relay SIGKILLed on work in flight, duplicate deliveries
 //! injected into the consumer, and judged by the fault suites' one oracle
-//! (`world/`) once everything is quiet; each cell also runs on the
-//! three-node cluster (`cluster_matrix_*`) with the relay's node stopped.
+//! (`world/`) once everything is quiet; four cells, pairing each capture,
+//! producer and ordering, also run on the three-node cluster
+//! (`cluster_matrix_*`) with the relay's node stopped.
 
 use std::time::Duration;
 
@@ -655,35 +656,42 @@ async fn matrix_cell(capture: Capture, producer: Producer, ordered: bool, on: On
 }
 
 macro_rules! matrix {
-    ($($name:ident, $cluster_name:ident: $capture:expr, $producer:expr, $ordered:expr;)*) => {$(
+    ($($name:ident $(, $cluster_name:ident)?: $capture:expr, $producer:expr, $ordered:expr;)*) => {$(
         #[tokio::test]
         async fn $name() {
             matrix_cell($capture, $producer, $ordered, On::Node).await;
         }
 
-        /// `make test` runs the `cluster_` tests alone, after the rest:
-        /// they stop and start the cluster's nodes.
-        #[tokio::test]
-        async fn $cluster_name() {
-            matrix_cell($capture, $producer, $ordered, On::Cluster).await;
-        }
+        $(
+            /// `make test` runs the `cluster_` tests alone, after the rest:
+            /// they stop and start the cluster's nodes.
+            #[tokio::test]
+            async fn $cluster_name() {
+                matrix_cell($capture, $producer, $ordered, On::Cluster).await;
+            }
+        )?
     )*};
 }
 
+// Every cell on one node; on the cluster, four cells that pair every
+// capture with every ordering and each producer with each of them (the
+// producer writes to PostgreSQL only: what the cluster's node stop meets
+// is the capture and the ordering). Eight cluster cells took 260 s of a
+// CI run; these four cover every pair of the three.
 matrix! {
-    matrix_table_rust_unordered, cluster_matrix_table_rust_unordered:
+    matrix_table_rust_unordered:
         Capture::Table, Producer::Rust, false;
     matrix_table_rust_ordered, cluster_matrix_table_rust_ordered:
         Capture::Table, Producer::Rust, true;
     matrix_table_sql_unordered, cluster_matrix_table_sql_unordered:
         Capture::Table, Producer::Sql, false;
-    matrix_table_sql_ordered, cluster_matrix_table_sql_ordered:
+    matrix_table_sql_ordered:
         Capture::Table, Producer::Sql, true;
     matrix_wal_rust_unordered, cluster_matrix_wal_rust_unordered:
         Capture::Wal, Producer::Rust, false;
-    matrix_wal_rust_ordered, cluster_matrix_wal_rust_ordered:
+    matrix_wal_rust_ordered:
         Capture::Wal, Producer::Rust, true;
-    matrix_wal_sql_unordered, cluster_matrix_wal_sql_unordered:
+    matrix_wal_sql_unordered:
         Capture::Wal, Producer::Sql, false;
     matrix_wal_sql_ordered, cluster_matrix_wal_sql_ordered:
         Capture::Wal, Producer::Sql, true;
