@@ -220,9 +220,9 @@ impl ConsumerConfig {
     pub(crate) fn validate(&self) -> Result<Ident> {
         let schema = Ident::new("schema", &self.schema)?;
         let fail = |m: &str| Err(Error::Config(m.to_owned()));
-        outbox::redact::check_urls(self.amqp_url.expose(), "AMQP URL", &["amqp", "amqps"])
+        outbox::urls::check_urls(self.amqp_url.expose(), "AMQP URL", &["amqp", "amqps"])
             .map_err(Error::Config)?;
-        if outbox::redact::split_urls(self.amqp_url.expose())
+        if outbox::urls::split_urls(self.amqp_url.expose())
             .iter()
             .any(|u| u.parse::<lapin::uri::AMQPUri>().is_err())
         {

@@ -107,7 +107,7 @@ impl Consumer {
             Outage::new("database", config.consumer_name.clone()),
         );
         let nodes = outbox_core::amqp::Nodes::new(
-            outbox::redact::split_urls(config.amqp_url.expose())
+            outbox::urls::split_urls(config.amqp_url.expose())
                 .into_iter()
                 .map(str::to_owned)
                 .collect(),

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::ConsumerConfig;
 use crate::consumer::Consumer;
 use crate::error::{Error, Result, bounded};
-use crate::pause::{End, FIRST_BACKOFF, pause};
+use crate::pause::{End, FIRST_BACKOFF};
 use crate::topology::declare_retry_queues;
 use outbox_core::amqp::{BlockWatch, Flow, Link};
 use outbox_core::backoff::Backoff;
@@ -42,7 +42,7 @@ impl Consumer {
                 Ok(()) => break,
                 Err(e) if e.is_transient() => {
                     me.database.failed(&Error::Outbox(e));
-                    if !pause(shutdown, &mut backoff).await {
+                    if !backoff.pause(shutdown).await {
                         return Ok(false);
                     }
                 }
@@ -74,7 +74,7 @@ impl Consumer {
                     me.counters.broker_errors.fetch_add(1, Ordering::Relaxed);
                     metrics::counter!("outbox_consumer_broker_errors_total", "consumer" => name.to_owned())
                         .increment(1);
-                    if !pause(shutdown, &mut backoff).await {
+                    if !backoff.pause(shutdown).await {
                         return Ok(());
                     }
                 }

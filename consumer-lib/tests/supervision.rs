@@ -260,7 +260,7 @@ async fn after_a_failed_session_the_consumer_moves_to_the_next_node() {
         c.consumer.stats().processed == 1
     })
     .await;
-    let node = |url: &str| outbox::redact::host_port(url);
+    let node = |url: &str| outbox::urls::host_port(url);
     let (used, other, used_url, other_url) = if c.consumer.broker_node() == Some(node(&first_url)) {
         (&first, &second, &first_url, &second_url)
     } else {

@@ -1,6 +1,9 @@
-//! Exponential backoff with jitter, for reconnecting and for retries.
+//! Exponential backoff with jitter, for reconnecting and for retries, and
+//! the pause between attempts that a shutdown cuts short.
 
 use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
 
 /// The delay before attempt number `attempt` (1 for the first retry):
 /// `d = min(max, base * 2^(attempt-1))`, jittered to a random delay in
@@ -61,6 +64,21 @@ impl Backoff {
     /// A success: the next failure waits about `base` again.
     pub fn reset(&mut self) {
         self.failures = 0;
+    }
+
+    /// Records a failure and sleeps for [`Backoff::next_delay`]; false
+    /// when `stop` fired first.
+    pub async fn pause(&mut self, stop: &CancellationToken) -> bool {
+        sleep_or_cancel(self.next_delay(), stop).await
+    }
+}
+
+/// Sleeps for `d`, or until `stop` fires; whether it slept the whole of
+/// `d`.
+pub async fn sleep_or_cancel(d: Duration, stop: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => false,
+        _ = tokio::time::sleep(d) => true,
     }
 }
 

@@ -11,7 +11,8 @@
 //! ([`sql`]), the migration runner
 //! ([`migrate`]), which database errors are worth retrying ([`db`]),
 //! exponential backoff with jitter ([`backoff`]), one log line per outage
-//! ([`outage`]), a consumer's queue names ([`queues`]), passwords kept out of logs ([`redact`]) and, with the
+//! ([`outage`]), a consumer's queue names ([`queues`]), passwords kept out of logs ([`redact`]), URLs read and checked
+//! ([`urls`]) and, with the
 //! `amqp` feature, the broker seam ([`amqp`]): bounded calls, connecting
 //! with failover, flow control, the one broker error (`BrokerError`) and
 //! the message an event becomes (`event_properties`, `json_header_value`:
@@ -29,6 +30,7 @@ pub mod outage;
 pub mod queues;
 pub mod redact;
 pub mod sql;
+pub mod urls;
 pub mod wire;
 
 pub use crate::ident::{

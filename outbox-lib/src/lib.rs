@@ -100,6 +100,9 @@ pub use crate::wakeup::Wakeup;
 /// Passwords in URLs never reach a log line, an error or `--help`: the
 /// helpers the toolkit's own binaries use, for yours.
 pub use outbox_core::redact;
+/// Reading and checking the URLs of a setting (one, or a comma-separated
+/// list of broker nodes) without quoting them.
+pub use outbox_core::urls;
 /// The AMQP message contract shared by the relay and the consumer
 /// ([`docs/AMQP_MESSAGE.md`](https://github.com/outbox-rs/outbox/blob/main/docs/AMQP_MESSAGE.md)).
 pub use outbox_core::wire;

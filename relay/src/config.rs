@@ -156,7 +156,7 @@ fn default_name() -> String {
 impl RelayConfig {
     /// The broker URLs of [`amqp_url`](Self::amqp_url), in the order tried.
     pub fn amqp_urls(&self) -> Vec<String> {
-        outbox::redact::split_urls(self.amqp_url.expose())
+        outbox::urls::split_urls(self.amqp_url.expose())
             .into_iter()
             .map(str::to_owned)
             .collect()
@@ -178,7 +178,7 @@ impl RelayConfig {
 
     /// Every setting but the schema.
     fn check(&self) -> std::result::Result<(), ConfigError> {
-        outbox::redact::check_urls(self.amqp_url.expose(), "AMQP URL", &["amqp", "amqps"])
+        outbox::urls::check_urls(self.amqp_url.expose(), "AMQP URL", &["amqp", "amqps"])
             .map_err(ConfigError::Url)?;
         if self
             .amqp_urls()

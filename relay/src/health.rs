@@ -10,8 +10,10 @@ use outbox_core::amqp::Nodes;
 /// Liveness and readiness, for `/healthz` and `/readyz`.
 #[derive(Debug)]
 pub struct Health {
-    pub(crate) broker: AtomicBool,
-    pub(crate) database: AtomicBool,
+    /// Connected to a broker node ([`Health::set_broker`]).
+    broker: AtomicBool,
+    /// The last database operation succeeded ([`Health::set_database`]).
+    database: AtomicBool,
     /// The broker's nodes, shared with the connections' seam
     /// ([`Broker`](crate::broker::Broker)): which one is in use.
     nodes: Arc<Nodes>,
@@ -60,6 +62,17 @@ impl Health {
     /// Connected to a broker node now.
     pub fn broker_connected(&self) -> bool {
         self.broker.load(Ordering::Relaxed)
+    }
+
+    /// The supervisor's word on the broker session: connected or not.
+    pub(crate) fn set_broker(&self, connected: bool) {
+        self.broker.store(connected, Ordering::Relaxed);
+    }
+
+    /// Whether the last database operation succeeded (the workers' and
+    /// the supervisor's word).
+    pub(crate) fn set_database(&self, ok: bool) {
+        self.database.store(ok, Ordering::Relaxed);
     }
 
     pub(crate) fn block(&self, who: &'static str, reason: String) {

@@ -104,20 +104,13 @@ impl Quarantine {
         match ordered {
             None => {}
             Some(None) => {
-                sqlx::query(self.settle.statements().dead_letter.clone())
-                    .bind([id])
-                    .bind([error])
-                    .execute(&self.pool)
-                    .await?;
+                self.settle.dead_letter_one(&self.pool, id, error).await?;
                 lock(&self.suspects).remove(&id);
             }
             Some(Some(_)) => {
                 let delay = jittered(self.retry_base, self.retry_max, 1).as_millis() as i64;
-                sqlx::query(self.settle.statements().reschedule.clone())
-                    .bind([id])
-                    .bind([delay])
-                    .bind([error])
-                    .execute(&self.pool)
+                self.settle
+                    .reschedule_one(&self.pool, id, delay, error)
                     .await?;
                 lock(&self.suspects).insert(id);
             }

@@ -9,16 +9,16 @@ use crate::message::OutboxEvent;
 use crate::publish::Receipt;
 use outbox::Ident;
 use outbox_core::backoff::jittered;
-use sqlx::{PgConnection, SqlStr};
+use sqlx::{PgConnection, PgPool, SqlStr};
 use uuid::Uuid;
 
 /// The settle stage's statements for one schema (`settle/*.sql`).
 #[derive(Debug, Clone)]
-pub(crate) struct Statements {
+struct Statements {
     delete: SqlStr,
     archive: SqlStr,
-    pub(crate) reschedule: SqlStr,
-    pub(crate) dead_letter: SqlStr,
+    reschedule: SqlStr,
+    dead_letter: SqlStr,
 }
 
 impl Statements {
@@ -107,10 +107,33 @@ impl Settle {
         }
     }
 
-    /// Its statements, for the stages that write their own outcomes
-    /// (quarantine, the log's diversion to the table).
-    pub(crate) fn statements(&self) -> &Statements {
-        &self.sql
+    /// Moves the event `id` to the dead letters with `error`: quarantine's
+    /// set-aside of an unordered event a worker panicked on.
+    pub(crate) async fn dead_letter_one(&self, pool: &PgPool, id: Uuid, error: &str) -> Result<()> {
+        sqlx::query(self.sql.dead_letter.clone())
+            .bind([id])
+            .bind([error])
+            .execute(pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Records a failed attempt of the event `id` with `error`, due again
+    /// in `delay_ms`: quarantine's set-aside of an ordered event.
+    pub(crate) async fn reschedule_one(
+        &self,
+        pool: &PgPool,
+        id: Uuid,
+        delay_ms: i64,
+        error: &str,
+    ) -> Result<()> {
+        sqlx::query(self.sql.reschedule.clone())
+            .bind([id])
+            .bind([delay_ms])
+            .bind([error])
+            .execute(pool)
+            .await?;
+        Ok(())
     }
 
     /// Deletes (or archives) delivered events, reschedules failed ones with

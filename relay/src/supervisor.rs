@@ -4,7 +4,6 @@
 //! batches in flight; beside it, the log's reader when the relay has one.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use outbox::Ident;
@@ -157,7 +156,7 @@ impl Supervisor {
                 cfg.database_timeout,
             )));
         }
-        self.health.database.store(true, Ordering::Relaxed);
+        self.health.set_database(true);
         let mut backoff = Backoff::new(cfg.reconnect.0, cfg.reconnect.1);
         let mut drained_late = false;
         while !shutdown.is_cancelled() {
@@ -262,7 +261,7 @@ impl Supervisor {
         } else {
             session.close(cfg.broker_timeout).await;
         }
-        self.health.broker.store(false, Ordering::Relaxed);
+        self.health.set_broker(false);
         self.broker.gone();
         end
     }
@@ -274,13 +273,13 @@ impl Supervisor {
         if let Some(l) = listener {
             l.abort();
         }
-        self.health.broker.store(false, Ordering::Relaxed);
+        self.health.set_broker(false);
         self.maintenance.release_leases().await;
         Err(e)
     }
 
     async fn broker_down(&self, e: &Error, backoff: &mut Backoff, shutdown: &CancellationToken) {
-        self.health.broker.store(false, Ordering::Relaxed);
+        self.health.set_broker(false);
         self.broker_outage.failed(e);
         sleep_or_cancel(backoff.next_delay(), shutdown).await;
     }

@@ -94,9 +94,4 @@ pub(crate) async fn listen(
     }
 }
 
-pub(crate) async fn sleep_or_cancel(d: Duration, shutdown: &CancellationToken) {
-    tokio::select! {
-        _ = tokio::time::sleep(d) => {}
-        _ = shutdown.cancelled() => {}
-    }
-}
+pub(crate) use outbox_core::backoff::sleep_or_cancel;

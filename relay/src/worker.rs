@@ -18,7 +18,6 @@
 //! wake-up, the hand-written path's too (BENCHMARKS.md, twelfth part).
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -421,7 +420,7 @@ impl Worker {
         session: &mut WorkerSession,
         stop: CancellationToken,
     ) -> Result<()> {
-        self.health.broker.store(true, Ordering::Relaxed);
+        self.health.set_broker(true);
         self.broker_outage.ok();
         // The session's first maintenance round, before the first claim
         // (the first worker up runs it; the others go on).
@@ -456,7 +455,7 @@ impl Worker {
                 Ok(report) => {
                     if db_backoff.failures() > 0 {
                         self.db_outage.ok();
-                        self.health.database.store(true, Ordering::Relaxed);
+                        self.health.set_database(true);
                         db_backoff.reset();
                     }
                     if report.claimed > 0 {
@@ -489,7 +488,7 @@ impl Worker {
                     // saw the database back is of the outage that ended:
                     // /readyz does not go down again for it.
                     if self.db_outage.failed_since(began, &e) {
-                        self.health.database.store(false, Ordering::Relaxed);
+                        self.health.set_database(false);
                     }
                     sleep_or_cancel(db_backoff.next_delay(), &stop).await;
                 }

@@ -10,7 +10,7 @@ use crate::batch::{self, Batch, Failure, Verdict};
 use crate::consumer::Consumer;
 use crate::error::{Error, Result};
 use crate::handler::Outcome;
-use crate::pause::{FIRST_BACKOFF, pause};
+use crate::pause::FIRST_BACKOFF;
 use outbox_core::backoff::Backoff;
 
 /// How many times in a row a batch's transaction is run again at once
@@ -88,7 +88,7 @@ impl Consumer {
                     // Begun before another batch saw the database back:
                     // of the outage that ended (no second warning).
                     me.database.failed_since(began, &Error::Database(e));
-                    if !pause(shutdown, &mut backoff).await {
+                    if !backoff.pause(shutdown).await {
                         return Err(Stopped::Shutdown);
                     }
                 }
@@ -104,7 +104,7 @@ impl Consumer {
                         return Ok(self.one_by_one(&batch).await);
                     }
                     tracing::warn!(consumer = name, error = %e, attempt = failures, "batch transaction failed; retrying it");
-                    if !pause(shutdown, &mut backoff).await {
+                    if !backoff.pause(shutdown).await {
                         return Err(Stopped::Shutdown);
                     }
                 }

@@ -28,7 +28,7 @@ pub(crate) async fn at_any_node<T>(
         attempts_left -= 1;
         match declared {
             Err(e) if e.is_transient() && attempts_left > 0 => {
-                let node = outbox::redact::host_port(urls[i]);
+                let node = outbox::urls::host_port(urls[i]);
                 tracing::debug!(broker = %node, error = %e, "declaring the topology failed; trying the next node");
                 start = i + 1;
             }
@@ -41,8 +41,8 @@ pub(crate) async fn at_any_node<T>(
 /// lapin's own error for a malformed one would quote it, password and all.
 fn broker_urls(amqp_url: &SecretUrl) -> Result<Vec<&str>> {
     let list = amqp_url.expose();
-    outbox::redact::check_urls(list, "AMQP URL", &["amqp", "amqps"]).map_err(Error::Config)?;
-    let urls = outbox::redact::split_urls(list);
+    outbox::urls::check_urls(list, "AMQP URL", &["amqp", "amqps"]).map_err(Error::Config)?;
+    let urls = outbox::urls::split_urls(list);
     if urls
         .iter()
         .any(|u| u.parse::<lapin::uri::AMQPUri>().is_err())

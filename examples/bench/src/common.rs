@@ -39,7 +39,7 @@ pub(crate) fn payload() -> Value {
 pub(crate) async fn connect(url: &str) -> Result<Connection> {
     const TIMEOUT: Duration = Duration::from_secs(10);
     let mut last = None;
-    for u in outbox::redact::split_urls(url) {
+    for u in outbox::urls::split_urls(url) {
         match tokio::time::timeout(
             TIMEOUT,
             Connection::connect(u, ConnectionProperties::default()),

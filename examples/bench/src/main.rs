@@ -1017,7 +1017,7 @@ async fn quorum_section(
     urls: &str,
     sizes: &Sizes,
 ) -> Result<()> {
-    let first = outbox::redact::split_urls(urls)
+    let first = outbox::urls::split_urls(urls)
         .first()
         .map(|u| (*u).to_owned())
         .context("no cluster URL")?;

@@ -27,7 +27,7 @@ impl Broker {
     /// `amqp_url`: one URL, or several separated by commas.
     pub(crate) fn new(amqp_url: &str) -> Self {
         Self {
-            urls: outbox::redact::split_urls(amqp_url)
+            urls: outbox::urls::split_urls(amqp_url)
                 .into_iter()
                 .map(str::to_owned)
                 .collect(),

@@ -107,7 +107,7 @@ async fn main() -> ExitCode {
 async fn run(args: Args) -> Result<bool> {
     let started = Instant::now();
     let total = args.orders as usize;
-    outbox::redact::check_urls(&args.amqp_url, "AMQP URL", &["amqp", "amqps"])
+    outbox::urls::check_urls(&args.amqp_url, "AMQP URL", &["amqp", "amqps"])
         .map_err(anyhow::Error::msg)?;
     let dbs = env::databases(&args.database_url).await?;
     let broker = Arc::new(Broker::new(&args.amqp_url));

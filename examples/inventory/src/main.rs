@@ -80,9 +80,9 @@ async fn run(args: Args) -> Result<()> {
     let Some(database_url) = args.database_url else {
         bail!("set --database-url, INVENTORY_DATABASE_URL or DATABASE_URL");
     };
-    outbox::redact::check_url(&database_url, "database URL", &["postgres", "postgresql"])
+    outbox::urls::check_url(&database_url, "database URL", &["postgres", "postgresql"])
         .map_err(anyhow::Error::msg)?;
-    outbox::redact::check_urls(&args.amqp_url, "AMQP URL", &["amqp", "amqps"])
+    outbox::urls::check_urls(&args.amqp_url, "AMQP URL", &["amqp", "amqps"])
         .map_err(anyhow::Error::msg)?;
     let pool = sqlx::PgPool::connect(&database_url)
         .await

@@ -47,7 +47,7 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<()> {
-    outbox::redact::check_url(
+    outbox::urls::check_url(
         &args.database_url,
         "database URL",
         &["postgres", "postgresql"],

@@ -19,7 +19,7 @@ use std::time::Duration;
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::{Connection, ConnectionProperties};
 
-use crate::redact::host_port;
+use crate::urls::host_port;
 
 /// What went wrong with the broker: the one broker error of the relay and
 /// the consumer (their `Error::Broker`). Broker outcomes of single events

@@ -9,7 +9,7 @@ use std::time::Duration;
 use lapin::{Connection, ConnectionProperties};
 
 use super::{BrokerError, Link, connect_any};
-use crate::redact::host_port;
+use crate::urls::host_port;
 
 /// The nodes of a broker URL list (never printed: they may hold
 /// passwords), which one the next connection tries first, and which one is

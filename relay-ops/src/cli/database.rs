@@ -20,7 +20,7 @@ pub(super) async fn connect_db(
     slow: Duration,
     timeout: Duration,
 ) -> Result<PgPool> {
-    outbox::redact::check_url(url, "database URL", &["postgres", "postgresql"])
+    outbox::urls::check_url(url, "database URL", &["postgres", "postgresql"])
         .map_err(anyhow::Error::msg)?;
     // sqlx's parse errors do not quote the URL; say which setting anyway.
     let options: PgConnectOptions = url.parse().map_err(|e: sqlx::Error| {

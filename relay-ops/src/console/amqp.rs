@@ -85,7 +85,7 @@ impl Broker {
         let t = self.timeout;
         let mut conn = self.conn.lock().await;
         if !conn.as_ref().is_some_and(|c| c.status().connected()) {
-            let urls = outbox::redact::split_urls(self.urls.expose());
+            let urls = outbox::urls::split_urls(self.urls.expose());
             let props =
                 ConnectionProperties::default().with_connection_name("outbox-console".into());
             let (c, _, _) = connect_any(&urls, 0, t, props).await?;

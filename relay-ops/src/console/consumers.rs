@@ -51,7 +51,7 @@ impl ConsumerOptions {
             None
         } else {
             let list = urls.join(",");
-            outbox::redact::check_urls(&list, "--amqp-url", &["amqp", "amqps"])
+            outbox::urls::check_urls(&list, "--amqp-url", &["amqp", "amqps"])
                 .map_err(anyhow::Error::msg)?;
             Some(SecretUrl::new(list))
         };

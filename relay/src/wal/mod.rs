@@ -3,11 +3,13 @@
 //! wrote, in commit order, publishes them with the relay's publisher
 //! (confirms, mandatory returns), puts those not delivered in the outbox
 //! table (`divert.rs`), and only then confirms their position to the slot.
-//! The files: `reader.rs` (sessions, standby, reconnects), `slot.rs`,
+//! The files: `reader.rs` (sessions, standby, reconnects), `config.rs`
+//! (what it takes of the relay's configuration), `slot.rs`,
 //! `stream.rs` (reading and sending), `window.rs` (the batches on the
 //! wire), `decode.rs`, and `setup.rs` (creating and dropping the slot).
 //! Other relays wait as standbys and take the slot when it is free.
 
+mod config;
 mod decode;
 pub(crate) mod divert;
 mod reader;
@@ -16,7 +18,8 @@ mod slot;
 mod stream;
 mod window;
 
-pub(crate) use reader::{ReaderConfig, WalReader};
+pub(crate) use config::ReaderConfig;
+pub(crate) use reader::WalReader;
 pub use setup::recorded_wal_slot;
 pub use setup::{WalSetUp, create_wal_slot, drop_wal_slot};
 pub(crate) use slot::{lost_message, refusal, slot_row};
@@ -27,7 +30,7 @@ use pgwire_replication::ReplicationConfig;
 /// why it cannot be used (never quoting the URL).
 pub(crate) fn source(url: &str) -> Result<ReplicationConfig, String> {
     let what = "WAL capture database URL";
-    outbox::redact::check_url(url, what, &["postgres", "postgresql"])?;
+    outbox::urls::check_url(url, what, &["postgres", "postgresql"])?;
     let u = url::Url::parse(url).map_err(|_| {
         format!("{what} is malformed; the value is not shown: it may hold a password")
     })?;

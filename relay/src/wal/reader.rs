@@ -16,17 +16,16 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::{Broker, blocked_now, unblocked};
-use crate::config::{RelayConfig, WalCapture};
 use crate::error::{ConfigError, Error, Result};
-use crate::publish::PublishSettings;
 use crate::publish::Publisher;
 use crate::settle::Settle;
 use crate::stats::Stats;
 use crate::wake::sleep_or_cancel;
+use crate::wal::config::ReaderConfig;
 use crate::wal::decode::lsn_text;
 use crate::wal::divert;
 use crate::wal::slot::{self, refusal, slot_busy, slot_row, wal_error};
-use crate::wal::stream::Stream;
+use crate::wal::stream::{ReadEnd, Stream};
 use outbox_core::backoff::Backoff;
 use outbox_core::outage::Outage;
 
@@ -34,43 +33,6 @@ use outbox_core::outage::Outage;
 /// to the slot. A status update is one small message with no answer, so
 /// fifty a second cost PostgreSQL nothing it would notice.
 const FEEDBACK: Duration = Duration::from_millis(20);
-
-/// How a replication session ended, when not by an error.
-pub(super) enum ReadEnd {
-    Shutdown,
-    /// Another session holds the slot (its `application_name`).
-    Standby(String),
-}
-
-/// What the log's reader takes of the relay's configuration.
-#[derive(Debug, Clone)]
-pub(crate) struct ReaderConfig {
-    /// Where and how to read the log.
-    pub(super) wal: WalCapture,
-    pub(super) publish: PublishSettings,
-    /// Events per batch on the wire.
-    pub(super) batch_size: usize,
-    pub(super) database_timeout: Duration,
-    /// The backoff's bounds between replication sessions.
-    pub(super) reconnect: (Duration, Duration),
-    /// The relay's name (the session's `application_name`).
-    pub(super) name: String,
-}
-
-impl ReaderConfig {
-    /// The reader's part of `config`; `None` without
-    /// [`RelayConfig::wal`].
-    pub(crate) fn new(config: &RelayConfig) -> Option<Self> {
-        Some(Self {
-            wal: config.wal.clone()?,
-            publish: PublishSettings::new(config),
-            batch_size: config.batch_size,
-            database_timeout: config.database_timeout,
-            reconnect: (config.reconnect_min, config.reconnect_max),
-            name: config.name.clone(),
-        })
-    }
-}
 
 /// The reader of one schema's slot.
 pub(crate) struct WalReader {

@@ -21,13 +21,20 @@ use crate::message::OutboxEvent;
 use crate::publish::{Publisher, Receipt};
 use crate::settle::Settled;
 use crate::stats::Stats;
+use crate::wal::config::ReaderConfig;
 use crate::wal::decode::decode;
 use crate::wal::divert::Divert;
-use crate::wal::reader::{ReadEnd, ReaderConfig};
 use crate::wal::slot::{self, wal_error};
 use crate::wal::window::{
     Batch, MAX_BATCHES_ON_WIRE, OnWire, Pending, WINDOW_BATCHES, Window, ordered_aggregates,
 };
+
+/// How a replication session ended, when not by an error.
+pub(super) enum ReadEnd {
+    Shutdown,
+    /// Another session holds the slot (its `application_name`).
+    Standby(String),
+}
 
 /// One session's stream and what it holds.
 pub(super) struct Session<'a> {
