@@ -8,6 +8,11 @@ export TEST_DATABASE_URL ?= $(DATABASE_URL)
 export TEST_AMQP_URL ?= $(AMQP_URL)
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
+# Locks that keep apart runs that must not overlap when run side by side
+# (CI runs the benchmark smoke beside `make test`): the smoke holds both,
+# shared; the tests that restart the default broker or the database take
+# `default-node`, the cluster suite (it stops and starts nodes) `cluster`.
+LOCKS := $(TARGET_DIR)/locks
 
 .PHONY: help services browser cluster test-cluster package doc build test lint check-deploy fmt demo bench bench-smoke profile soak clean-test-schemas dist image-test
 
@@ -20,22 +25,32 @@ services: ## make sure PostgreSQL and RabbitMQ run on loopback (install/start th
 browser: ## make sure chromium and chromedriver are installed (the console's browser tests; installs them if needed)
 	@./scripts/browser.sh
 
-cluster: ## start a local three-node RabbitMQ cluster on ports 5701-5703 (for the cluster suite)
+cluster: ## start a local three-node RabbitMQ cluster on ports 5701-5703 (the cluster suite) and a standalone node on 5704 (the alarm test)
 	@./scripts/cluster.sh start
 
 build: ## build everything
 	$(CARGO) build --workspace --all-targets
 
 test: ## run every test (unit, database, broker, end-to-end, browser, the cluster suite) against the real services
-	$(CARGO) nextest run --workspace --all-features --no-fail-fast -E 'not test(/^disruptive_/) and not test(/^cluster_/)'
-	@# Tests that restart the shared broker or database run alone, after the rest.
-	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^disruptive_/) and not test(/^disruptive_broker_alarm/)'
-	@# The fault suite on a local three-node RabbitMQ cluster (started on
-	@# demand), and beside it the five-minute alarm on the shared broker (it
-	@# blocks only that broker's publishers; the cluster suite has its own).
-	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^disruptive_broker_alarm/)' & alarm=$$!; \
-	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^cluster_/)'; cluster=$$?; \
-	wait $$alarm; alarm=$$?; test $$cluster -eq 0 -a $$alarm -eq 0
+	@# The test brokers beside the default node (a quick no-op when they
+	@# run): the three-node cluster and the standalone node.
+	@./scripts/cluster.sh start
+	@# The five-minute alarm runs on the standalone node (it blocks every
+	@# publisher of its broker), beside the tests of the default broker; its
+	@# lines have a prefix. (The cluster suite beside them too made each
+	@# run half again as slow: two cores.)
+	mkdir -p $(LOCKS); \
+	( set -o pipefail; TEST_AMQP_URL=amqp://guest:guest@127.0.0.1:5704/%2f TEST_RABBITMQCTL="$(CURDIR)/scripts/cluster.sh ctl solo" \
+	  $(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^disruptive_broker_alarm/)' 2>&1 | sed -u 's/^/alarm| /' ) & alarm=$$!; \
+	$(CARGO) nextest run --workspace --all-features --no-fail-fast -E 'not test(/^disruptive_/) and not test(/^cluster_/)'; rest=$$?; \
+	wait $$alarm; alarm=$$?; \
+	echo "make test: the default broker's tests $$rest, the alarm $$alarm (0: passed)"; \
+	test $$rest -eq 0 -a $$alarm -eq 0
+	@# Tests that restart the default broker or the database run alone.
+	flock $(LOCKS)/default-node $(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^disruptive_/) and not test(/^disruptive_broker_alarm/)'
+	@# The fault suite on the three-node cluster, one test at a time (it
+	@# stops and starts the cluster's nodes).
+	flock $(LOCKS)/cluster $(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^cluster_/)'
 	$(CARGO) test --workspace --all-features --doc
 
 test-cluster: cluster ## the fault suite on the three-node cluster with quorum queues (stops and starts its nodes; runs alone)
@@ -72,7 +87,8 @@ profile: services ## a CPU profile of the relay draining a backlog: target/profi
 
 bench-smoke: cluster ## the benchmark with tiny counts (CI runs this so it cannot rot)
 	$(CARGO) build -q -p outbox-relay-ops -p bench
-	$(TARGET_DIR)/debug/bench --smoke --latency-stages --out target/bench/smoke.json
+	mkdir -p $(LOCKS)
+	flock -s $(LOCKS)/default-node flock -s $(LOCKS)/cluster $(TARGET_DIR)/debug/bench --smoke --latency-stages --out target/bench/smoke.json
 
 dist: ## the relay as shipped: stripped target/dist/outbox-relay, its .debug file and a tarball (profile dist)
 	./scripts/dist.sh

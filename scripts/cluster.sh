@@ -7,10 +7,17 @@
 # distribution port (25701-25703) and the cluster's own Erlang cookie; the
 # nodes run as user rabbitmq. Needs root (or the rabbitmq user).
 #
-#   start            (default) start what is down, form the cluster; quick no-op when up
-#   stop             stop the three nodes gracefully (data stays)
+# Beside them, outbox-solo@localhost on 127.0.0.1:5704 (distribution port
+# 25704) is a standalone node, in no cluster: a test that blocks a whole
+# broker for minutes (the alarm test) runs on it, so the tests of the
+# default node need not wait for it to end.
+#
+#   start            (default) start what is down, form the cluster, start the
+#                    standalone node; quick no-op when up
+#   stop             stop the four nodes gracefully (data stays)
 #   reset            stop, wipe the cluster directory, start fresh
 #   status           one line per node: running or not, pid, port
+#   ctl N ARGS...    rabbitmqctl ARGS against node N (1-3, a name, or solo)
 #   kill N           SIGKILL node N (1-3 or its name), wait until its port is closed
 #   stop-node N      stop node N gracefully
 #   start-node N     start node N again, wait until it runs in the cluster
@@ -22,9 +29,11 @@ set -euo pipefail
 
 DIR=${OUTBOX_CLUSTER_DIR:-/var/tmp/outbox-cluster}
 RMQ_BIN=/usr/lib/rabbitmq/bin
-NODES=(outbox-c1@localhost outbox-c2@localhost outbox-c3@localhost)
-PORTS=(5701 5702 5703)
-DIST_PORTS=(25701 25702 25703)
+# The cluster's members are 0-2; 3 is the standalone node.
+NODES=(outbox-c1@localhost outbox-c2@localhost outbox-c3@localhost outbox-solo@localhost)
+PORTS=(5701 5702 5703 5704)
+DIST_PORTS=(25701 25702 25703 25704)
+SOLO=3
 # Two schedulers and no busy waiting: three nodes share a 2-core machine;
 # a smaller process table (the default is 1M processes).
 # How soon at-least-once dead-lettering re-sends a message a full or
@@ -70,7 +79,10 @@ index_of() { # 1-3, outbox-cN or outbox-cN@localhost -> 0-2
     for i in 0 1 2; do
         case $1 in "$((i + 1))" | "${NODES[$i]}" | "${NODES[$i]%@*}") echo "$i"; return 0 ;; esac
     done
-    die "no such node: $1 (1-3 or a name: ${NODES[*]})"
+    die "no such node: $1 (1-3 or a name: ${NODES[*]:0:3})"
+}
+any_index_of() { # a cluster node as index_of, or solo (outbox-solo, its full name) -> 0-3
+    case $1 in solo | "${NODES[$SOLO]}" | "${NODES[$SOLO]%@*}") echo "$SOLO" ;; *) index_of "$1" ;; esac
 }
 
 proc_alive() { # pid: exists and is not a zombie (here PID 1 reaps orphans late)
@@ -127,7 +139,7 @@ ERL_EPMD_ADDRESS=127.0.0.1
 export ERL_FLAGS="-kernel inet_dist_use_interface {127,0,0,1}"
 EOF
     echo '[rabbitmq_consistent_hash_exchange].' >"$DIR/enabled_plugins"
-    for i in 0 1 2; do
+    for i in 0 1 2 $SOLO; do
         d=$(node_dir "$i")
         mkdir -p "$d/mnesia" "$d/log" "$d/plugins"
         cat >"$d/rabbitmq.conf" <<EOF
@@ -182,7 +194,7 @@ members() { ctl "$1" -q cluster_status --formatter json | jq -r '.disk_nodes[], 
 all_running() { # index: true when that node reports all three as running members
     local r n
     r=$(running_nodes "$1" 2>/dev/null) || return 1
-    for n in "${NODES[@]}"; do grep -qx "$n" <<<"$r" || return 1; done
+    for n in "${NODES[@]:0:3}"; do grep -qx "$n" <<<"$r" || return 1; done
 }
 
 quiet() { # runs a command, shows what it printed only when it fails
@@ -206,7 +218,15 @@ lock() { # one mutating command at a time (tests in several processes may call s
 }
 
 cmd_start() {
-    local i started=() m
+    local i started=() m solo=
+    # The standalone node boots beside the cluster's.
+    if ! node_pid "$SOLO" >/dev/null && ! port_open "${PORTS[$SOLO]}"; then
+        port_open "${DIST_PORTS[$SOLO]}" && die "port ${DIST_PORTS[$SOLO]} is taken by another process"
+        setup
+        say "starting ${NODES[$SOLO]}"
+        start_node "$SOLO"
+        solo=started
+    fi
     if node_up 0 && node_up 1 && node_up 2 && all_running 0; then
         say "already running"
     else
@@ -223,13 +243,16 @@ cmd_start() {
         m=$(members 0)
         for i in 1 2; do grep -qx "${NODES[$i]}" <<<"$m" || join "$i"; done
         wait_for "three running nodes" 60 all_running 0
-        say "running: ${NODES[*]}${started[*]:+ (started ${#started[@]})}"
+        say "running: ${NODES[*]:0:3}${started[*]:+ (started ${#started[@]})}"
     fi
+    await_node "$SOLO"
+    [ -z "$solo" ] || say "running: ${NODES[$SOLO]}"
     # Also on nodes started by an older version of this script.
     for i in 0 1 2; do
         ctl "$i" -q eval "application:set_env(rabbit, dead_letter_worker_publisher_confirm_timeout, $DLX_RESEND_MS)." >/dev/null
     done
     for i in 0 1 2; do say "amqp://guest:***@127.0.0.1:${PORTS[$i]}/%2f"; done
+    say "standalone: amqp://guest:***@127.0.0.1:${PORTS[$SOLO]}/%2f"
 }
 
 stop_one() { # index: graceful stop, SIGKILL after 60 s
@@ -254,7 +277,7 @@ stop_one() { # index: graceful stop, SIGKILL after 60 s
 
 cmd_stop() {
     local i pids=()
-    for i in 0 1 2; do stop_one "$i" & pids+=($!); done
+    for i in 0 1 2 $SOLO; do stop_one "$i" & pids+=($!); done
     for i in "${pids[@]}"; do wait "$i"; done
     say "stopped (data kept in $DIR)"
 }
@@ -284,7 +307,7 @@ cmd_start_node() {
 
 cmd_status() {
     local i pid state note
-    for i in 0 1 2; do
+    for i in 0 1 2 $SOLO; do
         note=
         if pid=$(node_pid "$i"); then
             if port_open "${PORTS[$i]}"; then state=running; else state=starting; fi
@@ -292,7 +315,7 @@ cmd_status() {
             pid=- state=down
             [ -s "$(node_dir "$i")/pid" ] && note=" (stale pid file: killed?)"
         fi
-        printf '%-20s %-8s pid %-7s port %s%s\n' "${NODES[$i]}" "$state" "$pid" "${PORTS[$i]}" "$note"
+        printf '%-22s %-8s pid %-7s port %s%s\n' "${NODES[$i]}" "$state" "$pid" "${PORTS[$i]}" "$note"
     done
 }
 
@@ -351,5 +374,6 @@ stop-node) [ $# = 2 ] || die "usage: $0 stop-node N"; lock; stop_one "$(index_of
 start-node) [ $# = 2 ] || die "usage: $0 start-node N"; lock; cmd_start_node "$2" ;;
 messages) [ $# -ge 2 ] || die "usage: $0 messages QUEUE..."; shift; cmd_messages "$@" ;;
 leader) [ $# -ge 2 ] || die "usage: $0 leader QUEUE [VHOST]"; cmd_leader "$2" "${3:-/}" ;;
-*) die "usage: $0 [start|stop|reset|status|kill N|stop-node N|start-node N|leader QUEUE [VHOST]]" ;;
+ctl) [ $# -ge 3 ] || die "usage: $0 ctl N|solo ARGS..."; i=$(any_index_of "$2"); shift 2; ctl "$i" "$@" ;;
+*) die "usage: $0 [start|stop|reset|status|kill N|stop-node N|start-node N|leader QUEUE [VHOST]|messages QUEUE...|ctl N|solo ARGS...]" ;;
 esac

@@ -223,7 +223,9 @@ async fn silent_database_link_wal() {
 /// A memory alarm on the test broker, cleared when dropped (a failing test
 /// must not leave the broker blocking everyone else's publishers), and by a
 /// dead man's switch a minute after it was due, should the test be killed
-/// before it could drop it.
+/// before it could drop it. The broker is the one `TEST_AMQP_URL` and
+/// `TEST_RABBITMQCTL` name: `make test` runs this test on the standalone
+/// node of `scripts/cluster.sh`.
 struct Alarm;
 
 const CLEAR_ALARM: &str = "rabbit_alarm:clear_alarm({resource_limit, memory, node()}).";
@@ -231,8 +233,9 @@ const CLEAR_ALARM: &str = "rabbit_alarm:clear_alarm({resource_limit, memory, nod
 impl Alarm {
     fn set(lasting: Duration) -> Self {
         let switch = format!(
-            "sleep {}; rabbitmqctl eval '{CLEAR_ALARM}' >/dev/null 2>&1",
-            lasting.as_secs() + 60
+            "sleep {}; {} eval '{CLEAR_ALARM}' >/dev/null 2>&1",
+            lasting.as_secs() + 60,
+            e2e::rabbitmqctl().join(" ")
         );
         // `setsid --fork`: the switch outlives this process, and the
         // command returns at once.
@@ -255,9 +258,16 @@ impl Drop for Alarm {
     }
 }
 
+/// `rabbitmqctl` of the test broker ([`e2e::rabbitmqctl`]) with `args`.
+fn rabbitmqctl<const N: usize>(args: [&str; N]) -> Command {
+    let line = e2e::rabbitmqctl();
+    let mut c = Command::new(&line[0]);
+    c.args(&line[1..]).args(args);
+    c
+}
+
 fn rabbitmqctl_eval(expr: &str) {
-    let ok = Command::new("rabbitmqctl")
-        .args(["eval", expr])
+    let ok = rabbitmqctl(["eval", expr])
         .stdout(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
@@ -266,10 +276,9 @@ fn rabbitmqctl_eval(expr: &str) {
 
 /// The broker's connections, one `client_properties` line each: one
 /// `rabbitmqctl` a look (each boots a VM: about 0.6 s of CPU, which the
-/// cluster suite beside this test needs).
+/// tests beside this one need).
 fn broker_connections() -> String {
-    let out = Command::new("rabbitmqctl")
-        .args(["list_connections", "-q", "client_properties"])
+    let out = rabbitmqctl(["list_connections", "-q", "client_properties"])
         .output()
         .expect("rabbitmqctl list_connections");
     assert!(out.status.success(), "rabbitmqctl list_connections failed");
@@ -448,9 +457,9 @@ impl Watched {
     }
 }
 
-/// `make test` runs it apart from the other tests of the shared broker
-/// (beside the cluster suite, which has brokers of its own): the alarm
-/// blocks every publisher of the shared broker.
+/// `make test` runs it on a broker of its own (the standalone node of
+/// `scripts/cluster.sh`), beside the other tests: the alarm blocks every
+/// publisher of its broker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disruptive_broker_alarm_that_lasts_minutes() {
     let scenario = "broker alarm";
@@ -464,7 +473,7 @@ async fn disruptive_broker_alarm_that_lasts_minutes() {
         |c: &Option<WatchedConsumer>| c.as_ref().is_some_and(|c| c.consumer.broker_blocked_now());
     let stop = CancellationToken::new();
     // About 50 events a second into each (`make test` runs this beside
-    // the cluster suite: the backlog the alarm leaves is drained beside it).
+    // the other tests: the backlog the alarm leaves is drained beside them).
     let producing: Vec<_> = watched
         .iter()
         .map(|w| {
@@ -558,8 +567,8 @@ async fn disruptive_broker_alarm_that_lasts_minutes() {
     }
     let before: Vec<usize> = watched.iter().map(|w| w.collector.distinct()).collect();
     // Counted from when the broker has lifted the alarm: `rabbitmqctl`
-    // boots a VM first, which takes seconds on a machine the cluster suite
-    // beside this test keeps busy (6.8 s counted from before it, once).
+    // boots a VM first, which takes seconds on a machine the other tests
+    // keep busy (6.8 s counted from before it, once).
     let clearing = Instant::now();
     drop(alarm);
     let cleared_at = Instant::now();

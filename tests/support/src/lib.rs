@@ -28,7 +28,7 @@ pub use broker::{TestBroker, connect, connect_any, declare_tap_queue, depth, set
 pub use collect::{Collector, Received, SeqLog};
 pub use db::{TestDb, drop_orphan_slots, drop_slot, hold_snapshot, locked_rows, pool, scans};
 pub use effect::RecordEffect;
-pub use env::{amqp_url, database_url, suffix};
+pub use env::{amqp_url, database_url, rabbitmqctl, suffix};
 pub use http::{HttpReply, http_get, post_json};
 pub use process::{
     KillOnDrop, ProcessLogs, freeze_mid_batch, kill_now, relay_command, stop_child, wait_exit,
