@@ -1,7 +1,8 @@
 //! The consumer's public handle: construction (validating the
-//! configuration), [`Consumer::run`] and its stats. Supervision (connect,
-//! consume, reconnect) is in `session.rs`; one batch of deliveries in
-//! `process/`.
+//! configuration and building its parts), [`Consumer::run`] and its stats.
+//! Its parts are types of their own: `Sessions` (`session.rs`: connect,
+//! consume, reconnect) hands each batch of deliveries to the `Pipeline`
+//! (`process/`: decode, the transaction stage `Commit`, dispositions, ack).
 
 use std::sync::Arc;
 
@@ -13,8 +14,12 @@ use crate::config::{ConsumerConfig, Sequencing};
 use crate::error::{Error, Result};
 use crate::handler::{BatchHandler, Handler, Handlers};
 use crate::inbox::Inbox;
+use crate::pause::FIRST_BACKOFF;
+use crate::process::{Commit, Pipeline};
 use crate::sequence::Sequences;
+use crate::session::Sessions;
 use crate::telemetry::{ConsumerStats, Counters};
+use outbox_core::backoff::Backoff;
 use outbox_core::outage::Outage;
 
 /// Consumes a queue and applies each event's effect exactly once per
@@ -24,29 +29,18 @@ use outbox_core::outage::Outage;
 /// Cheap to clone (clones share state). See the crate docs for an example.
 #[derive(Clone)]
 pub struct Consumer {
-    pub(crate) inner: Arc<Inner>,
+    inner: Arc<Inner>,
 }
 
-pub(crate) struct Inner {
-    pub(crate) config: ConsumerConfig,
-    pub(crate) schema: Ident,
-    pub(crate) pool: PgPool,
-    pub(crate) handlers: Handlers,
-    pub(crate) inbox: Inbox,
-    /// The batch transaction's BEGIN with its bounds.
-    pub(crate) begin: sqlx::SqlStr,
-    /// Sequencing on: the `inbox_sequences` statements.
-    pub(crate) sequences: Option<Sequences>,
-    pub(crate) counters: Counters,
-    pub(crate) broker: Outage,
-    pub(crate) database: Outage,
-    /// The broker's nodes: which one the next connection tries first
-    /// (the one in use, or the one after it once a session on it failed),
-    /// which one is in use.
-    pub(crate) nodes: outbox_core::amqp::Nodes,
-    /// The broker blocks the session's connection now (a resource alarm):
-    /// acks and republishes wait for the lift.
-    pub(crate) blocked: Arc<std::sync::atomic::AtomicBool>,
+struct Inner {
+    config: Arc<ConsumerConfig>,
+    schema: Ident,
+    pool: PgPool,
+    counters: Arc<Counters>,
+    /// Shared with the transaction stage.
+    database: Arc<Outage>,
+    sessions: Sessions,
+    pipeline: Pipeline,
 }
 
 impl std::fmt::Debug for Consumer {
@@ -102,33 +96,27 @@ impl Consumer {
                 ))
             }
         };
-        let (broker, database) = (
-            Outage::new("broker", config.consumer_name.clone()),
-            Outage::new("database", config.consumer_name.clone()),
-        );
-        let nodes = outbox_core::amqp::Nodes::new(
-            outbox::urls::split_urls(config.amqp_url.expose())
-                .into_iter()
-                .map(str::to_owned)
-                .collect(),
-            config.broker_timeout,
-            "outbox_consumer_broker_connected",
-            vec![("consumer", config.consumer_name.clone())],
+        let config = Arc::new(config);
+        let counters = Arc::new(Counters::default());
+        let database = Arc::new(Outage::new("database", config.consumer_name.clone()));
+        let commit = Commit::new(
+            config.clone(),
+            pool.clone(),
+            handlers,
+            inbox,
+            sequences,
+            counters.clone(),
+            database.clone(),
         );
         Ok(Self {
             inner: Arc::new(Inner {
-                begin: config.begin_batch(),
+                sessions: Sessions::new(config.clone(), counters.clone()),
+                pipeline: Pipeline::new(config.clone(), counters.clone(), commit),
                 config,
                 schema,
                 pool,
-                handlers,
-                inbox,
-                sequences,
-                counters: Counters::default(),
-                nodes,
-                broker,
+                counters,
                 database,
-                blocked: Arc::default(),
             }),
         })
     }
@@ -155,18 +143,19 @@ impl Consumer {
     /// Returns an error only when retrying cannot help: the inbox is not
     /// migrated ([`migrate`](crate::migrate)) or newer than this library.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
+        let me = &self.inner;
         if !self.wait_migrated(&shutdown).await? {
             return Ok(());
         }
         // The inbox's day partitions, prepared ahead beside the sessions.
         let upkeep = shutdown.child_token();
         let prepare = crate::retention::prepare_days_hourly(
-            self.inner.pool.clone(),
-            self.inner.schema.clone(),
+            me.pool.clone(),
+            me.schema.clone(),
             upkeep.clone(),
         );
         let supervised = async {
-            let r = self.supervise(&shutdown).await;
+            let r = me.sessions.supervise(&me.pipeline, &shutdown).await;
             upkeep.cancel();
             r
         };
@@ -203,7 +192,7 @@ impl Consumer {
     /// `host:port` of the broker node this consumer is connected to, or
     /// was last connected to.
     pub fn broker_node(&self) -> Option<String> {
-        self.inner.nodes.current()
+        self.inner.sessions.broker_node()
     }
 
     /// Whether the broker blocks this consumer's connection now (a memory
@@ -213,8 +202,43 @@ impl Consumer {
     /// counted against the events. Also the gauge
     /// `outbox_consumer_broker_blocked{consumer}`.
     pub fn broker_blocked_now(&self) -> bool {
-        self.inner
-            .blocked
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.inner.sessions.blocked_now()
+    }
+
+    /// The batch stages, which the test harness (`testing`) drives with
+    /// built events.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // read by `testing`
+    pub(crate) fn pipeline(&self) -> &Pipeline {
+        &self.inner.pipeline
+    }
+
+    /// `Err` when the inbox is not migrated, or newer than this library.
+    pub(crate) async fn check_migrated(&self) -> Result<()> {
+        let me = &self.inner;
+        outbox_core::migrate::ensure_migrated(&me.pool, &crate::migrate::CONSUMER, &me.schema)
+            .await
+            .map_err(|e| outbox::Error::from(e).into())
+    }
+
+    /// Waits until the inbox is migrated, riding out database outages;
+    /// `false` when `shutdown` fired first. `Err`: not migrated, or newer
+    /// than this library.
+    async fn wait_migrated(&self, shutdown: &CancellationToken) -> Result<bool> {
+        let me = &self.inner;
+        let mut backoff = Backoff::new(FIRST_BACKOFF, me.config.max_reconnect_delay);
+        loop {
+            match self.check_migrated().await {
+                Ok(()) => break,
+                Err(Error::Outbox(e)) if e.is_transient() => {
+                    me.database.failed(&Error::Outbox(e));
+                    if !backoff.pause(shutdown).await {
+                        return Ok(false);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        me.database.ok();
+        Ok(true)
     }
 }

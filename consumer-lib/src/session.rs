@@ -1,10 +1,11 @@
-//! Supervision: wait for the migrated inbox, then broker sessions, one
-//! after the other: connect (failing over between the broker URLs),
-//! declare, consume batches of deliveries (each processed by `process/`)
-//! and, after a failure, reconnect with backoff.
+//! Supervision: broker sessions, one after the other: connect (failing
+//! over between the broker URLs), declare, consume batches of deliveries
+//! (each processed by the `Pipeline` of `process/`) and, after a failure,
+//! reconnect with backoff.
 
 use outbox_core::amqp::BrokerError;
-use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures_util::StreamExt as _;
 use lapin::message::Delivery;
@@ -16,64 +17,81 @@ use lapin::{Connection, ConnectionProperties};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::ConsumerConfig;
-use crate::consumer::Consumer;
 use crate::error::{Error, Result, bounded};
 use crate::pause::{End, FIRST_BACKOFF};
+use crate::process::Pipeline;
+use crate::telemetry::Counters;
 use crate::topology::declare_retry_queues;
-use outbox_core::amqp::{BlockWatch, Flow, Link};
+use outbox_core::amqp::{BlockWatch, Flow, Link, Nodes};
 use outbox_core::backoff::Backoff;
+use outbox_core::outage::Outage;
 
-impl Consumer {
-    /// Waits until the inbox is migrated, riding out database outages;
-    /// `false` when `shutdown` fired first. `Err`: not migrated, or newer
-    /// than this library.
-    pub(crate) async fn wait_migrated(&self, shutdown: &CancellationToken) -> Result<bool> {
-        let me = &self.inner;
-        let mut backoff = Backoff::new(FIRST_BACKOFF, me.config.max_reconnect_delay);
-        loop {
-            match outbox_core::migrate::ensure_migrated(
-                &me.pool,
-                &crate::migrate::CONSUMER,
-                &me.schema,
-            )
-            .await
-            .map_err(outbox::Error::from)
-            {
-                Ok(()) => break,
-                Err(e) if e.is_transient() => {
-                    me.database.failed(&Error::Outbox(e));
-                    if !backoff.pause(shutdown).await {
-                        return Ok(false);
-                    }
-                }
-                Err(e) => return Err(e.into()),
-            }
+/// The consumer's broker side: its sessions, one after the other.
+pub(crate) struct Sessions {
+    config: Arc<ConsumerConfig>,
+    counters: Arc<Counters>,
+    broker: Outage,
+    /// The broker's nodes: which one the next connection tries first
+    /// (the one in use, or the one after it once a session on it failed),
+    /// which one is in use.
+    nodes: Nodes,
+    /// The broker blocks the session's connection now (a resource alarm):
+    /// acks and republishes wait for the lift.
+    blocked: Arc<AtomicBool>,
+}
+
+impl Sessions {
+    pub(crate) fn new(config: Arc<ConsumerConfig>, counters: Arc<Counters>) -> Self {
+        let nodes = Nodes::new(
+            outbox::urls::split_urls(config.amqp_url.expose())
+                .into_iter()
+                .map(str::to_owned)
+                .collect(),
+            config.broker_timeout,
+            "outbox_consumer_broker_connected",
+            vec![("consumer", config.consumer_name.clone())],
+        );
+        Self {
+            broker: Outage::new("broker", config.consumer_name.clone()),
+            config,
+            counters,
+            nodes,
+            blocked: Arc::default(),
         }
-        me.database.ok();
-        Ok(true)
+    }
+
+    /// `host:port` of the node in use, or last used.
+    pub(crate) fn broker_node(&self) -> Option<String> {
+        self.nodes.current()
+    }
+
+    /// Whether the broker blocks the session's connection now.
+    pub(crate) fn blocked_now(&self) -> bool {
+        self.blocked.load(Ordering::Relaxed)
     }
 
     /// Broker sessions until `shutdown`, reconnecting with backoff after
     /// each failure that retrying can fix.
-    pub(crate) async fn supervise(&self, shutdown: &CancellationToken) -> Result<()> {
-        let me = &self.inner;
-        let name = me.config.consumer_name.as_str();
-        let mut backoff = Backoff::new(FIRST_BACKOFF, me.config.max_reconnect_delay);
+    pub(crate) async fn supervise(
+        &self,
+        pipeline: &Pipeline,
+        shutdown: &CancellationToken,
+    ) -> Result<()> {
+        let name = self.config.consumer_name.as_str();
+        let mut backoff = Backoff::new(FIRST_BACKOFF, self.config.max_reconnect_delay);
         loop {
             if shutdown.is_cancelled() {
                 return Ok(());
             }
-            match self.session(shutdown, &mut backoff).await {
+            match self.session(pipeline, shutdown, &mut backoff).await {
                 Ok(End::Shutdown) => {
-                    tracing::info!(consumer = name, queue = %me.config.queue, "consumer stopped");
+                    tracing::info!(consumer = name, queue = %self.config.queue, "consumer stopped");
                     return Ok(());
                 }
                 Err(e) if !e.is_transient() => return Err(e),
                 Err(e) => {
-                    me.broker.failed(&e);
-                    me.counters.broker_errors.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("outbox_consumer_broker_errors_total", "consumer" => name.to_owned())
-                        .increment(1);
+                    self.broker.failed(&e);
+                    self.counters.broker_error(name);
                     if !backoff.pause(shutdown).await {
                         return Ok(());
                     }
@@ -83,22 +101,27 @@ impl Consumer {
     }
 
     /// One broker connection, from connect to close.
-    async fn session(&self, shutdown: &CancellationToken, backoff: &mut Backoff) -> Result<End> {
-        let cfg = &self.inner.config;
+    async fn session(
+        &self,
+        pipeline: &Pipeline,
+        shutdown: &CancellationToken,
+        backoff: &mut Backoff,
+    ) -> Result<End> {
+        let cfg = &self.config;
         let t = cfg.broker_timeout;
         // lapin's auto-recovery stays off: `supervise` reconnects.
         let props = ConnectionProperties::default()
             .with_connection_name(format!("outbox-consumer {}", cfg.consumer_name).into());
         let (conn, link, node) = self.connect(props).await?;
         let watch = self.watch_blocks(&conn);
-        let result = self.consume(&conn, shutdown, backoff).await;
+        let result = self.consume(pipeline, &conn, shutdown, backoff).await;
         drop(watch);
         if result.is_err() {
             // The next connection starts with the node after this one.
-            self.inner.nodes.leave(node);
+            self.nodes.leave(node);
         }
         // Disconnected: the node's gauge drops to 0 until a connection.
-        self.inner.nodes.gone();
+        self.nodes.gone();
         // Closed before the next one opens, or cut: a blocked connection
         // (a resource alarm) writes nothing, not even its close.
         link.close(&conn, t).await;
@@ -106,10 +129,11 @@ impl Consumer {
     }
 
     /// Shows the broker's blocks of `conn` (one warning, the gauge,
-    /// [`Consumer::broker_blocked_now`]) while the watch lives.
+    /// [`Consumer::broker_blocked_now`](crate::Consumer::broker_blocked_now))
+    /// while the watch lives.
     fn watch_blocks(&self, conn: &Connection) -> BlockWatch {
-        let blocked = self.inner.blocked.clone();
-        let name = self.inner.config.consumer_name.clone();
+        let blocked = self.blocked.clone();
+        let name = self.config.consumer_name.clone();
         metrics::gauge!("outbox_consumer_broker_blocked", "consumer" => name.clone()).set(0.0);
         BlockWatch::new(conn, move |flow| {
             let on = matches!(flow, Flow::Blocked(_));
@@ -131,21 +155,20 @@ impl Consumer {
     /// (`outbox_core::amqp::Nodes`, the relay's seam too). Returns the
     /// connection, the link that can cut it, and its node's index.
     async fn connect(&self, props: ConnectionProperties) -> Result<(Connection, Link, usize)> {
-        let me = &self.inner;
-        let (conn, link, i) = me.nodes.connect(props).await?;
-        let node = me.nodes.current().unwrap_or_default();
-        tracing::info!(consumer = %me.config.consumer_name, broker = %node, "connected to the broker");
+        let (conn, link, i) = self.nodes.connect(props).await?;
+        let node = self.nodes.current().unwrap_or_default();
+        tracing::info!(consumer = %self.config.consumer_name, broker = %node, "connected to the broker");
         Ok((conn, link, i))
     }
 
     async fn consume(
         &self,
+        pipeline: &Pipeline,
         conn: &Connection,
         shutdown: &CancellationToken,
         backoff: &mut Backoff,
     ) -> Result<End> {
-        let me = &self.inner;
-        let cfg = &me.config;
+        let cfg = &self.config;
         let t = cfg.broker_timeout;
         let channel = bounded("channel open", t, conn.create_channel()).await?;
         if cfg.declare_retry_queues {
@@ -176,8 +199,8 @@ impl Consumer {
             ),
         )
         .await?;
-        me.broker.ok();
-        me.counters.connections.fetch_add(1, Ordering::Relaxed);
+        self.broker.ok();
+        self.counters.connection();
         backoff.reset();
         tracing::info!(consumer = %cfg.consumer_name, queue = %cfg.queue, "consuming");
 
@@ -185,7 +208,7 @@ impl Consumer {
             let Some(batch) = next_batch(&mut deliveries, cfg, shutdown).await? else {
                 break;
             };
-            if let Some(end) = self.process(batch, conn, &publisher, shutdown).await? {
+            if let Some(end) = pipeline.process(batch, conn, &publisher, shutdown).await? {
                 return Ok(end);
             }
             if shutdown.is_cancelled() {

@@ -51,17 +51,17 @@ impl ConsumerStats {
 
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
-    pub(crate) processed: AtomicU64,
-    pub(crate) duplicates: AtomicU64,
-    pub(crate) retried: AtomicU64,
-    pub(crate) rejected: AtomicU64,
-    pub(crate) poison: AtomicU64,
-    pub(crate) stale: AtomicU64,
-    pub(crate) batches: AtomicU64,
-    pub(crate) connections: AtomicU64,
-    pub(crate) broker_errors: AtomicU64,
-    pub(crate) deadlock_retries: AtomicU64,
-    pub(crate) serialization_retries: AtomicU64,
+    processed: AtomicU64,
+    duplicates: AtomicU64,
+    retried: AtomicU64,
+    rejected: AtomicU64,
+    poison: AtomicU64,
+    stale: AtomicU64,
+    batches: AtomicU64,
+    connections: AtomicU64,
+    broker_errors: AtomicU64,
+    deadlock_retries: AtomicU64,
+    serialization_retries: AtomicU64,
 }
 
 impl Counters {
@@ -80,6 +80,24 @@ impl Counters {
             deadlock_retries: g(&self.deadlock_retries),
             serialization_retries: g(&self.serialization_retries),
         }
+    }
+
+    /// Counts a batch whose deliveries were acked.
+    pub(crate) fn batch(&self) {
+        self.batches.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a broker session that reached consuming.
+    pub(crate) fn connection(&self) {
+        self.connections.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a broker session that failed (and
+    /// `outbox_consumer_broker_errors_total`).
+    pub(crate) fn broker_error(&self, consumer: &str) {
+        self.broker_errors.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("outbox_consumer_broker_errors_total", "consumer" => consumer.to_owned())
+            .increment(1);
     }
 
     /// Counts a batch transaction run again after `conflict` (in

@@ -3,15 +3,22 @@
 //! while the database is unreachable, event by event when the batch keeps
 //! failing.
 
+use std::sync::Arc;
+
+use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::decode::Decoded;
 use crate::batch::{self, Batch, Failure, Verdict};
-use crate::consumer::Consumer;
+use crate::config::ConsumerConfig;
 use crate::error::{Error, Result};
-use crate::handler::Outcome;
+use crate::handler::{Handlers, Outcome};
+use crate::inbox::Inbox;
 use crate::pause::FIRST_BACKOFF;
+use crate::sequence::Sequences;
+use crate::telemetry::Counters;
 use outbox_core::backoff::Backoff;
+use outbox_core::outage::Outage;
 
 /// How many times in a row a batch's transaction is run again at once
 /// after losing to a concurrent one (a deadlock, a serialization failure)
@@ -40,7 +47,42 @@ pub(crate) enum Stopped {
     Unreachable(sqlx::Error),
 }
 
-impl Consumer {
+/// The transaction stage, with what a batch's transaction needs.
+pub(crate) struct Commit {
+    config: Arc<ConsumerConfig>,
+    pool: PgPool,
+    /// The batch transaction's BEGIN with its bounds.
+    begin: sqlx::SqlStr,
+    handlers: Handlers,
+    inbox: Inbox,
+    /// Sequencing on: the `inbox_sequences` statements.
+    sequences: Option<Sequences>,
+    counters: Arc<Counters>,
+    database: Arc<Outage>,
+}
+
+impl Commit {
+    pub(crate) fn new(
+        config: Arc<ConsumerConfig>,
+        pool: PgPool,
+        handlers: Handlers,
+        inbox: Inbox,
+        sequences: Option<Sequences>,
+        counters: Arc<Counters>,
+        database: Arc<Outage>,
+    ) -> Self {
+        Self {
+            begin: config.begin_batch(),
+            config,
+            pool,
+            handlers,
+            inbox,
+            sequences,
+            counters,
+            database,
+        }
+    }
+
     /// The transaction stage: the decoded events in one transaction
     /// ([`batch::process`]), run again at once when it lost to a
     /// concurrent one, retried while the database is unreachable; a batch
@@ -60,8 +102,8 @@ impl Consumer {
             OnOutage::GiveUp => &never,
         };
         let wait_out = matches!(on_outage, OnOutage::WaitOut(_));
-        let me = &self.inner;
-        let cfg = &me.config;
+
+        let cfg = &self.config;
         let name = cfg.consumer_name.as_str();
         let mut backoff = Backoff::new(FIRST_BACKOFF, cfg.max_reconnect_delay);
         let mut failures = 0u32;
@@ -76,7 +118,7 @@ impl Consumer {
             let began = std::time::Instant::now();
             match self.transact(&batch).await {
                 Ok(v) => {
-                    me.database.ok();
+                    self.database.ok();
                     return Ok(v);
                 }
                 Err(Failure::Database(e)) if database_unreachable(&e) && !wait_out => {
@@ -87,7 +129,7 @@ impl Consumer {
                 Err(Failure::Database(e)) if database_unreachable(&e) => {
                     // Begun before another batch saw the database back:
                     // of the outage that ended (no second warning).
-                    me.database.failed_since(began, &Error::Database(e));
+                    self.database.failed_since(began, &Error::Database(e));
                     if !backoff.pause(shutdown).await {
                         return Err(Stopped::Shutdown);
                     }
@@ -120,23 +162,22 @@ impl Consumer {
     /// costs `deadlock_timeout`). Not a handler retry: no event goes to the
     /// retry queue for it, no retry count moves.
     async fn transact(&self, batch: &Batch<'_>) -> Result<Vec<Verdict>, Failure> {
-        let me = &self.inner;
-        let name = me.config.consumer_name.as_str();
+        let name = self.config.consumer_name.as_str();
         let mut reruns = 0;
         loop {
             let done = batch::process(
-                &me.pool,
-                &me.begin,
-                &me.inbox,
-                me.sequences.as_ref(),
-                &me.handlers,
+                &self.pool,
+                &self.begin,
+                &self.inbox,
+                self.sequences.as_ref(),
+                &self.handlers,
                 batch,
             )
             .await;
             match done {
                 Err(Failure::Conflict(c)) if reruns < CONFLICT_RERUNS => {
                     reruns += 1;
-                    me.counters.transaction_retried(name, c);
+                    self.counters.transaction_retried(name, c);
                     tracing::debug!(consumer = name, conflict = %c, rerun = reruns, events = batch.events.len(), "batch transaction lost to a concurrent one; running it again at once");
                 }
                 done => return done,

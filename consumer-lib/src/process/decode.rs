@@ -6,7 +6,7 @@ use lapin::message::Delivery;
 use tracing::Span;
 use tracing::field::Empty;
 
-use crate::consumer::Consumer;
+use crate::config::ConsumerConfig;
 use crate::event::{Event, dedup_key};
 use crate::sequence::{Position, position};
 
@@ -49,71 +49,68 @@ pub(crate) struct Decoded {
     pub(crate) events: Vec<Event>,
 }
 
-impl Consumer {
-    /// The decode stage: an event, with its span, per decodable delivery;
-    /// poison stays in its delivery for the dead-letter copy.
-    pub(crate) fn decode<'a>(
-        &self,
-        deliveries: impl ExactSizeIterator<Item = Incoming<'a>>,
-    ) -> Decoded {
-        let cfg = &self.inner.config;
-        let name = cfg.consumer_name.as_str();
-        let mut events = Vec::with_capacity(deliveries.len());
-        let mut spans = Vec::with_capacity(deliveries.len());
-        let mut positions = Vec::new();
-        let ordered = cfg.sequencing.is_on();
-        let mut slots = Vec::with_capacity(deliveries.len());
-        for d in deliveries {
-            let span = tracing::info_span!(
-                "outbox_consumer.event",
-                consumer = name,
-                event_id = Empty,
-                event_type = Empty,
-                traceparent = Empty,
-                trace_id = Empty,
-                parent_span_id = Empty,
-                span_id = Empty,
-                redelivered = d.redelivered,
-                duplicate = Empty,
-                outcome = Empty,
-            );
-            let decoded = dedup_key(d.properties, d.data, &cfg.dedup_key).and_then(|id| {
-                let at = if ordered {
-                    position(d.properties)?
-                } else {
-                    None
+/// The decode stage: an event, with its span, per decodable delivery;
+/// poison stays in its delivery for the dead-letter copy.
+pub(super) fn decode<'a>(
+    cfg: &ConsumerConfig,
+    deliveries: impl ExactSizeIterator<Item = Incoming<'a>>,
+) -> Decoded {
+    let name = cfg.consumer_name.as_str();
+    let mut events = Vec::with_capacity(deliveries.len());
+    let mut spans = Vec::with_capacity(deliveries.len());
+    let mut positions = Vec::new();
+    let ordered = cfg.sequencing.is_on();
+    let mut slots = Vec::with_capacity(deliveries.len());
+    for d in deliveries {
+        let span = tracing::info_span!(
+            "outbox_consumer.event",
+            consumer = name,
+            event_id = Empty,
+            event_type = Empty,
+            traceparent = Empty,
+            trace_id = Empty,
+            parent_span_id = Empty,
+            span_id = Empty,
+            redelivered = d.redelivered,
+            duplicate = Empty,
+            outcome = Empty,
+        );
+        let decoded = dedup_key(d.properties, d.data, &cfg.dedup_key).and_then(|id| {
+            let at = if ordered {
+                position(d.properties)?
+            } else {
+                None
+            };
+            Ok((id, at))
+        });
+        match decoded {
+            Ok((id, at)) => {
+                let event = Event {
+                    id,
+                    properties: std::mem::take(d.properties),
+                    payload: std::mem::take(d.data),
+                    redelivered: d.redelivered,
                 };
-                Ok((id, at))
-            });
-            match decoded {
-                Ok((id, at)) => {
-                    let event = Event {
-                        id,
-                        properties: std::mem::take(d.properties),
-                        payload: std::mem::take(d.data),
-                        redelivered: d.redelivered,
-                    };
-                    record_event(&span, &event);
-                    slots.push(Ok(events.len()));
-                    events.push(event);
-                    if ordered {
-                        positions.push(at);
-                    }
-                    spans.push(span);
+                record_event(&span, &event);
+                slots.push(Ok(events.len()));
+                events.push(event);
+                if ordered {
+                    positions.push(at);
                 }
-                Err(reason) => slots.push(Err(Poison {
-                    reason,
-                    span,
-                    message_id: d.properties.message_id().as_ref().map(|s| s.to_string()),
-                })),
+                spans.push(span);
             }
+            Err(reason) => slots.push(Err(Poison {
+                reason,
+                span,
+                message_id: d.properties.message_id().as_ref().map(|s| s.to_string()),
+            })),
         }
-        Decoded {
-            slots,
-            positions,
-            spans,
-            events,
-        }
+    }
+    Decoded {
+        slots,
+        positions,
+        spans,
+        events,
     }
 }
 

@@ -7,15 +7,29 @@ use super::Tally;
 use super::decode::{Decoded, Poison};
 use crate::ack::Disposition;
 use crate::batch::Verdict;
-use crate::consumer::Consumer;
+use crate::config::ConsumerConfig;
 use crate::event::Event;
 use crate::handler::Outcome;
 use crate::sequence::Deferral;
 
-impl Consumer {
-    /// The disposition stage: what the ack stage does with each delivery,
-    /// in delivery order.
-    pub(super) fn dispositions(
+/// The disposition stage: what the ack stage does with each delivery, in
+/// delivery order.
+pub(super) fn dispositions(
+    cfg: &ConsumerConfig,
+    decoded: &Decoded,
+    verdicts: &[Verdict],
+    tally: &mut Tally,
+) -> Vec<Disposition> {
+    Budgets { cfg }.dispositions(decoded, verdicts, tally)
+}
+
+/// The retry and deferral budgets of a consumer's configuration.
+struct Budgets<'a> {
+    cfg: &'a ConsumerConfig,
+}
+
+impl Budgets<'_> {
+    fn dispositions(
         &self,
         decoded: &Decoded,
         verdicts: &[Verdict],
@@ -74,7 +88,7 @@ impl Consumer {
 
     /// A delivery that could not be decoded: to the dead-letter queue.
     fn poison(&self, poison: &Poison, tally: &mut Tally) -> Disposition {
-        let cfg = &self.inner.config;
+        let cfg = self.cfg;
         let name = cfg.consumer_name.as_str();
         let Poison {
             reason,
@@ -105,7 +119,7 @@ impl Consumer {
         span: &Span,
         tally: &mut Tally,
     ) -> Disposition {
-        let cfg = &self.inner.config;
+        let cfg = self.cfg;
         let _enter = span.enter();
         let n = event.deferral_count().saturating_add(1);
         if n > cfg.max_deferrals {
@@ -153,7 +167,7 @@ impl Consumer {
     /// A handler's retry: to the retry queue with backoff, or to the
     /// dead-letter queue once `max_retries` are spent.
     fn retry(&self, event: &Event, reason: &str, tally: &mut Tally) -> Disposition {
-        let cfg = &self.inner.config;
+        let cfg = self.cfg;
         let attempt = event.retry_count().saturating_add(1);
         if attempt > cfg.max_retries {
             tally.rejected += 1;

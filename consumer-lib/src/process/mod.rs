@@ -3,20 +3,21 @@
 //! database is unreachable, event by event when the batch keeps failing),
 //! a disposition per delivery from its verdict and the retry budgets, then
 //! the ack stage (`ack.rs`) and the counters. Everything before the ack
-//! stage ([`Consumer::decode`], [`Consumer::decide`]) reads no broker
+//! stage ([`Pipeline::decode`], [`Pipeline::decide`]) reads no broker
 //! type but the message's properties: the test harness (`testing`)
 //! drives the same stages with built events.
 //!
 //! By stage: `decode.rs` (deliveries to events, or poison), `commit.rs`
-//! (the transaction stage: reruns, outages, one by one), `disposition.rs`
-//! (each delivery's disposition from its verdict); this file runs them in
-//! order, then the ack stage, and counts.
+//! (the transaction stage, [`Commit`]: reruns, outages, one by one),
+//! `disposition.rs` (each delivery's disposition from its verdict); the
+//! [`Pipeline`] of this file runs them in order, then the ack stage, and
+//! counts.
 
 mod commit;
 mod decode;
 mod disposition;
 
-use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 use lapin::message::Delivery;
@@ -26,12 +27,12 @@ use tokio_util::sync::CancellationToken;
 use self::decode::Decoded;
 use crate::ack::{AckItem, Disposition, acknowledge};
 use crate::batch::Verdict;
-use crate::consumer::Consumer;
+use crate::config::ConsumerConfig;
 use crate::error::Result;
 use crate::pause::End;
 use crate::telemetry::Counters;
 
-pub(crate) use self::commit::{OnOutage, Stopped};
+pub(crate) use self::commit::{Commit, OnOutage, Stopped};
 pub(crate) use self::decode::Incoming;
 
 /// A decoded batch after its transaction: what each delivery's verdict
@@ -81,7 +82,26 @@ impl Tally {
     }
 }
 
-impl Consumer {
+/// A consumer's batch stages, run in order on each batch of deliveries.
+pub(crate) struct Pipeline {
+    config: Arc<ConsumerConfig>,
+    counters: Arc<Counters>,
+    commit: Commit,
+}
+
+impl Pipeline {
+    pub(crate) fn new(
+        config: Arc<ConsumerConfig>,
+        counters: Arc<Counters>,
+        commit: Commit,
+    ) -> Self {
+        Self {
+            config,
+            counters,
+            commit,
+        }
+    }
+
     /// Processes one batch: decode, one transaction, republish, ack.
     /// `Some` ends the session.
     pub(crate) async fn process(
@@ -91,7 +111,7 @@ impl Consumer {
         publisher: &Channel,
         shutdown: &CancellationToken,
     ) -> Result<Option<End>> {
-        let cfg = &self.inner.config;
+        let cfg = &self.config;
         let started = Instant::now();
         let decoded = self.decode(deliveries.iter_mut().map(Incoming::from));
         // Waiting out outages, only the shutdown ends it without a commit.
@@ -118,6 +138,15 @@ impl Consumer {
         Ok(None)
     }
 
+    /// The decode stage: an event, with its span, per decodable delivery;
+    /// poison stays in its delivery for the dead-letter copy.
+    pub(crate) fn decode<'a>(
+        &self,
+        deliveries: impl ExactSizeIterator<Item = Incoming<'a>>,
+    ) -> Decoded {
+        decode::decode(&self.config, deliveries)
+    }
+
     /// The stages between decode and ack: the batch's transaction, then
     /// each delivery's disposition from its verdict and the retry budgets.
     pub(crate) async fn decide(
@@ -125,9 +154,9 @@ impl Consumer {
         decoded: Decoded,
         on_outage: OnOutage<'_>,
     ) -> std::result::Result<Decided, Stopped> {
-        let verdicts = self.commit(&decoded, on_outage).await?;
+        let verdicts = self.commit.commit(&decoded, on_outage).await?;
         let mut tally = Tally::default();
-        let dispositions = self.dispositions(&decoded, &verdicts, &mut tally);
+        let dispositions = disposition::dispositions(&self.config, &decoded, &verdicts, &mut tally);
         Ok(Decided {
             decoded,
             verdicts,
@@ -144,10 +173,9 @@ impl Consumer {
     }
 
     fn record(&self, tally: &Tally, started: Instant, deliveries: usize) {
-        let me = &self.inner;
-        let name = me.config.consumer_name.as_str();
-        tally.record(&me.counters, name);
-        me.counters.batches.fetch_add(1, Ordering::Relaxed);
+        let name = self.config.consumer_name.as_str();
+        tally.record(&self.counters, name);
+        self.counters.batch();
         metrics::histogram!("outbox_consumer_batch_seconds", "consumer" => name.to_owned())
             .record(started.elapsed().as_secs_f64());
         metrics::histogram!("outbox_consumer_batch_size", "consumer" => name.to_owned())

@@ -185,19 +185,18 @@ impl TestConsumer {
             .iter()
             .map(|e| (e.properties.clone(), e.payload.clone(), e.redelivered))
             .collect();
-        let decoded = self
-            .consumer
-            .decode(messages.iter_mut().map(|(p, d, r)| Incoming {
-                properties: p,
-                data: d,
-                redelivered: *r,
-            }));
-        let decided = match self.consumer.decide(decoded, OnOutage::GiveUp).await {
+        let pipeline = self.consumer.pipeline();
+        let decoded = pipeline.decode(messages.iter_mut().map(|(p, d, r)| Incoming {
+            properties: p,
+            data: d,
+            redelivered: *r,
+        }));
+        let decided = match pipeline.decide(decoded, OnOutage::GiveUp).await {
             Ok(decided) => decided,
             Err(Stopped::Unreachable(e)) => return Err(Error::Database(e)),
             Err(Stopped::Shutdown) => unreachable!("a test's batch has no shutdown"),
         };
-        self.consumer.record_decided(&decided, started);
+        pipeline.record_decided(&decided, started);
         Ok(report(decided))
     }
 
@@ -216,10 +215,7 @@ impl TestConsumer {
 
     async fn ensure_migrated(&self) -> Result<()> {
         if !self.migrated.load(Ordering::Relaxed) {
-            let me = &self.consumer.inner;
-            outbox_core::migrate::ensure_migrated(&me.pool, &crate::migrate::CONSUMER, &me.schema)
-                .await
-                .map_err(outbox::Error::from)?;
+            self.consumer.check_migrated().await?;
             self.migrated.store(true, Ordering::Relaxed);
         }
         Ok(())
