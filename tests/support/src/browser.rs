@@ -7,6 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::KillOnDrop;
+use fantoccini::elements::Element;
 use fantoccini::{Client, ClientBuilder, Locator};
 
 use crate::console::artifacts;
@@ -75,26 +76,39 @@ impl Browser {
         }
     }
 
-    /// Attribute `name` of the first element matching `css`, if both exist.
+    /// The first element matching `css`, waiting up to 10 s for it. A find
+    /// that fails is tried again until then: the element may not be there
+    /// yet, or the page a click loads may abort the find ("aborted by
+    /// navigation", seen on a busy machine).
+    async fn find(&self, css: &str) -> Element {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match self.client.find(Locator::Css(css)).await {
+                Ok(e) => return e,
+                Err(e) if Instant::now() > deadline => panic!("no element {css}: {e}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+
+    /// Attribute `name` of the first element matching `css`, if both exist,
+    /// waiting up to 10 s for the element (as [`Browser::text`] does, a
+    /// read that a navigation interrupts is tried again).
     pub async fn attr(&self, css: &str, name: &str) -> Option<String> {
-        let e = self
-            .client
-            .wait()
-            .at_most(Duration::from_secs(10))
-            .for_element(Locator::Css(css))
-            .await
-            .unwrap_or_else(|e| panic!("no element {css}: {e}"));
-        e.attr(name).await.expect("attribute")
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match self.find(css).await.attr(name).await {
+                Ok(v) => return v,
+                Err(e) if Instant::now() > deadline => panic!("attribute {name} of {css}: {e}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
     }
 
     /// Clicks the first element matching `css`.
     pub async fn click(&self, css: &str) {
-        self.client
-            .wait()
-            .at_most(Duration::from_secs(10))
-            .for_element(Locator::Css(css))
+        self.find(css)
             .await
-            .unwrap_or_else(|e| panic!("no element {css}: {e}"))
             .click()
             .await
             .unwrap_or_else(|e| panic!("click {css}: {e}"));
@@ -136,11 +150,7 @@ impl Browser {
 
     /// Replaces the text of the input matching `css` with `text`.
     pub async fn type_into(&self, css: &str, text: &str) {
-        let e = self
-            .client
-            .find(Locator::Css(css))
-            .await
-            .unwrap_or_else(|e| panic!("no element {css}: {e}"));
+        let e = self.find(css).await;
         e.clear().await.expect("clear");
         e.send_keys(text).await.expect("type");
     }
