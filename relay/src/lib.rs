@@ -96,7 +96,7 @@ mod settle;
 mod sql;
 mod stats;
 mod supervisor;
-mod wake;
+mod wakeup;
 mod wal;
 mod worker;
 

@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use outbox::Ident;
 use sqlx::PgPool;
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::archive::Archive;
@@ -22,7 +21,8 @@ use crate::error::Error;
 use crate::health::Health;
 use crate::lease::Leases;
 use crate::stats::Stats;
-use crate::wake::sleep_or_cancel;
+use crate::wakeup::Wakeups;
+use outbox_core::backoff::sleep_or_cancel;
 
 /// The relay's upkeep: leases, stats, the claims' floor, the archive.
 #[derive(Debug)]
@@ -38,7 +38,7 @@ pub(crate) struct Maintenance {
     stats: Arc<Stats>,
     floor: Arc<Floor>,
     /// The workers' wake-up, for the floor's catch-ups.
-    wake: watch::Sender<u64>,
+    wakeups: Wakeups,
 }
 
 impl Maintenance {
@@ -53,7 +53,7 @@ impl Maintenance {
         leases: Arc<Leases>,
         stats: Arc<Stats>,
         floor: Arc<Floor>,
-        wake: watch::Sender<u64>,
+        wakeups: Wakeups,
     ) -> Self {
         Self {
             pool,
@@ -65,7 +65,7 @@ impl Maintenance {
             leases,
             stats,
             floor,
-            wake,
+            wakeups,
         }
     }
 
@@ -125,7 +125,7 @@ impl Maintenance {
                 Ok::<_, Error>(self.floor.read(&self.pool).await?)
             });
             match read.await {
-                Ok(true) => self.wake.send_modify(|g| *g = g.wrapping_add(1)),
+                Ok(true) => self.wakeups.wake(),
                 Ok(false) => {}
                 Err(e) => tracing::debug!(error = %e, "claim floor not read; next reading"),
             }

@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use outbox::Ident;
 use sqlx::PgPool;
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -25,6 +24,7 @@ use crate::publish::Publisher;
 use crate::settle::Settle;
 use crate::stats::Stats;
 use crate::supervisor::Supervisor;
+use crate::wakeup::Wakeups;
 use crate::wal::{ReaderConfig, WalReader};
 use crate::worker::Worker;
 #[cfg(feature = "testing")]
@@ -54,7 +54,7 @@ struct Inner {
     id: Uuid,
     broker_timeout: Duration,
     health: Arc<Health>,
-    wake: watch::Sender<u64>,
+    wakeups: Wakeups,
     broker: Arc<Broker>,
     broker_outage: Arc<Outage>,
     stats: Arc<Stats>,
@@ -81,7 +81,7 @@ impl Relay {
             Some(reader) => Some((reader, wal_slot(&pool, &schema).await?)),
             None => None,
         };
-        let (wake, _) = watch::channel(0);
+        let wakeups = Wakeups::new();
         let id = Uuid::new_v4();
         let nodes = Broker::nodes(&config);
         let health = Arc::new(Health::new(nodes.clone()));
@@ -98,7 +98,7 @@ impl Relay {
             leases.clone(),
             stats.clone(),
             floor.clone(),
-            wake.clone(),
+            wakeups.clone(),
         ));
         let settle = Settle::new(&schema, &config);
         let worker = Arc::new(Worker::new(
@@ -111,7 +111,7 @@ impl Relay {
             stats.clone(),
             health.clone(),
             broker_outage.clone(),
-            wake.clone(),
+            wakeups.clone(),
             maintenance.clone(),
             settle.clone(),
         ));
@@ -123,7 +123,7 @@ impl Relay {
                 &pool,
                 broker.clone(),
                 stats.clone(),
-                wake.clone(),
+                wakeups.clone(),
                 settle,
             )
         });
@@ -134,7 +134,7 @@ impl Relay {
             broker.clone(),
             health.clone(),
             broker_outage.clone(),
-            wake.clone(),
+            wakeups.clone(),
             worker.clone(),
             maintenance,
             reader,
@@ -144,7 +144,7 @@ impl Relay {
                 id,
                 broker_timeout: config.broker_timeout,
                 health,
-                wake,
+                wakeups,
                 broker,
                 broker_outage,
                 stats,
@@ -191,7 +191,7 @@ impl Relay {
     /// Wakes the workers now, as a NOTIFY would. For embedding services
     /// that know they just committed events.
     pub fn wake(&self) {
-        self.inner.wake.send_modify(|g| *g = g.wrapping_add(1));
+        self.inner.wakeups.wake();
     }
 
     /// Connects to a broker node (with failover, as the workers do) and

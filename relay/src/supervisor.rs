@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use outbox::Ident;
 use sqlx::PgPool;
-use tokio::sync::watch;
 use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 
@@ -18,10 +17,11 @@ use crate::error::{Error, Result};
 use crate::health::Health;
 use crate::maintenance::Maintenance;
 use crate::publish;
-use crate::wake::{listen, sleep_or_cancel};
+use crate::wakeup::{Wakeups, listen};
 use crate::wal::WalReader;
 use crate::worker::Worker;
 use outbox_core::backoff::Backoff;
+use outbox_core::backoff::sleep_or_cancel;
 use outbox_core::outage::Outage;
 
 /// How one broker session ended.
@@ -45,7 +45,7 @@ pub(crate) struct Supervisor {
     broker: Arc<Broker>,
     health: Arc<Health>,
     broker_outage: Arc<Outage>,
-    wake: watch::Sender<u64>,
+    wakeups: Wakeups,
     worker: Arc<Worker>,
     maintenance: Arc<Maintenance>,
     /// The log's reader, with `RelayConfig::wal`.
@@ -84,7 +84,7 @@ impl Supervisor {
         broker: Arc<Broker>,
         health: Arc<Health>,
         broker_outage: Arc<Outage>,
-        wake: watch::Sender<u64>,
+        wakeups: Wakeups,
         worker: Arc<Worker>,
         maintenance: Arc<Maintenance>,
         reader: Option<WalReader>,
@@ -103,7 +103,7 @@ impl Supervisor {
             broker,
             health,
             broker_outage,
-            wake,
+            wakeups,
             worker,
             maintenance,
             reader,
@@ -151,7 +151,7 @@ impl Supervisor {
             listener = Some(tokio::spawn(listen(
                 self.pool.clone(),
                 outbox::wakeup_channel(&self.schema),
-                self.wake.clone(),
+                self.wakeups.clone(),
                 shutdown.clone(),
                 cfg.database_timeout,
             )));

@@ -46,9 +46,10 @@ use crate::publish::{self, PublishSettings, Publisher, Receipt};
 use crate::quarantine::Quarantine;
 use crate::settle::{Settle, Settled};
 use crate::stats::Stats;
-use crate::wake::sleep_or_cancel;
+use crate::wakeup::Wakeups;
 use outbox_core::amqp::BrokerError;
 use outbox_core::backoff::Backoff;
+use outbox_core::backoff::sleep_or_cancel;
 use outbox_core::outage::Outage;
 
 /// What one batch did.
@@ -145,7 +146,7 @@ pub(crate) struct Worker {
     health: Arc<Health>,
     broker_outage: Arc<Outage>,
     db_outage: Outage,
-    wake: watch::Sender<u64>,
+    wakeups: Wakeups,
     /// Each worker's ordered claim state while no session holds it: a
     /// worker's next session (after the broker's return) takes it up, so
     /// its walk does not start at the index's beginning again.
@@ -178,7 +179,7 @@ impl Worker {
         stats: Arc<Stats>,
         health: Arc<Health>,
         broker_outage: Arc<Outage>,
-        wake: watch::Sender<u64>,
+        wakeups: Wakeups,
         maintenance: Arc<Maintenance>,
         settle: Settle,
     ) -> Self {
@@ -204,7 +205,7 @@ impl Worker {
             health,
             broker_outage,
             db_outage: Outage::new("database", "outbox-relay"),
-            wake,
+            wakeups,
             ordered: (0..config.workers.max(1))
                 .map(|_| Default::default())
                 .collect(),
@@ -425,7 +426,7 @@ impl Worker {
         // The session's first maintenance round, before the first claim
         // (the first worker up runs it; the others go on).
         self.maintenance.round().await;
-        let mut wake = self.wake.subscribe();
+        let mut wake = self.wakeups.subscribe();
         // A database that stops answering is tried again at least every
         // second (each try bounded by the database timeout), so publishing
         // resumes within about a second of the link's return.
@@ -549,7 +550,7 @@ impl Worker {
     async fn idle(
         &self,
         session: &mut WorkerSession,
-        wake: &mut tokio::sync::watch::Receiver<u64>,
+        wake: &mut watch::Receiver<u64>,
         stop: &CancellationToken,
     ) -> Result<bool> {
         let woken = tokio::select! {

@@ -12,7 +12,6 @@ use lapin::Connection;
 use outbox::Ident;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig};
 use sqlx::PgPool;
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::{Broker, blocked_now, unblocked};
@@ -20,13 +19,14 @@ use crate::error::{ConfigError, Error, Result};
 use crate::publish::Publisher;
 use crate::settle::Settle;
 use crate::stats::Stats;
-use crate::wake::sleep_or_cancel;
+use crate::wakeup::Wakeups;
 use crate::wal::config::ReaderConfig;
 use crate::wal::decode::lsn_text;
 use crate::wal::divert;
 use crate::wal::slot::{self, refusal, slot_busy, slot_row, wal_error};
 use crate::wal::stream::{ReadEnd, Stream};
 use outbox_core::backoff::Backoff;
+use outbox_core::backoff::sleep_or_cancel;
 use outbox_core::outage::Outage;
 
 /// The longest a busy reader waits before it reports a delivered position
@@ -56,7 +56,7 @@ impl WalReader {
         pool: &PgPool,
         broker: Arc<Broker>,
         stats: Arc<Stats>,
-        wake: watch::Sender<u64>,
+        wakeups: Wakeups,
         settle: Settle,
     ) -> Self {
         Self {
@@ -67,7 +67,7 @@ impl WalReader {
                 pool.clone(),
                 divert::Divert::new(schema, settle),
                 stats,
-                wake,
+                wakeups,
             ),
             config,
             slot: slot.to_owned(),

@@ -9,7 +9,6 @@ use std::sync::Arc;
 
 use outbox::Ident;
 use sqlx::PgPool;
-use tokio::sync::watch;
 
 use futures_util::FutureExt;
 use lapin::Connection;
@@ -21,6 +20,7 @@ use crate::message::OutboxEvent;
 use crate::publish::{Publisher, Receipt};
 use crate::settle::Settled;
 use crate::stats::Stats;
+use crate::wakeup::Wakeups;
 use crate::wal::config::ReaderConfig;
 use crate::wal::decode::decode;
 use crate::wal::divert::Divert;
@@ -63,7 +63,7 @@ pub(super) struct Stream {
     divert: Divert,
     stats: Arc<Stats>,
     /// The table workers' wake-up: events diverted to the table are due.
-    wake: watch::Sender<u64>,
+    wakeups: Wakeups,
 }
 
 impl Stream {
@@ -76,7 +76,7 @@ impl Stream {
         pool: PgPool,
         divert: Divert,
         stats: Arc<Stats>,
-        wake: watch::Sender<u64>,
+        wakeups: Wakeups,
     ) -> Self {
         Self {
             config,
@@ -85,7 +85,7 @@ impl Stream {
             pool,
             divert,
             stats,
-            wake,
+            wakeups,
         }
     }
 
@@ -378,7 +378,7 @@ impl Stream {
         }
         if !failed.is_empty() {
             // Held-back events are due in the table now.
-            self.wake.send_modify(|g| *g = g.wrapping_add(1));
+            self.wakeups.wake();
         }
         Ok(receipts)
     }

@@ -1,7 +1,9 @@
-//! Wake-up: LISTEN for the outbox's NOTIFY channel and bump a generation
-//! counter the workers watch. Notifications are only a hint (a reconnecting
-//! listener misses some); the workers' polling is the safety net, and every
-//! reconnect wakes them once to cover what was missed.
+//! Wake-ups: what makes the workers claim now instead of at their next
+//! poll. [`Wakeups`] is a generation counter the workers watch; [`listen`]
+//! rings it at each of the producers' NOTIFY wake-ups. Notifications are
+//! only a hint (a reconnecting listener misses some); the workers' polling
+//! is the safety net, and every reconnect wakes them once to cover what was
+//! missed.
 
 use std::time::Duration;
 
@@ -10,14 +12,35 @@ use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use outbox_core::backoff::Backoff;
+use outbox_core::backoff::{Backoff, sleep_or_cancel};
+
+/// The relay's wake-ups: a generation counter the workers watch. Clones
+/// share it.
+#[derive(Clone, Debug)]
+pub(crate) struct Wakeups(watch::Sender<u64>);
+
+impl Wakeups {
+    pub(crate) fn new() -> Self {
+        Self(watch::channel(0).0)
+    }
+
+    /// Wakes every worker waiting, and the next one to wait.
+    pub(crate) fn wake(&self) {
+        self.0.send_modify(|g| *g = g.wrapping_add(1));
+    }
+
+    /// What a worker waits on: it changes at each wake-up.
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
+        self.0.subscribe()
+    }
+}
 
 /// How long the listener may hear nothing before it checks its link (one
 /// `SELECT 1`, bounded by the database timeout): a link gone silent would
 /// otherwise leave it waiting for ever, polling alone doing the work.
 const CHECK_WHEN_QUIET: Duration = Duration::from_secs(10);
 
-/// Listens on `channel` until `shutdown`, bumping `wake` at every
+/// Listens on `channel` until `shutdown`, waking the workers at every
 /// notification and at every reconnect. Its connection is in a pool of its
 /// own (one connection, opened with the relay pool's options): a listener
 /// whose link stopped answering is dropped with that pool, so it never
@@ -25,11 +48,11 @@ const CHECK_WHEN_QUIET: Duration = Duration::from_secs(10);
 pub(crate) async fn listen(
     pool: PgPool,
     channel: String,
-    wake: watch::Sender<u64>,
+    wakeups: Wakeups,
     shutdown: CancellationToken,
     timeout: Duration,
 ) {
-    let bump = || wake.send_modify(|g| *g = g.wrapping_add(1));
+    let bump = || wakeups.wake();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     while !shutdown.is_cancelled() {
         let own = PgPoolOptions::new()
@@ -93,5 +116,3 @@ pub(crate) async fn listen(
         }
     }
 }
-
-pub(crate) use outbox_core::backoff::sleep_or_cancel;
