@@ -1,14 +1,17 @@
-//! The producer's handle on the outbox: start-up checks, commit, wake-up.
+//! The producer's handle on the outbox: start-up checks, enqueueing
+//! (validate, then write by the capture path's writer), commit, wake-up.
 
 use std::sync::Arc;
 
-use sqlx::{PgPool, Postgres, SqlStr, Transaction};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use uuid::Uuid;
 
 use super::config::{Capture, OutboxConfig};
-use super::statements::{
-    emit_many_sql, emit_one_sql, ensure_wal_ready, insert_many_sql, insert_one_sql,
-};
+use super::statements::ensure_wal_ready;
+use super::table::TableWriter;
+use super::wal::WalWriter;
 use crate::error::Result;
+use crate::event::NewEvent;
 use crate::migrate::PRODUCER;
 use crate::wakeup::{Notifier, Wakeup};
 use outbox_core::migrate::ensure_migrated;
@@ -18,24 +21,26 @@ use outbox_core::{Ident, wakeup_channel};
 /// service at start-up.
 #[derive(Debug, Clone)]
 pub struct Outbox {
-    pub(super) inner: Arc<Inner>,
+    inner: Arc<Inner>,
 }
 
 #[derive(Debug)]
-pub(super) struct Inner {
-    pub(super) schema: Ident,
-    pub(super) max_payload_bytes: usize,
-    /// The one-event statement of the capture path: a row insert or a
-    /// log message.
-    pub(super) insert_one: SqlStr,
-    /// The many-events statement of the capture path (array binds).
-    pub(super) insert_many: SqlStr,
-    pub(super) channel: String,
-    pub(super) wakeup: Wakeup,
-    pub(super) notifier: Option<Notifier>,
-    pub(super) capture: Capture,
-    /// The logical decoding messages' prefix ([`Capture::Wal`]).
-    pub(super) prefix: String,
+struct Inner {
+    schema: Ident,
+    max_payload_bytes: usize,
+    capture: Capture,
+    writer: Writer,
+    /// With [`Wakeup::AfterCommit`]: the background notifier.
+    notifier: Option<Notifier>,
+}
+
+/// The capture path's writer.
+#[derive(Debug)]
+enum Writer {
+    /// Rows of the outbox table.
+    Table(TableWriter),
+    /// Logical decoding messages.
+    Wal(WalWriter),
 }
 
 impl Outbox {
@@ -55,26 +60,80 @@ impl Outbox {
             (Capture::Table, Wakeup::AfterCommit) => Some(Notifier::start(pool, channel.clone())),
             (Capture::Table, Wakeup::InTransaction | Wakeup::PollOnly) => None,
         };
-        let (insert_one, insert_many) = match config.capture {
-            Capture::Table => (insert_one_sql(&schema), insert_many_sql(&schema)),
+        let writer = match config.capture {
+            Capture::Table => Writer::Table(TableWriter::new(
+                &schema,
+                (config.wakeup == Wakeup::InTransaction).then_some(channel),
+            )),
             Capture::Wal => {
                 ensure_wal_ready(pool, &schema).await?;
-                (emit_one_sql(&schema), emit_many_sql(&schema))
+                Writer::Wal(WalWriter::new(&schema))
             }
         };
         Ok(Self {
             inner: Arc::new(Inner {
-                insert_one,
-                insert_many,
-                prefix: outbox_core::wal_message_prefix(&schema),
                 schema,
                 max_payload_bytes: config.max_payload_bytes,
-                channel,
-                wakeup: config.wakeup,
-                notifier,
                 capture: config.capture,
+                writer,
+                notifier,
             }),
         })
+    }
+
+    /// Writes one event in the caller's transaction and returns its id.
+    ///
+    /// The row commits or rolls back with the caller's transaction: an event
+    /// of a transaction that rolls back is never published. Enqueueing an id
+    /// that is still in the outbox is a no-op (the first write wins) and
+    /// returns the same id. With [`Capture::Wal`] the event is a logical
+    /// decoding message instead of a row, with the same commit-or-nothing
+    /// rule (an id written twice is then published twice).
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: sqlx::PgPool, outbox: outbox::Outbox) -> anyhow::Result<()> {
+    /// use outbox::NewEvent;
+    /// let mut tx = pool.begin().await?;
+    /// sqlx::query("INSERT INTO orders (id, sku) VALUES ($1, $2)")
+    ///     .bind("o-42").bind("A-1")
+    ///     .execute(&mut *tx).await?;
+    /// let id = outbox
+    ///     .enqueue(&mut *tx, NewEvent::new("order", "o-42", "OrderPlaced", &serde_json::json!({"sku": "A-1"}))?)
+    ///     .await?;
+    /// outbox.commit(tx).await?; // commits, then wakes the relay
+    /// # let _ = id; Ok(()) }
+    /// ```
+    pub async fn enqueue(&self, conn: &mut PgConnection, event: NewEvent) -> Result<Uuid> {
+        event.validate(self.inner.max_payload_bytes)?;
+        match &self.inner.writer {
+            Writer::Wal(w) => w.emit_one(conn, event).await,
+            Writer::Table(w) => w.insert_one(conn, event).await,
+        }
+    }
+
+    /// Writes many events in the caller's transaction with **one** statement
+    /// whatever their number (array binds, constant SQL text). Returns the
+    /// ids in input order. Every event is validated before anything is
+    /// written, so an error leaves the transaction untouched. Ordered
+    /// events of one aggregate are numbered in input order; rows go in
+    /// aggregate key order, so two producers writing events of the same
+    /// aggregates take their counters in one order and cannot deadlock.
+    pub async fn enqueue_many(
+        &self,
+        conn: &mut PgConnection,
+        events: impl IntoIterator<Item = NewEvent>,
+    ) -> Result<Vec<Uuid>> {
+        let events: Vec<NewEvent> = events.into_iter().collect();
+        for e in &events {
+            e.validate(self.inner.max_payload_bytes)?;
+        }
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        match &self.inner.writer {
+            Writer::Wal(w) => w.emit_many(conn, &events).await,
+            Writer::Table(w) => w.insert_many(conn, events).await,
+        }
     }
 
     /// How this handle writes events.

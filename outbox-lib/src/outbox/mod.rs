@@ -3,16 +3,15 @@
 //!
 //! By concept: `config.rs` (the [`OutboxConfig`] settings and the
 //! [`Capture`] path), `handle.rs` (the [`Outbox`] handle: start-up checks,
-//! commit, wake-up), `enqueue.rs` ([`Outbox::enqueue`] and
-//! [`Outbox::enqueue_many`]: validate, then write by capture path),
-//! `statements.rs` (what a handle prepares at start-up),
-//! `table.rs` (writing rows to the outbox table) and `wal.rs` (writing
-//! logical decoding messages to the write-ahead log). Which aggregate types
+//! [`Outbox::enqueue`] and [`Outbox::enqueue_many`] (validate, then write
+//! by the capture path's writer), commit, wake-up), `statements.rs` (what
+//! a handle prepares at start-up), `table.rs` (`TableWriter`: rows of the
+//! outbox table) and `wal.rs` (`WalWriter`: logical decoding messages in
+//! the write-ahead log). Which aggregate types
 //! are ordered lives below, in `ordered_types.rs`: the handle reads it,
 //! never the reverse.
 
 mod config;
-mod enqueue;
 mod handle;
 mod statements;
 mod table;

@@ -1,15 +1,38 @@
 //! [`Capture::Table`]: events as rows of the outbox table.
 
-use sqlx::PgConnection;
+use outbox_core::Ident;
+use sqlx::{PgConnection, SqlStr};
 use uuid::Uuid;
 
-use super::config::Capture;
-use super::handle::Outbox;
+use super::statements::{insert_many_sql, insert_one_sql};
 use crate::error::Result;
 use crate::event::NewEvent;
+
+#[cfg(doc)]
+use super::config::Capture;
+#[cfg(doc)]
 use crate::wakeup::Wakeup;
 
-impl Outbox {
+/// Writes events as rows of the outbox table.
+#[derive(Debug)]
+pub(super) struct TableWriter {
+    insert_one: SqlStr,
+    /// Array binds: any number of events, one statement.
+    insert_many: SqlStr,
+    /// With [`Wakeup::InTransaction`]: the channel the caller's
+    /// transaction notifies.
+    notify: Option<String>,
+}
+
+impl TableWriter {
+    pub(super) fn new(schema: &Ident, notify: Option<String>) -> Self {
+        Self {
+            insert_one: insert_one_sql(schema),
+            insert_many: insert_many_sql(schema),
+            notify,
+        }
+    }
+
     /// Inserts one validated event and returns its id.
     pub(super) async fn insert_one(
         &self,
@@ -21,7 +44,7 @@ impl Outbox {
         // transactions per second with 8 writers). The database numbers an
         // event of an ordered type (trigger `outbox_number_ordered`); an id
         // already in the outbox takes no number.
-        sqlx::query(self.inner.insert_one.clone())
+        sqlx::query(self.insert_one.clone())
             .bind(event.id)
             .bind(&event.aggregate_type)
             .bind(&event.aggregate_id)
@@ -62,7 +85,7 @@ impl Outbox {
             exchanges.push(e.exchange);
             keys.push(e.routing_key);
         }
-        sqlx::query(self.inner.insert_many.clone())
+        sqlx::query(self.insert_many.clone())
             .bind(&ids)
             .bind(&agg_types)
             .bind(&agg_ids)
@@ -77,10 +100,11 @@ impl Outbox {
         Ok(ids)
     }
 
+    /// With [`Wakeup::InTransaction`]: NOTIFY in the caller's transaction.
     async fn notify_in_transaction(&self, conn: &mut PgConnection) -> Result<()> {
-        if self.inner.wakeup == Wakeup::InTransaction && self.inner.capture == Capture::Table {
+        if let Some(channel) = &self.notify {
             sqlx::query("SELECT pg_notify($1, '')")
-                .bind(&self.inner.channel)
+                .bind(channel)
                 .execute(&mut *conn)
                 .await?;
         }

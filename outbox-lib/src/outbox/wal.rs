@@ -1,23 +1,46 @@
 //! [`Capture::Wal`]: events as transactional logical decoding messages in
 //! the write-ahead log, and the checks that something will read them.
 
+use outbox_core::Ident;
 use outbox_core::sql::render;
-use sqlx::PgConnection;
+use sqlx::{PgConnection, SqlStr};
 use uuid::Uuid;
 
-use super::handle::Outbox;
-use super::statements::not_ready;
+use super::statements::{emit_many_sql, emit_one_sql, not_ready};
 use crate::error::Result;
 use crate::event::NewEvent;
 
 #[cfg(doc)]
 use super::config::Capture;
+#[cfg(doc)]
+use super::handle::Outbox;
 
-impl Outbox {
+/// Writes events as logical decoding messages.
+#[derive(Debug)]
+pub(super) struct WalWriter {
+    schema: Ident,
+    emit_one: SqlStr,
+    /// Array binds: any number of events, one statement.
+    emit_many: SqlStr,
+    /// The messages' prefix (`outbox_core::wal_message_prefix`).
+    prefix: String,
+}
+
+impl WalWriter {
+    /// The writer of `schema`, whose log capture was checked ready.
+    pub(super) fn new(schema: &Ident) -> Self {
+        Self {
+            emit_one: emit_one_sql(schema),
+            emit_many: emit_many_sql(schema),
+            prefix: outbox_core::wal_message_prefix(schema),
+            schema: schema.clone(),
+        }
+    }
+
     /// Writes one validated event as a message and returns its id.
     pub(super) async fn emit_one(&self, conn: &mut PgConnection, event: NewEvent) -> Result<Uuid> {
-        let written = sqlx::query(self.inner.insert_one.clone())
-            .bind(&self.inner.prefix)
+        let written = sqlx::query(self.emit_one.clone())
+            .bind(&self.prefix)
             .bind(wal_head(&event))
             .bind(&event.aggregate_type)
             .bind(&event.aggregate_id)
@@ -43,8 +66,8 @@ impl Outbox {
             .iter()
             .map(|e| (e.aggregate_type.as_str(), e.aggregate_id.as_str()))
             .unzip();
-        let written = sqlx::query(self.inner.insert_many.clone())
-            .bind(&self.inner.prefix)
+        let written = sqlx::query(self.emit_many.clone())
+            .bind(&self.prefix)
             .bind(&heads)
             .bind(&types)
             .bind(&aggregates)
@@ -61,7 +84,7 @@ impl Outbox {
     /// (`outbox_wal_ready`: the slot was dropped or invalidated since
     /// [`Outbox::new`]) is [`crate::Error::WalCaptureNotReady`].
     fn wal_error(&self, e: sqlx::Error) -> crate::Error {
-        not_ready(&self.inner.schema, e)
+        not_ready(&self.schema, e)
     }
 
     /// The statement wrote nothing: no slot would read it
@@ -69,17 +92,14 @@ impl Outbox {
     /// which raises and so aborts the caller's transaction: its business
     /// writes cannot commit without their event.
     async fn not_readable(&self, conn: &mut PgConnection) -> crate::Error {
-        let why = sqlx::query(render(
-            "SELECT {schema}.outbox_wal_ready()",
-            &self.inner.schema,
-        ))
-        .execute(&mut *conn)
-        .await;
+        let why = sqlx::query(render("SELECT {schema}.outbox_wal_ready()", &self.schema))
+            .execute(&mut *conn)
+            .await;
         match why {
             Err(e) => self.wal_error(e),
             // Readable again this instant: nothing was written all the same.
             Ok(_) => crate::Error::WalCaptureNotReady {
-                schema: self.inner.schema.to_string(),
+                schema: self.schema.to_string(),
                 reason: "the replication slot was not readable when the event was written (it is now); nothing was written, retry the transaction".to_owned(),
             },
         }

@@ -1,5 +1,8 @@
 //! Publishing a batch with pipelined publisher confirms: the channel
-//! ([`Publisher`]), sending (`send.rs`) and the receipts (`receipt.rs`).
+//! ([`Publisher`], all of it here: opening, the known exchanges, sending a
+//! batch, what its receipts say about the channel), a batch on its way
+//! (`send.rs`: [`SentBatch`], its confirms collected later) and the
+//! receipts (`receipt.rs`: [`Receipt`], read from a confirm).
 
 mod receipt;
 mod send;
@@ -16,8 +19,16 @@ use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection, ExchangeKind};
 
+use crate::broker::blocked_now;
 use crate::error::{Error, Result};
+use crate::message::{Message, OutboxEvent};
 use outbox_core::amqp::bounded;
+use std::task::Poll;
+
+use lapin::PublisherConfirm;
+use lapin::options::BasicPublishOptions;
+
+use self::send::{Handed, SentBatch, messages, sendable};
 
 pub(crate) use receipt::Receipt;
 
@@ -162,6 +173,221 @@ impl Publisher {
         }
         Ok(refused)
     }
+
+    fn channel_failure(&self, err: &Error) -> Option<Receipt> {
+        channel_failure(&self.conn, &self.channel, err)
+    }
+
+    /// Checks the exchanges and hands every publishable event of the batch
+    /// to the channel, all before `deadline` less the confirm timeout (the
+    /// publish phase's share of the batch transaction's idle bound). The
+    /// confirms are [`SentBatch::receipts`], awaited against `deadline`
+    /// after the whole batch is on its way; meanwhile the channel can take
+    /// the next batch (the log's reader keeps a few on the wire). `Err`
+    /// means the connection failed: outcomes are unknown, the batch must be
+    /// rolled back (retried without counting an attempt) and the publisher
+    /// replaced. Events [`Receipt::NotSent`] were never handed to the
+    /// channel (exchanges already checked stay known, so the next batch
+    /// gets further).
+    pub(crate) async fn send_batch(
+        &mut self,
+        events: &[OutboxEvent],
+        default_exchange: &str,
+        max_payload_bytes: usize,
+        confirm_timeout: Duration,
+        deadline: Instant,
+    ) -> Result<SentBatch> {
+        let frame_max = self.conn.configuration().frame_max() as usize;
+        // Checks and publishes get the phase minus the confirm timeout, so
+        // whatever was sent always has its full confirm timeout: a batch
+        // squeezed by slow checks must not time its own confirms out (and
+        // publish them again).
+        let send_by = deadline
+            .checked_sub(confirm_timeout)
+            .unwrap_or_else(Instant::now);
+        let mut sent = SentBatch {
+            conn: self.conn.clone(),
+            channel: self.channel.clone(),
+            pending: Vec::new(),
+            receipts: vec![None; events.len()],
+            confirms_by: deadline,
+            started: std::time::Instant::now(),
+        };
+        let messages = messages(events, default_exchange, max_payload_bytes, frame_max);
+        let refused = match self
+            .refused_exchanges(messages.iter().flatten().map(|m| &m.exchange), deadline)
+            .await
+        {
+            Ok(refused) => refused,
+            // Out of time before anything was sent: nothing to settle.
+            Err(Error::Broker(BrokerError::TimedOut { .. })) if blocked_now(&self.conn) => {
+                return Err(Error::Broker(BrokerError::Blocked {
+                    what: "the exchanges' check",
+                }));
+            }
+            Err(Error::Broker(BrokerError::TimedOut { .. })) if Instant::now() >= deadline => {
+                sent.receipts = vec![Some(Receipt::NotSent); events.len()];
+                return Ok(sent);
+            }
+            Err(e) => return Err(e),
+        };
+        sent.started = std::time::Instant::now();
+        sent.pending = self
+            .send_all(events, messages, &refused, send_by, &mut sent.receipts)
+            .await?;
+        // Every publish is on the wire; the confirms are collected against
+        // one deadline.
+        sent.confirms_by = deadline.min(Instant::now() + confirm_timeout);
+        Ok(sent)
+    }
+
+    /// Hands every publishable message to the channel (until `send_by`),
+    /// in order; records the receipt of each one not sent. Returns the
+    /// confirms to await, with the events' indexes.
+    ///
+    /// Every message's frames are queued for lapin's IO loop before any
+    /// write is awaited: `basic_publish` resolves only once the IO loop has
+    /// written its frames, so awaiting each in turn would cost a hand-off
+    /// between the two tasks per message instead of about one per batch.
+    /// The first poll of a publish takes its delivery tag and queues its
+    /// frames, so the wire order is the batch's.
+    async fn send_all(
+        &mut self,
+        events: &[OutboxEvent],
+        messages: Vec<Result<Message, Receipt>>,
+        refused: &HashMap<String, Receipt>,
+        send_by: Instant,
+        receipts: &mut [Option<Receipt>],
+    ) -> Result<Vec<(usize, PublisherConfirm)>> {
+        let opts = BasicPublishOptions {
+            mandatory: true,
+            ..Default::default()
+        };
+        let channel = &self.channel;
+        let mut handed = Vec::with_capacity(events.len());
+        // Ordered aggregates whose earlier event in this batch could not be
+        // published: their later events must not overtake it.
+        let mut halted: HashSet<(&str, &str)> = HashSet::new();
+        for (i, (e, message)) in events.iter().zip(messages).enumerate() {
+            let aggregate = (e.aggregate_type.as_str(), e.aggregate_id.as_str());
+            let ordered = e.aggregate_seq.is_some();
+            let held = ordered && halted.contains(&aggregate);
+            let message = match sendable(message, held, send_by, refused) {
+                Ok(m) => m,
+                Err(receipt) => {
+                    if ordered {
+                        halted.insert(aggregate);
+                    }
+                    receipts[i] = Some(receipt);
+                    continue;
+                }
+            };
+            #[cfg(feature = "fault-injection")]
+            crate::fault::inject(e, &self.channel, self.broker_timeout).await;
+            let mut publish = Box::pin(channel.basic_publish(
+                message.exchange,
+                message.routing_key,
+                opts,
+                e.payload.as_bytes(),
+                message.properties,
+            ));
+            // Queues the frames; resolves at once only on a closed channel.
+            let first = std::future::poll_fn(|cx| Poll::Ready(publish.as_mut().poll(cx))).await;
+            let handed_now = match first {
+                Poll::Ready(r) => Handed::Done(r),
+                Poll::Pending => Handed::Writing(publish),
+            };
+            handed.push((i, handed_now));
+        }
+        self.written(handed, send_by, receipts).await
+    }
+
+    /// Awaits, in order, the writes of the publishes [`Publisher::send_all`]
+    /// handed to the channel; records the receipt of each one not written.
+    /// Returns the confirms to await, with the events' indexes.
+    async fn written<F>(
+        &self,
+        handed: Vec<(usize, Handed<F>)>,
+        send_by: Instant,
+        receipts: &mut [Option<Receipt>],
+    ) -> Result<Vec<(usize, PublisherConfirm)>>
+    where
+        F: Future<Output = lapin::Result<PublisherConfirm>>,
+    {
+        let mut pending = Vec::with_capacity(handed.len());
+        for (i, handed) in handed {
+            let written = match handed {
+                Handed::Done(r) => r.map_err(|source| {
+                    Error::Broker(BrokerError::Failed {
+                        what: "basic.publish",
+                        source,
+                    })
+                }),
+                Handed::Writing(f) => {
+                    within("basic.publish", self.broker_timeout, send_by, f).await
+                }
+            };
+            match written {
+                Ok(confirm) => pending.push((i, confirm)),
+                // A blocked connection (memory or disk alarm) writes
+                // nothing: the broker's state, not the event's, so no
+                // attempt is counted (the batch rolls back).
+                Err(Error::Broker(BrokerError::TimedOut { .. })) if blocked_now(&self.conn) => {
+                    return Err(Error::Broker(BrokerError::Blocked {
+                        what: "basic.publish",
+                    }));
+                }
+                // Its frames may still go out: not delivered as far as we
+                // know, and the publisher is replaced.
+                Err(Error::Broker(BrokerError::TimedOut { .. })) if Instant::now() >= send_by => {
+                    receipts[i] = Some(Receipt::TimedOut);
+                }
+                Err(err) => match self.channel_failure(&err) {
+                    Some(receipt) => {
+                        receipts[i] = Some(receipt);
+                        break;
+                    }
+                    None => return Err(err),
+                },
+            }
+        }
+        Ok(pending)
+    }
+
+    /// What the receipts say about the channel (a table batch's, or the
+    /// log reader's): confirms that timed out or a failed channel end the
+    /// session (`Err`); nacks replace the channel.
+    pub(crate) async fn after_receipts(
+        &mut self,
+        conn: &Arc<Connection>,
+        receipts: &[Receipt],
+        confirm_timeout: Duration,
+    ) -> Result<()> {
+        if receipts.contains(&Receipt::TimedOut) {
+            // Confirms may still arrive on this channel; start afresh.
+            return Err(Error::Broker(BrokerError::TimedOut {
+                what: "publisher confirms",
+                timeout: confirm_timeout,
+            }));
+        }
+        if let Some(Receipt::ChannelFailed(e)) = receipts
+            .iter()
+            .find(|o| matches!(o, Receipt::ChannelFailed(_)))
+        {
+            // Settled; now replace the closed channel.
+            return Err(Error::Broker(BrokerError::ChannelClosed(e.clone())));
+        }
+        if receipts.contains(&Receipt::Nacked) {
+            // Settled (retried later). A channel that published to a
+            // quorum queue while its leader changed can go on nacking
+            // every publish (seen on RabbitMQ 3.10 after a node was
+            // killed) while a fresh channel is acked: replace it. Nacks
+            // are otherwise rare (a full queue refusing publishes).
+            self.close().await;
+            *self = Publisher::open(conn, self.broker_timeout).await?;
+        }
+        Ok(())
+    }
 }
 
 /// The text of a panic payload.
@@ -184,12 +410,6 @@ pub(super) async fn within<T>(
     match tokio::time::timeout_at(by, f).await {
         Ok(r) => r.map_err(|source| Error::Broker(BrokerError::Failed { what, source })),
         Err(_) => Err(Error::Broker(BrokerError::TimedOut { what, timeout })),
-    }
-}
-
-impl Publisher {
-    fn channel_failure(&self, err: &Error) -> Option<Receipt> {
-        channel_failure(&self.conn, &self.channel, err)
     }
 }
 

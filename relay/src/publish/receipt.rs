@@ -1,14 +1,8 @@
-//! The broker's receipt for one event, and what a batch's receipts say
-//! about the channel that carried it.
+//! The broker's receipt for one event, read from its confirm
+//! ([`Publisher::after_receipts`](super::Publisher::after_receipts) reads what a batch's receipts say about
+//! the channel that carried it).
 
-use outbox_core::amqp::BrokerError;
-use std::sync::Arc;
-use std::time::Duration;
-
-use lapin::{Confirmation, Connection};
-
-use crate::error::{Error, Result};
-use crate::publish::Publisher;
+use lapin::Confirmation;
 
 /// The broker's receipt for one event: what became of its publish (see the
 /// glossary in the crate docs).
@@ -120,42 +114,5 @@ pub(super) fn receipt_of(confirmation: Confirmation) -> Receipt {
         Confirmation::Nack(None) => Receipt::Nacked,
         // Confirm mode is always on; no confirm is no delivery.
         Confirmation::NotRequested => Receipt::Nacked,
-    }
-}
-
-impl Publisher {
-    /// What the receipts say about the channel (a table batch's, or the
-    /// log reader's): confirms that timed out or a failed channel end the
-    /// session (`Err`); nacks replace the channel.
-    pub(crate) async fn after_receipts(
-        &mut self,
-        conn: &Arc<Connection>,
-        receipts: &[Receipt],
-        confirm_timeout: Duration,
-    ) -> Result<()> {
-        if receipts.contains(&Receipt::TimedOut) {
-            // Confirms may still arrive on this channel; start afresh.
-            return Err(Error::Broker(BrokerError::TimedOut {
-                what: "publisher confirms",
-                timeout: confirm_timeout,
-            }));
-        }
-        if let Some(Receipt::ChannelFailed(e)) = receipts
-            .iter()
-            .find(|o| matches!(o, Receipt::ChannelFailed(_)))
-        {
-            // Settled; now replace the closed channel.
-            return Err(Error::Broker(BrokerError::ChannelClosed(e.clone())));
-        }
-        if receipts.contains(&Receipt::Nacked) {
-            // Settled (retried later). A channel that published to a
-            // quorum queue while its leader changed can go on nacking
-            // every publish (seen on RabbitMQ 3.10 after a node was
-            // killed) while a fresh channel is acked: replace it. Nacks
-            // are otherwise rare (a full queue refusing publishes).
-            self.close().await;
-            *self = Publisher::open(conn, self.broker_timeout).await?;
-        }
-        Ok(())
     }
 }
