@@ -435,7 +435,7 @@ async fn two_phase_crash_after_the_external_call_resumes_with_the_same_downstrea
     .await;
     let (scope, k) = ("t1 POST /payments", key("pay-1"));
 
-    let TwoPhaseStart::Run(crashed) = idem.begin_two_phase(scope, &k, fp("pay")).await.unwrap()
+    let TwoPhaseStart::Run(mut crashed) = idem.begin_two_phase(scope, &k, fp("pay")).await.unwrap()
     else {
         panic!("a new key runs");
     };
@@ -494,8 +494,15 @@ async fn two_phase_crash_after_the_external_call_resumes_with_the_same_downstrea
         .unwrap();
     tx.commit().await.unwrap();
 
-    // The crashed attempt, had it woken up, can no longer complete.
+    // The crashed attempt, had it woken up, can neither checkpoint nor
+    // complete.
     let mut tx = pool.begin().await.unwrap();
+    let err = idem
+        .checkpoint(&mut *tx, &mut crashed, "charged-again")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::IdempotencyKeyNotHeld), "{err:?}");
+    assert_eq!(crashed.recovery_point(), RECOVERY_POINT_STARTED);
     let err = idem
         .complete(
             &mut *tx,

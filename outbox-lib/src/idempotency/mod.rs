@@ -6,6 +6,7 @@ mod atomic;
 #[cfg(feature = "axum")]
 mod axum;
 mod fingerprint;
+mod handle;
 mod key;
 mod store;
 mod two_phase;
@@ -17,10 +18,11 @@ pub use self::axum::{
     IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotent, IdempotentRoute, require_finish,
 };
 pub use self::fingerprint::Fingerprint;
+pub use self::handle::Idempotency;
 pub use self::key::{IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN};
 pub use self::store::{
     DEFAULT_IDEMPOTENCY_TTL, DEFAULT_IDEMPOTENCY_WAIT, DEFAULT_MAX_RESPONSE_BYTES,
-    DOWNSTREAM_KEY_NAMESPACE, Idempotency, IdempotencyConfig, RecordedResponse,
-    cleanup_idempotency_keys, downstream_key,
+    DOWNSTREAM_KEY_NAMESPACE, IdempotencyConfig, RecordedResponse, cleanup_idempotency_keys,
+    downstream_key,
 };
 pub use self::two_phase::{RECOVERY_POINT_STARTED, TwoPhaseRun, TwoPhaseStart};

@@ -1,7 +1,6 @@
-//! The `idempotency_keys` table: configuration, the handle, its SQL, the
+//! The `idempotency_keys` table: configuration, its SQL ([`Store`]), the
 //! recorded response and retention.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::sql::render;
@@ -156,82 +155,223 @@ pub async fn cleanup_idempotency_keys(pool: &PgPool, schema: &str) -> Result<u64
     )
 }
 
-/// The service's handle on its idempotency keys. Cheap to clone; create
-/// one at start-up.
-///
-/// Atomic mode ([`Idempotency::claim`], [`Idempotency::record`]) runs the
-/// claim, the business write, its events and the recorded response in the
-/// caller's transaction. Two-phase mode ([`Idempotency::begin_two_phase`])
-/// is for operations with an effect outside this database.
-#[derive(Debug, Clone)]
-pub struct Idempotency {
-    pub(crate) inner: Arc<Inner>,
-}
-
+/// The `idempotency_keys` table of one schema: its statements, built once,
+/// and the settings they bind. The modes (`atomic.rs`, `two_phase.rs`)
+/// read and write keys only through it.
 #[derive(Debug)]
-pub(crate) struct Inner {
-    pub(crate) pool: PgPool,
-    pub(crate) schema: Ident,
-    pub(crate) config: IdempotencyConfig,
-    pub(crate) sql: Statements,
+pub(super) struct Store {
+    pool: PgPool,
+    schema: Ident,
+    config: IdempotencyConfig,
+    sql: Statements,
 }
 
-impl Idempotency {
+/// Who writes a claim: an atomic claim holds no lease; a two-phase one
+/// starts at a recovery point with a lease for its owner.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Claimant<'a> {
+    Atomic,
+    TwoPhase {
+        recovery_point: &'a str,
+        owner: Uuid,
+    },
+}
+
+impl Store {
     /// Validates `config` and checks that the schema is migrated.
-    pub async fn new(pool: &PgPool, mut config: IdempotencyConfig) -> Result<Self> {
+    pub(super) async fn new(pool: &PgPool, mut config: IdempotencyConfig) -> Result<Self> {
         let schema = Ident::new("schema", &config.schema)?;
         for name in &mut config.replay_headers {
             name.make_ascii_lowercase();
         }
         ensure_migrated(pool, &PRODUCER, &schema).await?;
         Ok(Self {
-            inner: Arc::new(Inner {
-                pool: pool.clone(),
-                sql: Statements::new(&schema),
-                schema,
-                config,
-            }),
+            pool: pool.clone(),
+            sql: Statements::new(&schema),
+            schema,
+            config,
         })
     }
 
-    /// The schema holding `idempotency_keys`.
-    pub fn schema(&self) -> &str {
-        self.inner.schema.as_str()
+    pub(super) fn schema(&self) -> &str {
+        self.schema.as_str()
     }
 
-    /// The pool given to [`Idempotency::new`].
-    pub fn pool(&self) -> &PgPool {
-        &self.inner.pool
+    pub(super) fn pool(&self) -> &PgPool {
+        &self.pool
     }
 
-    /// The settings in force.
-    pub fn config(&self) -> &IdempotencyConfig {
-        &self.inner.config
+    pub(super) fn config(&self) -> &IdempotencyConfig {
+        &self.config
     }
 
-    pub(crate) fn max_response_bytes(&self) -> usize {
-        self.inner.config.max_response_bytes
+    /// The `Retry-After` of a key held by someone else.
+    pub(super) fn retry_after(&self) -> Duration {
+        self.config.retry_after
     }
 
-    pub(crate) fn retry_after(&self) -> Duration {
-        self.inner.config.retry_after
+    /// Writes a claim of (`scope`, `key`): a new record, or with
+    /// `replace_expired` over an expired one. True when it wrote the row;
+    /// a new record blocks while a concurrent transaction holds an
+    /// uncommitted one for the key.
+    pub(super) async fn write_claim(
+        &self,
+        conn: &mut PgConnection,
+        replace_expired: bool,
+        scope: &str,
+        key: &IdempotencyKey,
+        fingerprint: Fingerprint,
+        claimant: Claimant<'_>,
+    ) -> Result<bool> {
+        let statement = if replace_expired {
+            &self.sql.replace_expired
+        } else {
+            &self.sql.insert
+        };
+        let (recovery_point, lease, owner) = match claimant {
+            Claimant::Atomic => (None, None, None),
+            Claimant::TwoPhase {
+                recovery_point,
+                owner,
+            } => (
+                Some(recovery_point),
+                Some(self.config.lease.as_secs_f64()),
+                Some(owner),
+            ),
+        };
+        let written: Option<bool> = sqlx::query_scalar(statement.clone())
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(&fingerprint.as_bytes()[..])
+            .bind(self.config.ttl.as_secs_f64())
+            .bind(recovery_point)
+            .bind(lease)
+            .bind(owner)
+            .fetch_optional(&mut *conn)
+            .await?;
+        Ok(written.is_some())
     }
 
-    #[cfg(feature = "axum")]
-    pub(crate) fn wait_bound(&self) -> Duration {
-        self.inner.config.wait
+    /// The record of (`scope`, `key`), locked with `for_update`; `None`
+    /// when there is none (or cleanup deleted it).
+    pub(super) async fn read(
+        &self,
+        conn: &mut PgConnection,
+        scope: &str,
+        key: &IdempotencyKey,
+        for_update: bool,
+    ) -> Result<Option<Existing>> {
+        let statement = if for_update {
+            &self.sql.select_for_update
+        } else {
+            &self.sql.select
+        };
+        sqlx::query(statement.clone())
+            .bind(scope)
+            .bind(key.as_str())
+            .fetch_optional(&mut *conn)
+            .await?
+            .as_ref()
+            .map(Existing::from_row)
+            .transpose()
+    }
+
+    /// Gives the lease of an in-progress record whose lease ran out to
+    /// `owner`: `None` when nothing was taken over, else the recovery point
+    /// the record holds (`None` inside when it holds none).
+    pub(super) async fn take_over(
+        &self,
+        conn: &mut PgConnection,
+        scope: &str,
+        key: &IdempotencyKey,
+        owner: Uuid,
+    ) -> Result<Option<Option<String>>> {
+        Ok(sqlx::query_scalar(self.sql.take_over.clone())
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(self.config.lease.as_secs_f64())
+            .bind(owner)
+            .fetch_optional(&mut *conn)
+            .await?)
+    }
+
+    /// Records `point` for the run `owner` holds and renews its lease.
+    /// False when the lease was taken over.
+    pub(super) async fn checkpoint(
+        &self,
+        conn: &mut PgConnection,
+        scope: &str,
+        key: &IdempotencyKey,
+        point: &str,
+        owner: Uuid,
+    ) -> Result<bool> {
+        let n = sqlx::query(self.sql.checkpoint.clone())
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(point)
+            .bind(self.config.lease.as_secs_f64())
+            .bind(owner)
+            .execute(&mut *conn)
+            .await?
+            .rows_affected();
+        Ok(n == 1)
+    }
+
+    /// Records `response` and completes the key, held by `owner` (`None`:
+    /// an atomic claim); [`Error::IdempotencyKeyNotHeld`] when it is not
+    /// held so.
+    pub(super) async fn complete(
+        &self,
+        conn: &mut PgConnection,
+        scope: &str,
+        key: &IdempotencyKey,
+        owner: Option<Uuid>,
+        response: &RecordedResponse,
+    ) -> Result<()> {
+        let headers = self.recordable(response)?;
+        let done = sqlx::query(self.sql.complete.clone())
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(i32::from(response.status))
+            .bind(headers)
+            .bind(&response.body)
+            .bind(owner)
+            .execute(&mut *conn)
+            .await?
+            .rows_affected();
+        if done == 1 {
+            Ok(())
+        } else {
+            Err(Error::IdempotencyKeyNotHeld)
+        }
+    }
+
+    /// Ends `owner`'s lease without a response.
+    pub(super) async fn release(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        owner: Uuid,
+    ) -> Result<()> {
+        sqlx::query(self.sql.release.clone())
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(owner)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
     }
 
     /// Keeps the allow-listed headers and checks the size cap.
-    pub(crate) fn recordable(&self, response: &RecordedResponse) -> Result<serde_json::Value> {
-        let limit = self.max_response_bytes();
+    fn recordable(&self, response: &RecordedResponse) -> Result<serde_json::Value> {
+        let limit = self.config.max_response_bytes;
         if response.body.len() > limit {
             return Err(Error::ResponseTooLarge {
                 size: response.body.len(),
                 limit,
             });
         }
-        let allowed = &self.inner.config.replay_headers;
+        let allowed = &self.config.replay_headers;
         Ok(response
             .headers
             .iter()
@@ -242,14 +382,9 @@ impl Idempotency {
 
     /// Sets `lock_timeout` for this transaction to the wait bound and
     /// returns the previous value.
-    pub(crate) async fn bound_wait(&self, conn: &mut PgConnection) -> Result<String> {
+    pub(super) async fn bound_wait(&self, conn: &mut PgConnection) -> Result<String> {
         // lock_timeout = 0 disables the timeout, so "no wait" is 1 ms.
-        let ms = self
-            .inner
-            .config
-            .wait
-            .as_millis()
-            .clamp(1, i32::MAX as u128);
+        let ms = self.config.wait.as_millis().clamp(1, i32::MAX as u128);
         let old: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
             .fetch_one(&mut *conn)
             .await?;
@@ -258,7 +393,7 @@ impl Idempotency {
     }
 
     /// Sets `lock_timeout` for the rest of the transaction.
-    pub(crate) async fn restore_wait(&self, conn: &mut PgConnection, value: &str) -> Result<()> {
+    pub(super) async fn restore_wait(&self, conn: &mut PgConnection, value: &str) -> Result<()> {
         sqlx::query("SELECT set_config('lock_timeout', $1, true)")
             .bind(value)
             .execute(&mut *conn)
@@ -267,7 +402,7 @@ impl Idempotency {
     }
 
     /// Maps a lock timeout to [`Error::IdempotencyKeyInUse`].
-    pub(crate) fn in_use_on_timeout(&self, e: Error) -> Error {
+    pub(super) fn in_use_on_timeout(&self, e: Error) -> Error {
         match &e {
             Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03") => {
                 Error::IdempotencyKeyInUse {
@@ -277,30 +412,22 @@ impl Idempotency {
             _ => e,
         }
     }
-
-    pub(crate) fn ttl_secs(&self) -> f64 {
-        self.inner.config.ttl.as_secs_f64()
-    }
-
-    pub(crate) fn lease_secs(&self) -> f64 {
-        self.inner.config.lease.as_secs_f64()
-    }
 }
 
 /// A row of `idempotency_keys` as the claim logic needs it.
 #[derive(Debug)]
-pub(crate) struct Existing {
-    pub(crate) fingerprint: Option<Fingerprint>,
-    pub(crate) completed: bool,
-    pub(crate) expired: bool,
-    pub(crate) response: Option<RecordedResponse>,
-    pub(crate) recovery_point: Option<String>,
+pub(super) struct Existing {
+    pub(super) fingerprint: Option<Fingerprint>,
+    pub(super) completed: bool,
+    pub(super) expired: bool,
+    pub(super) response: Option<RecordedResponse>,
+    pub(super) recovery_point: Option<String>,
     /// Remaining lease; `None` when there is no live lease.
-    pub(crate) lease_left: Option<Duration>,
+    pub(super) lease_left: Option<Duration>,
 }
 
 impl Existing {
-    pub(crate) fn from_row(row: &sqlx::postgres::PgRow) -> Result<Self> {
+    fn from_row(row: &sqlx::postgres::PgRow) -> Result<Self> {
         let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
         let state: String = row.try_get("state")?;
         let status: Option<i32> = row.try_get("response_status")?;
@@ -342,24 +469,24 @@ fn headers_from_json(value: &serde_json::Value) -> Vec<(String, String)> {
 /// Every statement on `idempotency_keys`, built once per schema. The schema
 /// is a validated `Ident`; every value is bound.
 #[derive(Debug)]
-pub(crate) struct Statements {
+struct Statements {
     /// $1 scope, $2 key, $3 fingerprint, $4 ttl secs, $5 recovery point,
     /// $6 lease secs, $7 lease owner (the last three NULL in atomic mode).
-    pub(crate) insert: SqlStr,
+    insert: SqlStr,
     /// Same binds as `insert`; replaces an expired record.
-    pub(crate) replace_expired: SqlStr,
+    replace_expired: SqlStr,
     /// $1 scope, $2 key.
-    pub(crate) select: SqlStr,
+    select: SqlStr,
     /// Like `select`, locking the row.
-    pub(crate) select_for_update: SqlStr,
+    select_for_update: SqlStr,
     /// $1 scope, $2 key, $3 lease secs, $4 new owner. Returns the recovery point.
-    pub(crate) take_over: SqlStr,
+    take_over: SqlStr,
     /// $1 scope, $2 key, $3 status, $4 headers, $5 body, $6 owner (NULL: atomic).
-    pub(crate) complete: SqlStr,
+    complete: SqlStr,
     /// $1 scope, $2 key, $3 recovery point, $4 lease secs, $5 owner.
-    pub(crate) checkpoint: SqlStr,
+    checkpoint: SqlStr,
     /// $1 scope, $2 key, $3 owner.
-    pub(crate) release: SqlStr,
+    release: SqlStr,
 }
 
 impl Statements {

@@ -26,8 +26,9 @@ const SHOWN: usize = 100;
 /// An action reads at most this many (a bigger queue: act again).
 const ACT_MAX: u16 = 10_000;
 
-/// Which messages: a filter, or message ids within it.
-struct Filter {
+/// Which messages of a consumer's `.dlq` queue: a filter, or message ids
+/// within it (the outbox table's dead letters have `admin::Filter`).
+struct QueueFilter {
     queue: String,
     /// Words of the reason (case-insensitive substring).
     reason: Option<String>,
@@ -36,8 +37,8 @@ struct Filter {
     ids: Option<Vec<String>>,
 }
 
-impl Filter {
-    fn of(console: &Console, f: &Fields) -> Result<Filter, String> {
+impl QueueFilter {
+    fn of(console: &Console, f: &Fields) -> Result<QueueFilter, String> {
         let queue = f.get("queue").unwrap_or("").to_owned();
         if !console.options.consumers.is_queue(&queue) {
             return Err(format!("not a consumer queue of this console: {queue:?}"));
@@ -56,7 +57,7 @@ impl Filter {
             }
             _ => None,
         };
-        Ok(Filter {
+        Ok(QueueFilter {
             queue,
             reason: f.get("reason_words").map(str::to_lowercase),
             event_type: f.get("event_type").map(str::to_owned),
@@ -149,7 +150,7 @@ pub(crate) async fn list(
     let Some(broker) = &console.consumers.broker else {
         return no_broker();
     };
-    let filter = match Filter::of(console, &Fields::from_query(q)) {
+    let filter = match QueueFilter::of(console, &Fields::from_query(q)) {
         Ok(f) => f,
         Err(e) => return bad_request(&e),
     };
@@ -170,7 +171,7 @@ pub(crate) async fn list(
 fn list_body(
     console: &Console,
     csrf: &CsrfToken,
-    filter: &Filter,
+    filter: &QueueFilter,
     held: &Held,
     matching: &[&DeadLetter],
 ) -> Markup {
@@ -193,7 +194,7 @@ fn list_body(
         @if !read_only && !matching.is_empty() {
             form.actions method="post" action=(console.url("/consumers/dlq/confirm")) id="matching-actions" {
                 input type="hidden" name=(CSRF_FIELD) value=(csrf.0);
-                (Filter { ids: None, queue: filter.queue.clone(), reason: filter.reason.clone(), event_type: filter.event_type.clone() }.hidden())
+                (QueueFilter { ids: None, queue: filter.queue.clone(), reason: filter.reason.clone(), event_type: filter.event_type.clone() }.hidden())
                 button type="submit" name="action" value="replay" id="replay-matching" { "Replay all matching…" }
                 button.danger type="submit" name="action" value="purge" id="purge-matching" { "Purge all matching…" }
             }
@@ -221,8 +222,8 @@ enum Action {
 }
 
 /// The action and the selection a form asks for.
-fn request_of(console: &Console, f: &Fields) -> Result<(Action, Filter), String> {
-    Ok((action_of(f)?, Filter::of(console, f)?))
+fn request_of(console: &Console, f: &Fields) -> Result<(Action, QueueFilter), String> {
+    Ok((action_of(f)?, QueueFilter::of(console, f)?))
 }
 
 fn action_of(f: &Fields) -> Result<Action, String> {
@@ -350,7 +351,7 @@ pub(crate) async fn act(
 fn audit(
     who: &Principal,
     action: Action,
-    filter: &Filter,
+    filter: &QueueFilter,
     reason: &str,
     expected: usize,
     touched: std::result::Result<usize, String>,

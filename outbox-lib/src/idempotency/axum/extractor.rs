@@ -10,179 +10,18 @@ use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use sqlx::{PgConnection, Postgres, Transaction};
 
+use super::IDEMPOTENT_REPLAYED;
 use super::body::{ReadError, read_limited};
 use super::finish::{FinishMarker, FinishState};
 use super::gate::Gate;
 use super::problem::{ProblemTypes, error_response, internal_error, problem};
-use super::route::{IdempotentRoute, KeySource};
-use super::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use super::route::IdempotentRoute;
 use crate::error::Error;
 use crate::idempotency::atomic::{Claim, ClaimedKey};
+use crate::idempotency::handle::Idempotency;
 use crate::idempotency::key::IdempotencyKey;
-use crate::idempotency::store::{Idempotency, RecordedResponse};
+use crate::idempotency::store::RecordedResponse;
 use crate::outbox::Outbox;
-
-impl IdempotentRoute {
-    /// Buffers the request, validates its key, opens a transaction and
-    /// claims the key in it. `Err` is the response to send as is: a replay
-    /// of the recorded response, or a problem document (400 missing or
-    /// invalid key, 413 body too large, 409 key in use, 422 key reused with
-    /// another request, 503 database unavailable).
-    pub async fn begin(&self, request: Request) -> Result<Idempotent, Response> {
-        let (parts, body) = request.into_parts();
-        let Some(marker) = parts.extensions.get::<FinishMarker>().cloned() else {
-            tracing::error!("idempotent route without the require_finish middleware");
-            return Err(problem(
-                &self.problems,
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "route-unguarded",
-                "Idempotent route misconfigured",
-                "this route lacks the outbox::idempotency::require_finish middleware; nothing was executed",
-            ));
-        };
-        let body = self.buffer(body).await?;
-        let key = self.key(&parts, &body)?;
-        // Concurrent duplicates queue here, before taking a connection.
-        let scope = (self.scope)(&parts);
-        let gate = match &key {
-            None => None,
-            Some(key) => Some(self.enter_gate(&scope, key).await?),
-        };
-        let mut tx = self
-            .idem
-            .pool()
-            .begin()
-            .await
-            .map_err(|e| error_response(&self.problems, &Error::Database(e)))?;
-        let claimed = match key {
-            None => None,
-            Some(key) => {
-                let fingerprint = (self.fingerprint)(&parts, &body);
-                match self.idem.claim(&mut tx, &scope, &key, fingerprint).await {
-                    Ok(Claim::Execute(claimed)) => Some(claimed),
-                    Ok(Claim::Replay(recorded)) => {
-                        // The claim wrote nothing; end the transaction now.
-                        let _ = tx.rollback().await;
-                        return Err(replay(recorded));
-                    }
-                    Err(e) => return Err(error_response(&self.problems, &e)),
-                }
-            }
-        };
-        marker.set(FinishState::Begun(self.problems.clone()));
-        Ok(Idempotent {
-            marker,
-            tx,
-            claimed,
-            parts,
-            body,
-            idem: self.idem.clone(),
-            outbox: self.outbox.clone(),
-            problems: self.problems.clone(),
-            _gate: gate,
-        })
-    }
-
-    /// The request body, buffered up to `max_request_bytes`; `Err` is a
-    /// 413 (too large) or 400 (unreadable) problem response.
-    async fn buffer(&self, body: Body) -> Result<Bytes, Response> {
-        match read_limited(body, self.max_request_bytes).await {
-            Ok(body) => Ok(body),
-            Err(ReadError::TooLarge(_)) => Err(problem(
-                &self.problems,
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "request-too-large",
-                "Request body too large",
-                &format!(
-                    "idempotent requests are buffered; the limit is {} bytes",
-                    self.max_request_bytes
-                ),
-            )),
-            Err(ReadError::Body(e)) => {
-                tracing::debug!(error = %e, "idempotent request body unreadable");
-                Err(problem(
-                    &self.problems,
-                    StatusCode::BAD_REQUEST,
-                    "request-body",
-                    "Unreadable request body",
-                    "the request body could not be read",
-                ))
-            }
-        }
-    }
-
-    /// The request's key, validated; `None` on an optional route called
-    /// without one. `Err` is a 400 problem response (missing or invalid).
-    #[expect(
-        clippy::result_large_err,
-        reason = "the rejection is the response begin returns as is"
-    )]
-    fn key(&self, parts: &Parts, body: &Bytes) -> Result<Option<IdempotencyKey>, Response> {
-        match self
-            .raw_key(parts, body)
-            .map_err(|e| error_response(&self.problems, &e))?
-        {
-            Some(raw) => Ok(Some(
-                IdempotencyKey::parse(&raw).map_err(|e| error_response(&self.problems, &e))?,
-            )),
-            None if self.required => {
-                let detail = match &self.key_source {
-                    KeySource::Header => {
-                        "this endpoint requires an Idempotency-Key header".to_owned()
-                    }
-                    KeySource::JsonField(f) => {
-                        format!("this endpoint requires an idempotency key in the body field `{f}`")
-                    }
-                };
-                Err(problem(
-                    &self.problems,
-                    StatusCode::BAD_REQUEST,
-                    "key-missing",
-                    "Idempotency key missing",
-                    &detail,
-                ))
-            }
-            None => Ok(None),
-        }
-    }
-
-    /// Waits (up to the wait bound) for the gate of `key` in `scope`;
-    /// `Err` is a 409 problem response: still in use.
-    async fn enter_gate(&self, scope: &str, key: &IdempotencyKey) -> Result<Gate, Response> {
-        let wait = self.idem.wait_bound();
-        let gated = self.gates.enter(format!("{scope}\0{}", key.as_str()), wait);
-        match gated.await {
-            Some(gate) => Ok(gate),
-            None => Err(error_response(
-                &self.problems,
-                &Error::IdempotencyKeyInUse {
-                    retry_after: self.idem.retry_after(),
-                },
-            )),
-        }
-    }
-
-    fn raw_key(&self, parts: &Parts, body: &Bytes) -> Result<Option<String>, Error> {
-        let invalid = |reason| Error::InvalidIdempotencyKey { reason };
-        match &self.key_source {
-            KeySource::Header => match parts.headers.get(IDEMPOTENCY_KEY) {
-                None => Ok(None),
-                Some(v) => v
-                    .to_str()
-                    .map(|s| Some(s.to_owned()))
-                    .map_err(|_| invalid("must be visible ASCII characters only")),
-            },
-            KeySource::JsonField(field) => {
-                let value: Option<serde_json::Value> = serde_json::from_slice(body).ok();
-                match value.as_ref().and_then(|v| v.get(field)) {
-                    None | Some(serde_json::Value::Null) => Ok(None),
-                    Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
-                    Some(_) => Err(invalid("must be a JSON string")),
-                }
-            }
-        }
-    }
-}
 
 /// An idempotent request in progress: the buffered request and the
 /// transaction in which its key is claimed.
@@ -274,6 +113,65 @@ impl std::fmt::Debug for Idempotent {
 }
 
 impl Idempotent {
+    /// [`IdempotentRoute::begin`].
+    pub(super) async fn begin(
+        route: &IdempotentRoute,
+        request: Request,
+    ) -> Result<Idempotent, Response> {
+        let (parts, body) = request.into_parts();
+        let Some(marker) = parts.extensions.get::<FinishMarker>().cloned() else {
+            tracing::error!("idempotent route without the require_finish middleware");
+            return Err(problem(
+                route.problems(),
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "route-unguarded",
+                "Idempotent route misconfigured",
+                "this route lacks the outbox::idempotency::require_finish middleware; nothing was executed",
+            ));
+        };
+        let body = route.buffer(body).await?;
+        let key = route.key(&parts, &body)?;
+        // Concurrent duplicates queue here, before taking a connection.
+        let scope = route.scope_of(&parts);
+        let gate = match &key {
+            None => None,
+            Some(key) => Some(route.enter_gate(&scope, key).await?),
+        };
+        let mut tx = route
+            .idem()
+            .pool()
+            .begin()
+            .await
+            .map_err(|e| error_response(route.problems(), &Error::Database(e)))?;
+        let claimed = match key {
+            None => None,
+            Some(key) => {
+                let fingerprint = route.fingerprint_of(&parts, &body);
+                match route.idem().claim(&mut tx, &scope, &key, fingerprint).await {
+                    Ok(Claim::Execute(claimed)) => Some(claimed),
+                    Ok(Claim::Replay(recorded)) => {
+                        // The claim wrote nothing; end the transaction now.
+                        let _ = tx.rollback().await;
+                        return Err(replay(recorded));
+                    }
+                    Err(e) => return Err(error_response(route.problems(), &e)),
+                }
+            }
+        };
+        marker.set(FinishState::Begun(route.problems().clone()));
+        Ok(Idempotent {
+            marker,
+            tx,
+            claimed,
+            parts,
+            body,
+            idem: route.idem().clone(),
+            outbox: route.woken().cloned(),
+            problems: route.problems().clone(),
+            _gate: gate,
+        })
+    }
+
     /// The transaction holding the claim: write through it (`req.conn()`).
     /// Everything commits with the recorded response in
     /// [`Idempotent::finish`], or rolls back.
@@ -377,7 +275,7 @@ impl Idempotent {
                 "the response has no known length, so it cannot be recorded; nothing was committed",
             );
         }
-        let limit = idem.max_response_bytes();
+        let limit = idem.config().max_response_bytes;
         let bytes = match read_limited(body, limit).await {
             Ok(bytes) => bytes,
             Err(e) => {

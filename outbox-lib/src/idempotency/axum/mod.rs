@@ -1,8 +1,9 @@
 //! axum integration: the [`Idempotent`] extractor.
 //!
-//! By stage: `route.rs` (the [`IdempotentRoute`] settings), `extractor.rs`
-//! (begin: buffer the request, claim its key; [`Idempotent::finish`]:
-//! record the response, commit), `gate.rs` (concurrent requests with one
+//! By stage: `route.rs` (the [`IdempotentRoute`] settings, and what a
+//! route reads before the claim: the bounded body, the key, the gate),
+//! `extractor.rs` (begin: claim the key in a new transaction;
+//! [`Idempotent::finish`]: record the response, commit), `gate.rs` (concurrent requests with one
 //! key wait in process), `body.rs` (bounded body buffering), `problem.rs`
 //! (problem documents, errors as responses) and `finish.rs` (the
 //! [`require_finish`] middleware).

@@ -1,15 +1,24 @@
-//! The settings of idempotent routes.
+//! The settings of idempotent routes, and what a route reads of a request
+//! before its key is claimed: the buffered body, the key, the gate.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering as AtomicOrdering;
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
+use axum::extract::Request;
+use axum::http::StatusCode;
 use axum::http::request::Parts;
+use axum::response::Response;
 
-use super::gate::Gates;
-use super::problem::ProblemTypes;
+use super::IDEMPOTENCY_KEY;
+use super::body::{ReadError, read_limited};
+use super::extractor::Idempotent;
+use super::gate::{Gate, Gates};
+use super::problem::{ProblemTypes, error_response, problem};
+use crate::error::Error;
 use crate::idempotency::fingerprint::Fingerprint;
-use crate::idempotency::store::Idempotency;
+use crate::idempotency::handle::Idempotency;
+use crate::idempotency::key::IdempotencyKey;
 use crate::outbox::Outbox;
 
 /// Default largest request body an idempotent route buffers: 1 MiB.
@@ -20,7 +29,7 @@ type FingerprintFn = Arc<dyn Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync>;
 
 /// Where a route reads its key.
 #[derive(Debug, Clone)]
-pub(super) enum KeySource {
+enum KeySource {
     Header,
     JsonField(String),
 }
@@ -37,15 +46,15 @@ pub(super) enum KeySource {
 /// [`FromRef`]: axum::extract::FromRef
 #[derive(Clone)]
 pub struct IdempotentRoute {
-    pub(super) idem: Idempotency,
-    pub(super) key_source: KeySource,
-    pub(super) required: bool,
-    pub(super) max_request_bytes: usize,
-    pub(super) scope: ScopeFn,
-    pub(super) fingerprint: FingerprintFn,
-    pub(super) outbox: Option<Outbox>,
-    pub(super) problems: ProblemTypes,
-    pub(super) gates: Gates,
+    idem: Idempotency,
+    key_source: KeySource,
+    required: bool,
+    max_request_bytes: usize,
+    scope: ScopeFn,
+    fingerprint: FingerprintFn,
+    outbox: Option<Outbox>,
+    problems: ProblemTypes,
+    gates: Gates,
 }
 
 impl std::fmt::Debug for IdempotentRoute {
@@ -140,5 +149,147 @@ impl IdempotentRoute {
     pub fn outbox(mut self, outbox: Outbox) -> Self {
         self.outbox = Some(outbox);
         self
+    }
+
+    /// Buffers the request, validates its key, opens a transaction and
+    /// claims the key in it. `Err` is the response to send as is: a replay
+    /// of the recorded response, or a problem document (400 missing or
+    /// invalid key, 413 body too large, 409 key in use, 422 key reused with
+    /// another request, 503 database unavailable).
+    pub async fn begin(&self, request: Request) -> Result<Idempotent, Response> {
+        Idempotent::begin(self, request).await
+    }
+
+    /// The handle whose table holds this route's keys.
+    pub(super) fn idem(&self) -> &Idempotency {
+        &self.idem
+    }
+
+    /// The outbox whose relays are woken after each commit, if any.
+    pub(super) fn woken(&self) -> Option<&Outbox> {
+        self.outbox.as_ref()
+    }
+
+    /// How this route's problem documents are typed.
+    pub(super) fn problems(&self) -> &ProblemTypes {
+        &self.problems
+    }
+
+    /// The scope of a request.
+    pub(super) fn scope_of(&self, parts: &Parts) -> String {
+        (self.scope)(parts)
+    }
+
+    /// The fingerprint of a request.
+    pub(super) fn fingerprint_of(&self, parts: &Parts, body: &Bytes) -> Fingerprint {
+        (self.fingerprint)(parts, body)
+    }
+
+    /// The request body, buffered up to `max_request_bytes`; `Err` is a
+    /// 413 (too large) or 400 (unreadable) problem response.
+    pub(super) async fn buffer(&self, body: Body) -> Result<Bytes, Response> {
+        match read_limited(body, self.max_request_bytes).await {
+            Ok(body) => Ok(body),
+            Err(ReadError::TooLarge(_)) => Err(problem(
+                &self.problems,
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request-too-large",
+                "Request body too large",
+                &format!(
+                    "idempotent requests are buffered; the limit is {} bytes",
+                    self.max_request_bytes
+                ),
+            )),
+            Err(ReadError::Body(e)) => {
+                tracing::debug!(error = %e, "idempotent request body unreadable");
+                Err(problem(
+                    &self.problems,
+                    StatusCode::BAD_REQUEST,
+                    "request-body",
+                    "Unreadable request body",
+                    "the request body could not be read",
+                ))
+            }
+        }
+    }
+
+    /// The request's key, validated; `None` on an optional route called
+    /// without one. `Err` is a 400 problem response (missing or invalid).
+    #[expect(
+        clippy::result_large_err,
+        reason = "the rejection is the response begin returns as is"
+    )]
+    pub(super) fn key(
+        &self,
+        parts: &Parts,
+        body: &Bytes,
+    ) -> Result<Option<IdempotencyKey>, Response> {
+        match self
+            .raw_key(parts, body)
+            .map_err(|e| error_response(&self.problems, &e))?
+        {
+            Some(raw) => Ok(Some(
+                IdempotencyKey::parse(&raw).map_err(|e| error_response(&self.problems, &e))?,
+            )),
+            None if self.required => {
+                let detail = match &self.key_source {
+                    KeySource::Header => {
+                        "this endpoint requires an Idempotency-Key header".to_owned()
+                    }
+                    KeySource::JsonField(f) => {
+                        format!("this endpoint requires an idempotency key in the body field `{f}`")
+                    }
+                };
+                Err(problem(
+                    &self.problems,
+                    StatusCode::BAD_REQUEST,
+                    "key-missing",
+                    "Idempotency key missing",
+                    &detail,
+                ))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Waits (up to the wait bound) for the gate of `key` in `scope`;
+    /// `Err` is a 409 problem response: still in use.
+    pub(super) async fn enter_gate(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+    ) -> Result<Gate, Response> {
+        let wait = self.idem.config().wait;
+        let gated = self.gates.enter(format!("{scope}\0{}", key.as_str()), wait);
+        match gated.await {
+            Some(gate) => Ok(gate),
+            None => Err(error_response(
+                &self.problems,
+                &Error::IdempotencyKeyInUse {
+                    retry_after: self.idem.config().retry_after,
+                },
+            )),
+        }
+    }
+
+    fn raw_key(&self, parts: &Parts, body: &Bytes) -> Result<Option<String>, Error> {
+        let invalid = |reason| Error::InvalidIdempotencyKey { reason };
+        match &self.key_source {
+            KeySource::Header => match parts.headers.get(IDEMPOTENCY_KEY) {
+                None => Ok(None),
+                Some(v) => v
+                    .to_str()
+                    .map(|s| Some(s.to_owned()))
+                    .map_err(|_| invalid("must be visible ASCII characters only")),
+            },
+            KeySource::JsonField(field) => {
+                let value: Option<serde_json::Value> = serde_json::from_slice(body).ok();
+                match value.as_ref().and_then(|v| v.get(field)) {
+                    None | Some(serde_json::Value::Null) => Ok(None),
+                    Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+                    Some(_) => Err(invalid("must be a JSON string")),
+                }
+            }
+        }
     }
 }
