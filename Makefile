@@ -57,7 +57,7 @@ test-cluster: cluster ## the fault suite on the three-node cluster with quorum q
 	$(CARGO) nextest run --workspace --all-features --no-fail-fast --test-threads 1 -E 'test(/^cluster_/)'
 
 package: ## cargo publish --dry-run of the published crates, without compiling them again: every file their sources need is in the package (scripts/check-package.sh)
-	$(CARGO) publish --dry-run --no-verify -p outbox-core -p outbox-lib -p consumer-lib -p outbox-relay -p outbox-relay-ops
+	$(CARGO) publish --dry-run --no-verify -p outbox-core -p outbox -p outbox-consumer -p outbox-relay -p outbox-relay-ops
 	./scripts/check-package.sh
 
 lint: ## rustfmt and clippy, warnings are errors; make targets share one feature set
@@ -70,7 +70,7 @@ check-deploy: ## check deploy/: Kubernetes manifests, systemd unit, alert rules 
 	./scripts/check-deploy.sh
 
 doc: ## API docs of the published crates as docs.rs builds them (all features); rustdoc warnings are errors
-	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --all-features -p outbox-core -p outbox-lib -p consumer-lib -p outbox-relay -p outbox-relay-ops
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --all-features -p outbox-core -p outbox -p outbox-consumer -p outbox-relay -p outbox-relay-ops
 
 fmt: ## format the code
 	$(CARGO) fmt --all

@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CARGO=${CARGO:-cargo}
 # The published crates: package name and folder.
-crates=(outbox-core:outbox-core outbox-lib:outbox-lib consumer-lib:consumer-lib
+crates=(outbox-core:outbox-core outbox:outbox-lib outbox-consumer:consumer-lib
         outbox-relay:relay outbox-relay-ops:relay-ops)
 
 say() { printf 'check-package: %s\n' "$*"; }

@@ -3,7 +3,7 @@ use std::time::Duration;
 pub use outbox_core::amqp::BrokerError;
 use thiserror::Error;
 
-/// Everything that can go wrong in `consumer-lib`.
+/// Everything that can go wrong in `outbox-consumer`.
 ///
 /// A consumer's [`run`](crate::Consumer::run) survives the transient ones by
 /// itself (it backs off and reconnects); it returns only on shutdown or on an
@@ -69,7 +69,7 @@ pub enum Error {
         /// queue has.
         detail: String,
     },
-    /// An error from `outbox-lib` (invalid schema name, inbox not migrated).
+    /// An error from `outbox` (invalid schema name, inbox not migrated).
     #[error(transparent)]
     Outbox(#[from] outbox::Error),
     /// The consumer configuration is invalid.

@@ -1,5 +1,5 @@
-//! Internals shared by the crates of the outbox toolkit: `outbox-lib` (the
-//! producer), `consumer-lib`, `outbox-relay` (the relay engine) and `outbox-relay-ops` (its binary and operator tools).
+//! Internals shared by the crates of the outbox toolkit: `outbox` (the
+//! producer), `outbox-consumer`, `outbox-relay` (the relay engine) and `outbox-relay-ops` (its binary and operator tools).
 //!
 //! **No stable API.** Each of those crates depends on one exact version of
 //! this crate (`=x.y.z`), so anything here may change in any release.

@@ -1,7 +1,7 @@
 pub use outbox_core::migrate::MigrateError;
 use thiserror::Error;
 
-/// Everything that can go wrong in `outbox-lib`.
+/// Everything that can go wrong in `outbox`.
 ///
 /// Validation errors are raised before anything is written: an `enqueue` that
 /// returns one of them has not touched the caller's transaction.

@@ -1,7 +1,7 @@
 //! Transactional outbox for PostgreSQL: write your business state and the
 //! events about it in **one transaction**; the relay (`outbox-relay`)
 //! publishes the events to RabbitMQ at least once, and consumers built with
-//! `consumer-lib` apply each event's effect exactly once.
+//! `outbox-consumer` apply each event's effect exactly once.
 //!
 //! ```no_run
 //! use outbox::{NewEvent, Outbox, OutboxConfig};

@@ -1,6 +1,6 @@
 //! Example consumer: the inventory service. For every `OrderPlaced` event
 //! it takes the ordered quantity off the stock (`qty = qty - $n`), an
-//! effect that is **not** idempotent, through `consumer-lib`, which records
+//! effect that is **not** idempotent, through `outbox-consumer`, which records
 //! the event id in its inbox in the same transaction: duplicates and
 //! redeliveries are acked without touching the stock. A batch's rows are
 //! locked in sku order first, so instances sharing a queue never deadlock.

@@ -1,6 +1,6 @@
 //! Example consumer: the notifications service, a second subscriber of
 //! `OrderPlaced`. It records one notification row per order through
-//! `consumer-lib` under its own consumer name and queue, so its dedup
+//! `outbox-consumer` under its own consumer name and queue, so its dedup
 //! state is independent of every other subscriber's: a fan-out delivers
 //! each event to each queue, and each service applies it once.
 //!

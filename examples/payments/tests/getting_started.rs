@@ -139,7 +139,7 @@ fn the_versions_the_tutorial_gives_are_the_workspaces() {
             named.push(name);
         }
     }
-    for name in ["outbox-lib", "consumer-lib", "sqlx", "axum", "lapin"] {
+    for name in ["outbox", "outbox-consumer", "sqlx", "axum", "lapin"] {
         assert!(named.contains(&name), "{DOC} gives no version of {name}");
     }
 }

@@ -1,7 +1,7 @@
 //! The payments service's tests, as docs/GETTING_STARTED.md writes them:
 //! against a real PostgreSQL, each test in a schema of its own, no
-//! RabbitMQ and no relay (the `testing` features of outbox-lib and
-//! consumer-lib).
+//! RabbitMQ and no relay (the `testing` features of outbox and
+//! outbox-consumer).
 
 use outbox::testing::{TestSchema, enqueued};
 use outbox_consumer::testing::{Delivered, EventBuilder, TestConsumer};

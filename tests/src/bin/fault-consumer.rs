@@ -1,4 +1,4 @@
-//! A consumer-lib consumer as a process the fault tests can SIGKILL. Its
+//! A consumer (the outbox-consumer library) as a process the fault tests can SIGKILL. Its
 //! effect is deliberately not idempotent: one row per application in
 //! `<SCHEMA>.effects` (no unique key), so a double application shows.
 //! Settings: DATABASE_URL, AMQP_URL, SCHEMA, QUEUE. It prints its counts
