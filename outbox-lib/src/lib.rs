@@ -56,7 +56,8 @@
 //! |---|---|
 //! | **enqueue** | writing an event row in the caller's transaction, [`Outbox::enqueue`] (`outbox-lib/src/outbox/`) |
 //! | **ordered aggregates** | the aggregate types the database numbers per aggregate (`aggregate_seq`), set with [`set_ordered`]; [`OrderedAggregates`] is what a handle checks at start-up |
-//! | **claim** | a relay locking a batch of due rows with `FOR UPDATE SKIP LOCKED` (`relay/src/claim/`) |
+//! | **claim** | a relay locking a batch of due rows with `FOR UPDATE SKIP LOCKED` (`relay/src/claim/`); an HTTP request *claims its key* too, a row in `idempotency_keys` ([`idempotency::Claim`]); the consumer's inbox insert is called dedup, never a claim |
+//! | **batch** | the relay's: the rows one claim takes, published and settled in one database transaction (`--batch-size`); the consumer's: the deliveries it runs in one database transaction (`ConsumerConfig::batch_size`). The two are unrelated in size |
 //! | **chain** | an aggregate's share of an ordered claim: its head and the consecutive events behind it, published in sequence |
 //! | **lease**, **partition** | ordered aggregates hash to 64 partitions; a relay publishes the partitions it holds a lease on (`relay/src/lease.rs`) |
 //! | **publish** | sending a claimed batch with publisher confirms (`relay/src/publish/`) |
@@ -64,7 +65,7 @@
 //! | **settle** | the relay recording the receipts in the database: delivered rows deleted (or archived), failures rescheduled with backoff, hopeless ones dead-lettered (`relay/src/settle.rs`) |
 //! | **held back** | an ordered event not sent (relay) or not applied (consumer) because an earlier event of its aggregate failed first |
 //! | **dead letter** | an event set aside for an operator: a row in `outbox_dead_letters` (relay), a message in `<queue>.dlq` (consumer) |
-//! | **consume** | a consumer taking a batch of deliveries (`consumer-lib/src/session.rs`) and running it in one transaction (`consumer-lib/src/process/`, `consumer-lib/src/batch/`) |
+//! | **consume** | a consumer taking a batch of deliveries (`consumer-lib/src/session.rs`) and running it in one transaction: its *pipeline* (`consumer-lib/src/process/`: decode, commit, dispositions, ack) around the batch transaction (`consumer-lib/src/batch/`); "process" means an operating-system process everywhere else |
 //! | **dedup** | the inbox insert that tells a fresh event from a duplicate (`consumer-lib/src/inbox.rs`) |
 //! | **sequencing** | a consumer applying sequenced events per aggregate in order (`outbox_consumer::Sequencing`) |
 //! | **turn** | where a sequenced event stands: its turn (next in its aggregate), stale (applied before), a gap (an earlier one missing) or held back (`consumer-lib/src/sequence/`) |

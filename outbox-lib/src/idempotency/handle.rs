@@ -6,11 +6,15 @@ use std::sync::Arc;
 
 use sqlx::{PgConnection, PgPool};
 
+#[cfg(doc)]
+use crate::error::Error;
 use crate::error::Result;
 use crate::idempotency::atomic::{self, Claim, ClaimedKey};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::IdempotencyKey;
 use crate::idempotency::store::{IdempotencyConfig, RecordedResponse, Store};
+#[cfg(doc)]
+use crate::idempotency::two_phase::RECOVERY_POINT_STARTED;
 use crate::idempotency::two_phase::{self, TwoPhaseRun, TwoPhaseStart};
 
 /// The service's handle on its idempotency keys. Cheap to clone; create

@@ -8,6 +8,8 @@ use sqlx::{PgConnection, PgPool, Row, SqlStr};
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::idempotency::Idempotency;
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::IdempotencyKey;
 use crate::migrate::PRODUCER;
