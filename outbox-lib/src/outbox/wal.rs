@@ -12,8 +12,6 @@ use crate::event::NewEvent;
 
 #[cfg(doc)]
 use super::config::Capture;
-#[cfg(doc)]
-use super::handle::Outbox;
 
 /// Writes events as logical decoding messages.
 #[derive(Debug)]
@@ -82,7 +80,7 @@ impl WalWriter {
 
     /// A write to the log refused because nothing would read it
     /// (`outbox_wal_ready`: the slot was dropped or invalidated since
-    /// [`Outbox::new`]) is [`crate::Error::WalCaptureNotReady`].
+    /// [`Outbox::new`](crate::Outbox::new)) is [`crate::Error::WalCaptureNotReady`].
     fn wal_error(&self, e: sqlx::Error) -> crate::Error {
         not_ready(&self.schema, e)
     }
