@@ -145,3 +145,84 @@ fn sql_text_is_rendered_from_templates_only() {
         "SQL text made outside outbox_core::sql (render a template instead): {own:?}"
     );
 }
+
+/// The type an inherent `impl` block at the start of `line` is for (`impl
+/// Name {`, `impl<T> Name<T> {`), or `None` for anything else (a trait's
+/// impl, `impl X for Y`, is allowed anywhere).
+fn inherent_impl(line: &str) -> Option<&str> {
+    let rest = line.trim_start().strip_prefix("impl")?;
+    if !line.trim_end().ends_with('{') || line.contains(" for ") {
+        return None;
+    }
+    // Skip the impl's own generics, `impl<T: X<Y>>`.
+    let rest = match rest.strip_prefix('<') {
+        Some(generic) => {
+            let mut depth = 1;
+            let end = generic.char_indices().find_map(|(i, c)| {
+                depth += match c {
+                    '<' => 1,
+                    '>' => -1,
+                    _ => 0,
+                };
+                (depth == 0).then_some(i)
+            })?;
+            &generic[end + 1..]
+        }
+        None => rest,
+    };
+    let rest = rest.strip_prefix(' ')?.trim_start();
+    let end = rest
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .unwrap_or(rest.len());
+    let name = &rest[..end];
+    name.starts_with(|c: char| c.is_ascii_uppercase())
+        .then_some(name)
+}
+
+/// One `impl` per type, in one file: a type's inherent methods are read in
+/// one place, and calls between them draw no arrow a reader would miss.
+/// Two types of one name in one crate fail too: a name means one thing.
+#[test]
+fn no_type_has_its_inherent_impl_split_across_files() {
+    use std::collections::BTreeMap;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files_of: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
+    for path in library_sources(&root) {
+        let krate = path.split('/').next().unwrap_or("").to_owned();
+        let text = std::fs::read_to_string(root.join(&path)).expect("readable source");
+        for name in text.lines().filter_map(inherent_impl) {
+            let files = files_of
+                .entry((krate.clone(), name.to_owned()))
+                .or_default();
+            if !files.contains(&path) {
+                files.push(path.clone());
+            }
+        }
+    }
+    assert!(
+        files_of.len() > 80,
+        "too few impls read: {}",
+        files_of.len()
+    );
+    let split: Vec<_> = files_of
+        .iter()
+        .filter(|(_, files)| files.len() > 1)
+        .collect();
+    assert!(
+        split.is_empty(),
+        "a type's impl in several files: {split:?}"
+    );
+}
+
+#[test]
+fn an_inherent_impl_is_told_from_a_trait_impl() {
+    assert_eq!(inherent_impl("impl Relay {"), Some("Relay"));
+    assert_eq!(
+        inherent_impl("    impl<'a, T: Into<X<Y>>> Window<'a, T> {"),
+        Some("Window")
+    );
+    assert_eq!(inherent_impl("impl Default for Relay {"), None);
+    assert_eq!(inherent_impl("impl<S> FromRequest<S> for Idempotent"), None);
+    assert_eq!(inherent_impl("// impl Relay {"), None);
+    assert_eq!(inherent_impl("impl Relay"), None);
+}
