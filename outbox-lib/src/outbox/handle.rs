@@ -28,7 +28,6 @@ pub struct Outbox {
 struct Inner {
     schema: Ident,
     max_payload_bytes: usize,
-    capture: Capture,
     writer: Writer,
     /// With [`Wakeup::AfterCommit`]: the background notifier.
     notifier: Option<Notifier>,
@@ -74,7 +73,6 @@ impl Outbox {
             inner: Arc::new(Inner {
                 schema,
                 max_payload_bytes: config.max_payload_bytes,
-                capture: config.capture,
                 writer,
                 notifier,
             }),
@@ -138,7 +136,10 @@ impl Outbox {
 
     /// How this handle writes events.
     pub fn capture(&self) -> Capture {
-        self.inner.capture
+        match self.inner.writer {
+            Writer::Table(_) => Capture::Table,
+            Writer::Wal(_) => Capture::Wal,
+        }
     }
 
     /// The schema this outbox writes to.
