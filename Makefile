@@ -100,7 +100,9 @@ soak: services ## the fault-injection suite with 10x the events (longer; not par
 	FAULT_SCALE=10 $(CARGO) nextest run --profile soak --workspace --all-features --no-fail-fast --test-threads 2 -E 'package(e2e-tests) and not test(/^disruptive_/) and not test(/^cluster_/)'
 	FAULT_SCALE=10 $(CARGO) nextest run --profile soak --workspace --all-features --no-fail-fast --test-threads 1 -E 'package(e2e-tests) and test(/^disruptive_/)'
 
-clean-test-schemas: ## drop schemas, replication slots and publications left behind by failed test runs
+clean-test-schemas: ## drop schemas, replication slots, publications, databases and roles left behind by failed test runs
 	psql "$(TEST_DATABASE_URL)" -qAt -c "SELECT 'DROP SCHEMA \"' || nspname || '\" CASCADE;' FROM pg_namespace WHERE nspname LIKE 't\_%'" | psql "$(TEST_DATABASE_URL)" -q
 	psql "$(TEST_DATABASE_URL)" -qAt -c "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name LIKE 'outbox\_t\_%' AND NOT active" >/dev/null
 	psql "$(TEST_DATABASE_URL)" -qAt -c "SELECT 'DROP PUBLICATION \"' || pubname || '\";' FROM pg_publication WHERE pubname LIKE 'outbox\_t\_%'" | psql "$(TEST_DATABASE_URL)" -q
+	psql "$(TEST_DATABASE_URL)" -qAt -c "SELECT 'DROP DATABASE \"' || datname || '\" WITH (FORCE);' FROM pg_database WHERE datname LIKE 't\_%'" | psql "$(TEST_DATABASE_URL)" -q
+	psql "$(TEST_DATABASE_URL)" -qAt -c "SELECT 'DROP ROLE \"' || rolname || '\";' FROM pg_roles WHERE rolname LIKE 't\_reader\_%'" | psql "$(TEST_DATABASE_URL)" -q

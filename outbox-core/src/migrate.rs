@@ -2,8 +2,15 @@
 //!
 //! Each set is a list of SQL files embedded at compile time. They run in
 //! order, each in its own transaction with `search_path` set to the target
-//! schema, and are recorded in `<schema>.outbox_toolkit_migrations`. A
-//! database-wide advisory lock makes concurrent `migrate` calls safe.
+//! schema, and are recorded in `<schema>.outbox_toolkit_migrations`: a run
+//! cut short resumes at the next migration. Advisory locks make concurrent
+//! `migrate` calls safe: one per schema, so the schemas of one database
+//! migrate in parallel, and one database-wide lock that every run takes
+//! shared (releases before the per-schema locks took it exclusive, so they
+//! and this one still exclude each other).
+//!
+//! [`census`] finds the schemas of a database that hold a set, each with
+//! the version it is at, in one round trip.
 
 // Identifiers in SQL text are validated `Ident`s; values are always bound.
 use sqlx::{Connection, PgConnection, PgPool};
@@ -85,25 +92,58 @@ impl MigrationSet {
 }
 
 // Any key works as long as it is the same in every process; this one spells
-// "outbox-m" in ASCII.
+// "outbox-m" in ASCII. Runs take it shared; releases before the per-schema
+// locks took it exclusive, so they and this one still exclude each other.
 const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78_2d6d;
+
+/// The first key of the per-schema locks (two `int4` keys: a lock space
+/// apart from [`MIGRATION_LOCK_KEY`]'s); the second is the schema name's
+/// hash (two schemas of one hash merely take turns).
+const SCHEMA_LOCK_KEY: i32 = 0x6f75_746d;
 
 /// Applies every migration of `set` not yet applied in `schema`, creating
 /// the schema if needed. Returns the versions it applied (empty: nothing
-/// to do).
+/// to do). It runs on a connection of `pool` that it closes afterwards,
+/// without a statement timeout (whatever the pool's options set).
 pub async fn apply(pool: &PgPool, set: &MigrationSet, schema: &Ident) -> Result<Vec<i32>> {
+    apply_to(pool, set, schema, set.latest()).await
+}
+
+/// [`apply`] up to `version` (inclusive) only: a schema left behind on
+/// purpose, as one an older release migrated is (tests of the tools that
+/// find and upgrade such schemas).
+pub async fn apply_to(
+    pool: &PgPool,
+    set: &MigrationSet,
+    schema: &Ident,
+    version: i32,
+) -> Result<Vec<i32>> {
     let mut conn = pool.acquire().await?;
-    // This session takes a session-level lock; whatever happens (an
+    // This session takes session-level locks; whatever happens (an
     // error, an aborted transaction, a cancelled future) it must not go
-    // back to the pool still holding it. Closing it releases the lock.
+    // back to the pool still holding them. Closing it releases them.
     conn.close_on_drop();
-    sqlx::query("SELECT pg_advisory_lock($1)")
+    // No statement timeout a pool's options set (the relay's CLI sets
+    // 30 s): an index built on a large outbox takes minutes, and a run
+    // waits for another's locks as long as that one migrates. The
+    // session is closed afterwards, so nothing else runs without it.
+    sqlx::query("SET statement_timeout = 0")
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query("SELECT pg_advisory_lock_shared($1)")
         .bind(MIGRATION_LOCK_KEY)
         .execute(&mut *conn)
         .await?;
-    let applied = apply_locked(&mut conn, set, schema).await?;
+    sqlx::query("SELECT pg_advisory_lock($1, hashtext($2))")
+        .bind(SCHEMA_LOCK_KEY)
+        .bind(schema.as_str())
+        .execute(&mut *conn)
+        .await?;
+    let applied = apply_locked(&mut conn, set, schema, version).await?;
     // Release at once; the close on drop is the safety net, not the path.
-    sqlx::query("SELECT pg_advisory_unlock($1)")
+    sqlx::query("SELECT pg_advisory_unlock($1, hashtext($2)), pg_advisory_unlock_shared($3)")
+        .bind(SCHEMA_LOCK_KEY)
+        .bind(schema.as_str())
         .bind(MIGRATION_LOCK_KEY)
         .execute(&mut *conn)
         .await?;
@@ -114,6 +154,7 @@ async fn apply_locked(
     conn: &mut PgConnection,
     set: &MigrationSet,
     schema: &Ident,
+    version: i32,
 ) -> Result<Vec<i32>> {
     let mut tx = conn.begin().await?;
     sqlx::raw_sql(render(include_str!("migrate/ledger.sql"), schema))
@@ -123,7 +164,11 @@ async fn apply_locked(
     let current = current_version(conn, set, schema).await?;
     check_not_newer(set, schema, current)?;
     let mut applied = Vec::new();
-    for m in set.migrations.iter().filter(|m| m.version > current) {
+    let due = set
+        .migrations
+        .iter()
+        .filter(|m| m.version > current && m.version <= version);
+    for m in due {
         let mut tx = conn.begin().await?;
         sqlx::query("SELECT set_config('search_path', $1, true)")
             .bind(schema.as_str())
@@ -197,3 +242,118 @@ pub async fn ensure_migrated(pool: &PgPool, set: &MigrationSet, schema: &Ident) 
     }
     Ok(())
 }
+
+/// Where one schema stands in a migration set, as [`census`] found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SchemaVersion {
+    /// The schema's name.
+    pub schema: String,
+    /// How its version compares with the set's newest.
+    pub state: SchemaState,
+}
+
+/// How a schema's migration version compares with a set's newest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SchemaState {
+    /// At the set's newest version.
+    Current(i32),
+    /// Migrated by an older release: components of this one refuse it
+    /// until `migrate` runs.
+    Behind {
+        /// The version found.
+        found: i32,
+        /// The set's newest.
+        needed: i32,
+    },
+    /// Migrated by a newer release than this one.
+    TooNew {
+        /// The version found.
+        found: i32,
+        /// The set's newest.
+        known: i32,
+    },
+    /// Its ledger exists but this role may not read it (no `USAGE` on the
+    /// schema or no `SELECT` on `outbox_toolkit_migrations`).
+    Unreadable,
+}
+
+impl SchemaState {
+    fn of(found: Option<i32>, set: &MigrationSet) -> Self {
+        match found {
+            None => Self::Unreadable,
+            Some(v) if v == set.latest() => Self::Current(v),
+            Some(v) if v < set.latest() => Self::Behind {
+                found: v,
+                needed: set.latest(),
+            },
+            Some(v) => Self::TooNew {
+                found: v,
+                known: set.latest(),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for SchemaState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Current(v) => write!(f, "current (version {v})"),
+            Self::Behind { found, needed } => {
+                write!(f, "behind (version {found} of {needed}): run migrate")
+            }
+            Self::TooNew { found, known } => write!(
+                f,
+                "too new (version {found}; these tools know {known}): upgrade them"
+            ),
+            Self::Unreadable => {
+                f.write_str("unreadable (no USAGE on the schema or SELECT on its ledger)")
+            }
+        }
+    }
+}
+
+/// Every schema of the database that holds `set` (at any version; one
+/// whose ledger holds only another set's migrations is left out), its
+/// name `LIKE` `pattern` when one is given, in name order: one round trip
+/// per [`CENSUS_PAGE`] schemas (`migrate/census.sql`). A schema whose
+/// ledger this role may not read is listed as [`SchemaState::Unreadable`],
+/// not an error: one tenant's revoked grant hides no other. A schema
+/// dropped while its page is read fails the call (try again).
+pub async fn census(
+    pool: &PgPool,
+    set: &MigrationSet,
+    pattern: Option<&str>,
+) -> Result<Vec<SchemaVersion>> {
+    let mut found = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let rows: Vec<(String, bool, Option<i32>)> =
+            sqlx::query_as(include_str!("migrate/census.sql"))
+                .bind(set.name)
+                .bind(pattern)
+                .bind(after.as_deref())
+                .bind(CENSUS_PAGE)
+                .fetch_all(pool)
+                .await?;
+        let full = rows.len() as i64 == CENSUS_PAGE;
+        after = rows.last().map(|(schema, _, _)| schema.clone());
+        found.extend(
+            rows.into_iter()
+                .filter(|(_, readable, version)| !readable || version.is_some())
+                .map(|(schema, _, version)| SchemaVersion {
+                    schema,
+                    state: SchemaState::of(version, set),
+                }),
+        );
+        if !full {
+            return Ok(found);
+        }
+    }
+}
+
+/// How many schemas one statement of [`census`] reads: each ledger read
+/// holds a lock until its statement ends, and the server's lock table
+/// holds about 64 per connection by default.
+pub const CENSUS_PAGE: i64 = 500;

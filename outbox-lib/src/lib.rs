@@ -98,6 +98,7 @@ pub use crate::outbox::{Capture, DEFAULT_MAX_PAYLOAD_BYTES, Outbox, OutboxConfig
 #[cfg_attr(docsrs, doc(cfg(feature = "signal")))]
 pub use crate::signal::shutdown_signal;
 pub use crate::wakeup::Wakeup;
+pub use outbox_core::migrate::{SchemaState, SchemaVersion};
 /// Passwords in URLs never reach a log line, an error or `--help`: the
 /// helpers the toolkit's own binaries use, for yours.
 pub use outbox_core::redact;
@@ -127,6 +128,27 @@ pub use axum;
 pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>> {
     let schema = Ident::new("schema", schema)?;
     Ok(outbox_core::migrate::apply(pool, &migrate::PRODUCER, &schema).await?)
+}
+
+/// Every schema of the database that holds the outbox (at any producer
+/// migration version), its name `LIKE` `pattern` when one is given
+/// (`"tenant_%"`), in name order, each with where it stands against this
+/// release's migrations ([`SchemaState`]): current, behind (run
+/// [`migrate`]), too new, or unreadable by this role. One round trip per
+/// 500 schemas: what `outbox-relay schemas` and `migrate --all-schemas`
+/// look at to find a database's tenants.
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> outbox::Result<()> {
+/// for s in outbox::census(&pool, Some("tenant_%")).await? {
+///     if !matches!(s.state, outbox::SchemaState::Current(_)) {
+///         println!("{}: {}", s.schema, s.state);
+///     }
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn census(pool: &PgPool, pattern: Option<&str>) -> Result<Vec<SchemaVersion>> {
+    Ok(outbox_core::migrate::census(pool, &migrate::PRODUCER, pattern).await?)
 }
 
 /// Fails with [`MigrateError::NotMigrated`] unless `schema` holds every

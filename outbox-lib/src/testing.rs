@@ -255,3 +255,12 @@ pub async fn enqueued<'c>(conn: impl PgExecutor<'c>, schema: &str) -> Result<Vec
         })
         .collect())
 }
+
+/// Applies the producer's migrations to `schema` up to `version` only
+/// (inclusive): a schema an older release migrated, for tests of what
+/// finds and upgrades such schemas ([`crate::census`], `outbox-relay
+/// migrate --all-schemas`).
+pub async fn migrate_to(pool: &PgPool, schema: &str, version: i32) -> Result<Vec<i32>> {
+    let schema = Ident::new("schema", schema)?;
+    Ok(outbox_core::migrate::apply_to(pool, &crate::migrate::PRODUCER, &schema, version).await?)
+}

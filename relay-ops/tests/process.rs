@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use e2e::{Collector, KillOnDrop, TestBroker, TestDb, database_url, http_get, wait_until};
+use e2e::{Collector, KillOnDrop, TestBroker, TestDb, database_url, http_get, output, wait_until};
 use lapin::types::FieldTable;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -346,20 +346,6 @@ async fn disruptive_broker_restart_mid_stream_loses_nothing() {
     );
     db.cleanup().await;
     broker.cleanup().await;
-}
-
-fn output(cmd: &mut Command) -> (Option<i32>, String) {
-    let out = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.code(), text)
 }
 
 #[tokio::test]

@@ -61,29 +61,42 @@ pub(crate) enum LogFormat {
 pub(super) enum Command {
     /// Publish the outbox until SIGTERM or SIGINT (then drain and exit 0).
     Run(Box<RunArgs>),
-    /// Create or upgrade the outbox tables (a no-op when up to date).
-    Migrate {
-        /// `wal` also creates what the write-ahead-log capture reads
-        /// (docs/WAL_CAPTURE.md): an empty publication and a logical
-        /// replication slot of one name (see --slot), where missing, and
-        /// records that name in the schema, where producers and relays
-        /// find it. Needs wal_level = logical and a role with REPLICATION.
-        /// From then on the slot keeps the WAL until a relay runs with
-        /// `--capture wal`.
-        #[arg(long, value_enum, default_value_t = CaptureArg::Table)]
-        capture: CaptureArg,
-        /// With `--capture wal`: the slot's (and publication's) name.
-        /// Default: the name the schema records, else `outbox_<schema>`.
-        /// Slot names are cluster-wide: a second database with a schema
-        /// of the same name needs another, e.g. `outbox_<database>_<schema>`.
-        #[arg(long, value_name = "NAME")]
-        slot: Option<String>,
+    /// Create or upgrade the outbox tables (a no-op when up to date): of
+    /// --schema, or of many schemas at once (--all-schemas,
+    /// --schemas-file).
+    Migrate(MigrateArgs),
+    /// Every schema of the database that holds the outbox, with where its
+    /// migrations stand: current, behind (run `migrate`), too new for
+    /// these tools, or unreadable by this role. For a schema per tenant.
+    Schemas {
+        /// Only the schemas whose name is LIKE this pattern (`tenant_%`).
+        #[arg(long, value_name = "PATTERN")]
+        like: Option<String>,
+        /// Machine-readable output: one JSON array of
+        /// `{"schema", "state", "version"}`.
+        #[arg(long)]
+        json: bool,
     },
     /// Backlog, age of the oldest pending event, retries and dead letters.
     Status {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
+        /// Every schema of the database that holds the outbox (a schema per
+        /// tenant), instead of --schema: the totals, the tenants with the
+        /// oldest pending events first (--worst), and every schema not
+        /// current or not readable. One tenant that cannot be read is
+        /// listed, not fatal.
+        #[arg(long)]
+        all_schemas: bool,
+        /// With --all-schemas: only the schemas whose name is LIKE this
+        /// pattern (`tenant_%`).
+        #[arg(long, value_name = "PATTERN", requires = "all_schemas")]
+        like: Option<String>,
+        /// With --all-schemas: how many of the worst tenants to show (the
+        /// rest are in the totals).
+        #[arg(long, value_name = "N", default_value_t = 20, requires = "all_schemas")]
+        worst: usize,
     },
     /// Inspect, replay or purge events that exhausted their attempts.
     #[command(subcommand)]
@@ -350,4 +363,47 @@ pub(super) struct RunArgs {
     /// (a frozen or cut-off relay) before it frees the slot for a standby.
     #[arg(long, env = "OUTBOX_WAL_SENDER_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub(super) wal_sender_timeout: Duration,
+}
+
+/// `outbox-relay migrate`'s flags.
+#[derive(Debug, ClapArgs)]
+pub(super) struct MigrateArgs {
+    /// `wal` also creates what the write-ahead-log capture reads
+    /// (docs/WAL_CAPTURE.md): an empty publication and a logical
+    /// replication slot of one name (see --slot), where missing, and
+    /// records that name in the schema, where producers and relays
+    /// find it. Needs wal_level = logical and a role with REPLICATION.
+    /// From then on the slot keeps the WAL until a relay runs with
+    /// `--capture wal`.
+    #[arg(long, value_enum, default_value_t = CaptureArg::Table)]
+    pub(super) capture: CaptureArg,
+    /// With `--capture wal`: the slot's (and publication's) name.
+    /// Default: the name the schema records, else `outbox_<schema>`.
+    /// Slot names are cluster-wide: a second database with a schema
+    /// of the same name needs another, e.g. `outbox_<database>_<schema>`.
+    #[arg(long, value_name = "NAME")]
+    pub(super) slot: Option<String>,
+    /// Every schema of the database that already holds the outbox, at
+    /// any version (`outbox-relay schemas` lists them): how a schema per
+    /// tenant is upgraded after a release. --schema is then ignored.
+    /// Each schema is reported on a line of its own; the exit status is
+    /// 1 if any failed. A run cut short resumes where it stopped: each
+    /// migration commits on its own.
+    #[arg(long, conflicts_with_all = ["schemas_file", "slot"])]
+    pub(super) all_schemas: bool,
+    /// With --all-schemas: only the schemas whose name is LIKE this
+    /// pattern (`tenant_%`).
+    #[arg(long, value_name = "PATTERN", requires = "all_schemas")]
+    pub(super) like: Option<String>,
+    /// The schemas named in FILE, one per line (blank lines and lines
+    /// starting with `#` skipped), created where missing: how new
+    /// tenants are set up. --schema is then ignored; reported as with
+    /// --all-schemas.
+    #[arg(long, value_name = "FILE", conflicts_with = "slot")]
+    pub(super) schemas_file: Option<std::path::PathBuf>,
+    /// With --all-schemas or --schemas-file: how many schemas migrate
+    /// at once, each on a connection of its own (schemas of one
+    /// database migrate in parallel; one schema never twice at once).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub(super) jobs: u16,
 }

@@ -85,13 +85,23 @@ fn amqp_url(args: &Args) -> String {
 }
 
 async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
+    // Many schemas migrate on a connection each.
+    let size = match &args.command {
+        Command::Migrate(m) => 8.max(u32::from(m.jobs) + 1),
+        _ => 8,
+    };
     let pool =
-        database::connect_db(url, 8, args.slow_statement, database::DATABASE_TIMEOUT).await?;
+        database::connect_db(url, size, args.slow_statement, database::DATABASE_TIMEOUT).await?;
     match &args.command {
-        Command::Migrate { capture, slot } => {
-            migrate::migrate(&pool, schema, *capture, slot.as_deref()).await?;
-        }
-        Command::Status { json } => status::status(&pool, schema, *json).await?,
+        Command::Migrate(m) => return migrate::migrate(&pool, schema, m).await,
+        Command::Schemas { like, json } => migrate::schemas(&pool, like.as_deref(), *json).await?,
+        Command::Status {
+            json,
+            all_schemas: true,
+            like,
+            worst,
+        } => status::status_many(&pool, like.as_deref(), *worst, *json).await?,
+        Command::Status { json, .. } => status::status(&pool, schema, *json).await?,
         Command::DeadLetters(cmd) => dead_letters::dead_letters(&pool, schema, cmd).await?,
         Command::Blocked(cmd) => blocked::blocked(&pool, schema, cmd).await?,
         Command::Ordering(cmd) => ordering::ordering(&pool, schema, cmd).await?,

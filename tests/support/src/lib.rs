@@ -14,6 +14,7 @@ pub mod wal;
 mod assert;
 mod broker;
 mod collect;
+mod database;
 mod db;
 mod effect;
 mod env;
@@ -26,13 +27,14 @@ mod wait;
 pub use assert::{assert_applied_once, assert_contract};
 pub use broker::{TestBroker, connect, connect_any, declare_tap_queue, depth, settled_depth};
 pub use collect::{Collector, Received, SeqLog};
+pub use database::TestDatabase;
 pub use db::{TestDb, drop_orphan_slots, drop_slot, hold_snapshot, locked_rows, pool, scans};
 pub use effect::RecordEffect;
 pub use env::{amqp_url, database_url, rabbitmqctl, suffix};
 pub use http::{HttpReply, http_get, post_json};
 pub use process::{
-    KillOnDrop, ProcessLogs, freeze_mid_batch, kill_now, relay_command, stop_child, wait_exit,
-    wait_for_port,
+    KillOnDrop, ProcessLogs, freeze_mid_batch, kill_now, output, relay_command, stop_child,
+    wait_exit, wait_for_port,
 };
 pub use proxy::{Mode, Proxy};
 pub use relay::{RunningRelay, TestRelay};

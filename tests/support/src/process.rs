@@ -7,6 +7,22 @@ use sqlx::PgPool;
 
 use crate::{locked_rows, wait_until};
 
+/// Runs `cmd` to its end: its exit code and what it wrote, stdout then
+/// stderr.
+pub fn output(cmd: &mut std::process::Command) -> (Option<i32>, String) {
+    let out = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .expect("the command starts");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
 /// A child process that is SIGKILLed and reaped when dropped, so a test
 /// that fails half-way leaves no process behind.
 #[derive(Debug)]
