@@ -22,7 +22,12 @@
 //! ([`pool_options`]), the WAL capture's set-up ([`create_wal_slot`],
 //! [`drop_wal_slot`], [`recorded_wal_slot`], [`WalSetUp`]), the message an event becomes
 //! ([`OutboxEvent`]) and the move of events to the dead-letter table
-//! ([`dead_letter_events`], what an operator's skip does). The
+//! ([`dead_letter_events`], what an operator's skip does). [`Fleet`] (with
+//! [`FleetConfig`], [`TenantStatus`], [`TenantHealth`]) serves many tenant
+//! schemas of several databases from one process (`fleet/`: one pool,
+//! LISTEN session, census and probe per database, one broker connection,
+//! workers taking turns over the tenants with work); a first slice, without
+//! a CLI yet. The
 //! `outbox-relay` binary and the operator tools (status, dead letters,
 //! blocked aggregates, the web console) are the crate `outbox-relay-ops`,
 //! built on these items alone; a service embedding the relay needs only
@@ -84,6 +89,7 @@ mod db;
 mod error;
 #[cfg(feature = "fault-injection")]
 mod fault;
+mod fleet;
 mod health;
 mod lease;
 mod maintenance;
@@ -108,6 +114,7 @@ pub use crate::error::{BrokerError, ConfigError, Error, Result};
 #[cfg(feature = "fault-injection")]
 #[doc(hidden)]
 pub use crate::fault::{FAULT_CHANNEL_EVENT_TYPE, FAULT_PANIC_EVENT_TYPE};
+pub use crate::fleet::{Fleet, FleetConfig, TenantHealth, TenantStatus};
 pub use crate::health::Health;
 pub use crate::message::OutboxEvent;
 pub use crate::relay::Relay;

@@ -104,6 +104,32 @@ impl WorkerSession {
         }
     }
 
+    /// Its broker connection.
+    pub(crate) fn conn(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// Gives its held database connection back to the pool.
+    pub(crate) fn release_db(&mut self) {
+        self.db = None;
+    }
+
+    /// Swaps its claim state with `claim` (a fleet worker serves many
+    /// tenants' shares in turn, each with a claim state of its own).
+    pub(crate) fn swap_claim(&mut self, claim: &mut ClaimState) {
+        std::mem::swap(&mut self.claim, claim);
+    }
+
+    /// Its channel is open.
+    pub(crate) fn publisher_open(&self) -> bool {
+        self.publisher.is_open()
+    }
+
+    /// Closes its channel.
+    pub(crate) async fn close_publisher(&self) {
+        self.publisher.close().await;
+    }
+
     /// Testing only (feature `testing`): the session's next claim is the
     /// full one (`claim/batch.sql`: its last claim's probe found ordered
     /// events, or it made none yet), not the unordered events' alone.
@@ -498,6 +524,15 @@ impl Worker {
         // Close the channel before the supervisor closes the connection.
         session.publisher.close().await;
         Ok(())
+    }
+
+    /// One batch on `session` (a fleet worker's turn on one tenant): see
+    /// [`Worker::guarded_batch`].
+    pub(crate) async fn turn(
+        &self,
+        session: &mut WorkerSession,
+    ) -> Result<Option<Result<BatchReport>>> {
+        self.guarded_batch(session).await
     }
 
     /// One batch, a panic in it caught: then its events are quarantined,
