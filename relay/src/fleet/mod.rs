@@ -43,7 +43,9 @@ pub struct FleetConfig {
     /// How often each database's census looks for tenants that joined or
     /// left.
     pub discover_every: Duration,
-    /// Everything else, as for one relay (its `schema` is not read).
+    /// Everything else, as for one relay. Its `schema` is not read, nor
+    /// its `wal`: the fleet serves the outbox tables only (events written
+    /// with `Capture::Wal` wait in their slots for a relay of their own).
     pub relay: RelayConfig,
 }
 
