@@ -197,6 +197,8 @@ impl WalReader {
             .map_err(|e| wal_error(&self.slot, e))?;
         let started = tokio::time::timeout(cfg.publish.broker_timeout, client.wait_started()).await;
         let mut acked = confirmed;
+        // The backend serving this session, once known.
+        let mut walsender = None;
         let end = match started {
             Ok(Ok(())) => {
                 self.outage.ok();
@@ -205,8 +207,10 @@ impl WalReader {
                 tracing::info!(slot = %self.slot, from = %lsn_text(confirmed.as_u64()), "reading the write-ahead log");
                 // Our session's backend, to tell later whether the server
                 // still holds the stream for us (see `stream.rs`).
-                let walsender =
-                    slot::holder_pid(&self.pool, &self.slot, cfg.database_timeout).await;
+                walsender = slot::holder_pid(&self.pool, &self.slot, cfg.database_timeout)
+                    .await
+                    .ok()
+                    .flatten();
                 let end = self
                     .stream
                     .stream(
@@ -215,7 +219,7 @@ impl WalReader {
                         conn,
                         shutdown,
                         &mut acked,
-                        walsender.ok().flatten(),
+                        &mut walsender,
                     )
                     .await;
                 metrics::gauge!("outbox_relay_wal_reading").set(0.0);
@@ -240,7 +244,14 @@ impl WalReader {
             // Whether this session stopped or failed (a confirm timeout
             // ends it just after it recorded the timed-out batch), move the
             // slot to what was confirmed (delivered or recorded).
-            slot::advance(&self.pool, &self.slot, acked, cfg.publish.broker_timeout).await;
+            slot::advance(
+                &self.pool,
+                &self.slot,
+                acked,
+                walsender,
+                cfg.publish.broker_timeout,
+            )
+            .await;
         }
         end
     }

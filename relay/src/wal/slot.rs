@@ -100,19 +100,58 @@ pub(super) fn slot_busy(e: &PgWireError) -> bool {
     matches!(e, PgWireError::Server(m) if m.contains("is active for PID"))
 }
 
+/// How often [`advance`] looks again while the session's own walsender
+/// still holds the slot (it releases it a moment after our CopyDone).
+const RELEASE_POLL: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// Moves the slot to `acked` after a session ended: the stream's last
-/// report may be up to a second old, so the next session does not publish
-/// that second again. A standby that took the slot meanwhile refuses this
-/// (it then publishes that second again: duplicates only).
-pub(super) async fn advance(pool: &PgPool, slot: &str, acked: Lsn, timeout: std::time::Duration) {
-    let advance = sqlx::query(
-        "SELECT pg_replication_slot_advance($1, $2::text::pg_lsn)
-         FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
-    )
-    .bind(slot)
-    .bind(lsn_text(acked.as_u64()))
-    .execute(pool);
-    if let Ok(Err(e)) = tokio::time::timeout(timeout, advance).await {
-        tracing::debug!(error = %e, "could not advance the slot after the session");
+/// report may be up to a status interval old (the replication client sends
+/// no status with its CopyDone), so the next session would publish that
+/// again. The server releases the slot a moment after the session ends:
+/// while `ours` (the session's walsender) still holds it, this waits for
+/// it, up to `timeout`. A standby that took the slot meanwhile refuses the
+/// move (it then publishes that interval again: duplicates only).
+pub(super) async fn advance(
+    pool: &PgPool,
+    slot: &str,
+    acked: Lsn,
+    ours: Option<i32>,
+    timeout: std::time::Duration,
+) {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        // The slot's holder, or 0 once it was free and moved; no row: the
+        // slot is gone.
+        let step = sqlx::query_scalar::<_, Option<i32>>(
+            "SELECT CASE WHEN s.active THEN s.active_pid
+                         ELSE (SELECT 0 FROM pg_replication_slot_advance(s.slot_name, $2::text::pg_lsn)) END
+             FROM pg_replication_slots s WHERE s.slot_name = $1",
+        )
+        .bind(slot)
+        .bind(lsn_text(acked.as_u64()))
+        .fetch_optional(pool);
+        let holder = match tokio::time::timeout_at(deadline, step).await {
+            Ok(Ok(Some(Some(pid)))) if pid != 0 => pid,
+            Ok(Ok(_)) => return,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "could not advance the slot after the session");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!("the slot was not free to advance within the timeout");
+                return;
+            }
+        };
+        // Another session's: a standby took over. Ours (or not known):
+        // the server has not released it yet.
+        if ours.is_some_and(|ours| ours != holder) {
+            tracing::debug!(holder, "a standby took the slot before it was advanced");
+            return;
+        }
+        if tokio::time::Instant::now() + RELEASE_POLL >= deadline {
+            tracing::debug!(holder, "the slot was not released within the timeout");
+            return;
+        }
+        tokio::time::sleep(RELEASE_POLL).await;
     }
 }

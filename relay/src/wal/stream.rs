@@ -90,7 +90,8 @@ impl Stream {
     }
 
     /// Reads the stream until shutdown or a failure; `acked` is moved to
-    /// the position confirmed to the slot, whatever the end.
+    /// the position confirmed to the slot, whatever the end, and
+    /// `walsender` to the session's backend once known.
     pub(super) async fn stream(
         &self,
         client: &mut ReplicationClient,
@@ -98,7 +99,7 @@ impl Stream {
         conn: &Arc<Connection>,
         shutdown: &CancellationToken,
         acked: &mut Lsn,
-        walsender: Option<i32>,
+        walsender: &mut Option<i32>,
     ) -> Result<ReadEnd> {
         let mut s = Session {
             client,
@@ -108,11 +109,12 @@ impl Stream {
             wire: Window::default(),
             acked: *acked,
             in_transaction: false,
-            walsender,
+            walsender: *walsender,
             check_at: tokio::time::Instant::now() + self.config.wal.sender_timeout / 2,
         };
         let end = self.read(&mut s, shutdown).await;
         *acked = s.acked;
+        *walsender = s.walsender;
         end
     }
 
