@@ -62,7 +62,7 @@ install_promtool
 install_kubernetes_validate
 
 say "Kubernetes manifests (API $KUBERNETES_VERSION, strict)"
-"$VENV/bin/kubernetes-validate" --strict --kubernetes-version "$KUBERNETES_VERSION" deploy/kubernetes/*.yaml
+"$VENV/bin/kubernetes-validate" --strict --kubernetes-version "$KUBERNETES_VERSION" deploy/kubernetes/*.yaml deploy/kubernetes/fleet/*.yaml
 
 say "systemd unit"
 # `verify` needs ExecStart's binary to exist: check a copy that runs

@@ -1,16 +1,18 @@
 //! `/metrics`, `/healthz` and `/readyz`.
 
+use std::fmt::Write as _;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::get;
+use futures_util::StreamExt;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use outbox::Ident;
-use outbox_relay::Health;
+use outbox_relay::{Fleet, Health, TenantHealth};
 use sqlx::PgPool;
 
 /// Serves the three endpoints on `addr` in the background, and keeps the
@@ -37,6 +39,33 @@ pub(crate) async fn serve(
     Ok(())
 }
 
+/// A fleet's endpoints: as [`serve`]'s, the backlog gauges summed over the
+/// tenants (the same names), how many tenants are in each state, and series
+/// of their own (`outbox_relay_tenant_*{database, schema}`) for the worst
+/// `worst` tenants only: a thousand tenants do not make a thousand series.
+pub(crate) async fn serve_fleet(
+    addr: SocketAddr,
+    fleet: Fleet,
+    pools: Vec<PgPool>,
+    worst: usize,
+) -> Result<()> {
+    let handle = install_recorder()?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let tenants = Arc::new(RwLock::new(String::new()));
+    let app = fleet_router(handle, fleet.health(), tenants.clone());
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "metrics server stopped");
+        }
+    });
+    tokio::spawn(refresh_readiness(fleet.health()));
+    tokio::spawn(refresh_tenants(fleet, pools, worst, tenants));
+    tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+    Ok(())
+}
+
 /// The process's Prometheus recorder, with the buckets of every histogram.
 fn install_recorder() -> Result<PrometheusHandle> {
     PrometheusBuilder::new()
@@ -47,6 +76,27 @@ fn install_recorder() -> Result<PrometheusHandle> {
         .context("metrics buckets")?
         .install_recorder()
         .context("installing the metrics recorder")
+}
+
+/// [`router`]'s, with the worst tenants' series (`tenants`, rendered by
+/// [`refresh_tenants`]) after the recorder's.
+fn fleet_router(
+    handle: PrometheusHandle,
+    health: Arc<Health>,
+    tenants: Arc<RwLock<String>>,
+) -> Router {
+    let metrics = move || {
+        let mut text = handle.render();
+        text.push_str(&tenants.read().unwrap_or_else(|p| p.into_inner()));
+        std::future::ready(text)
+    };
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/readyz",
+            get(move || std::future::ready(readiness(&health))),
+        )
 }
 
 fn router(handle: PrometheusHandle, health: Arc<Health>) -> Router {
@@ -167,4 +217,180 @@ fn wal_slot_status(now: &str) {
         metrics::gauge!("outbox_relay_wal_slot_status", "status" => status)
             .set(f64::from(u8::from(status == now)));
     }
+}
+
+/// How often a fleet's tenants' figures are read again.
+const TENANTS_EVERY: Duration = Duration::from_secs(15);
+
+/// How many tenants' figures are read at once.
+const TENANTS_AT_ONCE: usize = 4;
+
+/// One served tenant's figures, for the fleet's gauges.
+struct TenantFigures {
+    database: String,
+    schema: String,
+    published: u64,
+    gauges: crate::admin::Gauges,
+}
+
+/// A fleet's gauges, every [`TENANTS_EVERY`] for ever: each served
+/// tenant's backlog figures read (a few at once, each bounded), summed into
+/// the single relay's gauges, and the worst `worst` rendered into
+/// `block`. A tenant that cannot be read counts as failing.
+async fn refresh_tenants(
+    fleet: Fleet,
+    pools: Vec<PgPool>,
+    worst: usize,
+    block: Arc<RwLock<String>>,
+) {
+    let names: Vec<String> = pools
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            p.connect_options()
+                .get_database()
+                .map_or_else(|| format!("database {i}"), str::to_owned)
+        })
+        .collect();
+    loop {
+        let tenants = fleet.tenants();
+        if tenants.is_empty() {
+            // The first census has not answered yet (or found none).
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        }
+        let (mut ok, mut failing, mut not_served) = (0u32, 0u32, 0u32);
+        let mut served = Vec::new();
+        for t in tenants {
+            match &t.health {
+                TenantHealth::NotServed { .. } => not_served += 1,
+                health => {
+                    if matches!(health, TenantHealth::Failing { .. }) {
+                        failing += 1;
+                    } else {
+                        ok += 1;
+                    }
+                    served.push(t);
+                }
+            }
+        }
+        let reads = futures_util::stream::iter(served)
+            .map(|t| {
+                let pool = pools.get(t.database).cloned();
+                let database = names.get(t.database).cloned().unwrap_or_default();
+                async move {
+                    let pool = pool?;
+                    let schema = Ident::new("schema", &t.schema).ok()?;
+                    let read = crate::admin::gauges(&pool, &schema);
+                    match tokio::time::timeout(Duration::from_secs(10), read).await {
+                        Ok(Ok(gauges)) => Some(TenantFigures {
+                            database,
+                            schema: t.schema,
+                            published: t.published,
+                            gauges,
+                        }),
+                        _ => None,
+                    }
+                }
+            })
+            .buffer_unordered(TENANTS_AT_ONCE);
+        let read: Vec<Option<TenantFigures>> = reads.collect().await;
+        let unread = read.iter().filter(|r| r.is_none()).count() as u32;
+        let mut figures: Vec<TenantFigures> = read.into_iter().flatten().collect();
+        fleet_gauges(
+            &figures,
+            ok.saturating_sub(unread),
+            failing + unread,
+            not_served,
+        );
+        // The oldest pending first, then the largest backlog.
+        figures.sort_by(|a, b| {
+            b.gauges
+                .oldest_due_age_s
+                .total_cmp(&a.gauges.oldest_due_age_s)
+                .then(b.gauges.backlog.cmp(&a.gauges.backlog))
+                .then(a.schema.cmp(&b.schema))
+        });
+        figures.truncate(worst);
+        *block.write().unwrap_or_else(|p| p.into_inner()) = worst_tenants(&figures);
+        tokio::time::sleep(TENANTS_EVERY).await;
+    }
+}
+
+/// The sums over the tenants, under the single relay's names, and the
+/// tenants by state.
+fn fleet_gauges(figures: &[TenantFigures], ok: u32, failing: u32, not_served: u32) {
+    let sum =
+        |f: fn(&crate::admin::Gauges) -> i64| figures.iter().map(|t| f(&t.gauges)).sum::<i64>();
+    metrics::gauge!("outbox_relay_backlog").set(sum(|g| g.backlog) as f64);
+    metrics::gauge!("outbox_relay_dead_letters").set(sum(|g| g.dead_letters) as f64);
+    metrics::gauge!("outbox_relay_blocked_aggregates").set(sum(|g| g.blocked_aggregates) as f64);
+    metrics::gauge!("outbox_relay_oldest_pending_seconds").set(
+        figures
+            .iter()
+            .map(|t| t.gauges.oldest_due_age_s)
+            .fold(0.0, f64::max),
+    );
+    for (state, n) in [("ok", ok), ("failing", failing), ("not_served", not_served)] {
+        metrics::gauge!("outbox_relay_tenants", "state" => state).set(f64::from(n));
+    }
+}
+
+/// The worst tenants' series, in Prometheus' text format.
+fn worst_tenants(figures: &[TenantFigures]) -> String {
+    type Figure = fn(&TenantFigures) -> f64;
+    let families: [(&str, &str, &str, Figure); 4] = [
+        (
+            "outbox_relay_tenant_backlog",
+            "gauge",
+            "Events in the tenant's outbox (estimated above 100,000).",
+            |t| t.gauges.backlog as f64,
+        ),
+        (
+            "outbox_relay_tenant_oldest_pending_seconds",
+            "gauge",
+            "Age of the tenant's oldest due event.",
+            |t| t.gauges.oldest_due_age_s,
+        ),
+        (
+            "outbox_relay_tenant_dead_letters",
+            "gauge",
+            "Events in the tenant's dead-letter table.",
+            |t| t.gauges.dead_letters as f64,
+        ),
+        (
+            "outbox_relay_tenant_published_total",
+            "counter",
+            "Events of the tenant this process published.",
+            |t| t.published as f64,
+        ),
+    ];
+    let mut text = String::new();
+    if figures.is_empty() {
+        return text;
+    }
+    for (name, kind, help, figure) in families {
+        let _ = writeln!(
+            text,
+            "# HELP {name} {help} Only for the worst tenants (--metrics-tenants).\n# TYPE {name} {kind}"
+        );
+        for t in figures {
+            let _ = writeln!(
+                text,
+                "{name}{{database=\"{}\",schema=\"{}\"}} {}",
+                label(&t.database),
+                label(&t.schema),
+                figure(t)
+            );
+        }
+    }
+    text
+}
+
+/// A label value escaped as the text format wants it.
+fn label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }

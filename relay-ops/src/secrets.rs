@@ -5,7 +5,7 @@ use outbox::redact::scrub;
 
 /// Strips passwords of the URLs in the environment from `text`.
 pub(crate) fn scrub_secrets(text: &str) -> String {
-    ["DATABASE_URL", "AMQP_URL"]
+    ["DATABASE_URL", "AMQP_URL", "OUTBOX_MORE_DATABASE_URLS"]
         .iter()
         .filter_map(|v| std::env::var(v).ok())
         .fold(text.to_owned(), |t, url| scrub(&t, &url))

@@ -160,3 +160,184 @@ async fn one_fleet_publishes_the_tenants_of_two_databases_finds_new_ones_and_out
     }
     broker.cleanup().await;
 }
+
+const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+
+/// `outbox-relay run --all-schemas` on `dbs` (the first as DATABASE_URL,
+/// the others as --more-database-url) publishing to `broker`, with `args`.
+fn fleet_command(
+    dbs: &[&TestDatabase],
+    broker: &TestBroker,
+    args: &[&str],
+) -> std::process::Command {
+    let mut c = std::process::Command::new(BIN);
+    c.env("DATABASE_URL", &dbs[0].url)
+        .env("AMQP_URL", amqp_url())
+        .env("OUTBOX_EXCHANGE", &broker.exchange)
+        .env("OUTBOX_DECLARE_EXCHANGE", "none")
+        .env("OUTBOX_POLL_INTERVAL", "200ms")
+        .env("RUST_LOG", "warn")
+        .args(["run", "--all-schemas", "--discover-every", "500ms"])
+        .args(args);
+    for db in &dbs[1..] {
+        c.args(["--more-database-url", &db.url]);
+    }
+    c
+}
+
+/// The value of the series `series` (name and labels, as printed) in a
+/// Prometheus text page.
+fn series(page: &str, series: &str) -> Option<f64> {
+    page.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[tokio::test]
+async fn outbox_relay_run_all_schemas_serves_two_databases_and_shows_only_the_worst_tenants() {
+    let dbs = [
+        TestDatabase::create("fleet_cli_a").await,
+        TestDatabase::create("fleet_cli_b").await,
+    ];
+    let broker = TestBroker::new("fleet_cli", FieldTable::default()).await;
+    let mut ids = Vec::new();
+    for db in &dbs {
+        for i in 0..6 {
+            let schema = format!("tenant_{i:02}");
+            outbox::migrate(&db.pool, &schema).await.unwrap();
+            ids.extend(insert(&db.pool, &schema, 20).await);
+        }
+    }
+    // Backlogs that stay (due in an hour): tenant_02 of the second
+    // database the largest, tenant_04 of the first the next.
+    for (db, schema, n) in [(&dbs[1], "tenant_02", 7), (&dbs[0], "tenant_04", 3)] {
+        let later: Vec<String> = insert(&db.pool, schema, n).await;
+        sqlx::query(AssertSqlSafe(format!(
+            "UPDATE \"{schema}\".outbox SET available_at = now() + interval '1 hour' WHERE id = ANY($1::uuid[])"
+        )))
+        .bind(
+            later
+                .iter()
+                .map(|i| i.parse::<Uuid>().unwrap())
+                .collect::<Vec<_>>(),
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    // A tenant an older release migrated: found, not served.
+    outbox::testing::migrate_to(&dbs[0].pool, "tenant_old", 5)
+        .await
+        .unwrap();
+
+    // The write-ahead-log capture is a relay per schema: refused at once.
+    let (code, text) = e2e::output(&mut fleet_command(
+        &[&dbs[0]],
+        &broker,
+        &["--capture", "wal"],
+    ));
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("--all-schemas serves the outbox tables only"),
+        "{text}"
+    );
+    assert_eq!(text.trim().lines().count(), 1, "one line: {text}");
+    // A database that cannot be reached: named, its password never shown.
+    let (code, text) = e2e::output(
+        fleet_command(&[&dbs[0]], &broker, &[])
+            .args([
+                "--more-database-url",
+                "postgres://app:s3cr3t-pw@127.0.0.1:1/nowhere",
+            ])
+            .env("OUTBOX_DATABASE_TIMEOUT", "2s"),
+    );
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("database 2"), "{text}");
+    assert!(!text.contains("s3cr3t-pw"), "a password printed: {text}");
+
+    let collector = Collector::start(&broker.queue);
+    let logs = e2e::ProcessLogs::new("fleet_cli");
+    let port = e2e::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut cmd = fleet_command(
+        &[&dbs[0], &dbs[1]],
+        &broker,
+        &["--metrics-addr", &addr, "--metrics-tenants", "2"],
+    );
+    logs.attach(&mut cmd, "fleet");
+    let mut child = e2e::KillOnDrop(cmd.spawn().unwrap());
+    wait_until(
+        Duration::from_secs(60),
+        "every tenant's due events",
+        || async { ids.iter().all(|id| collector.has(id)) },
+    )
+    .await;
+    let last = std::sync::Mutex::new(String::new());
+    wait_until(Duration::from_secs(60), "the tenants' gauges", || async {
+        let page = e2e::http_get(&addr, "/metrics")
+            .await
+            .map(|(_, body)| body)
+            .unwrap_or_default();
+        let done = series(&page, "outbox_relay_tenants{state=\"ok\"}") == Some(12.0)
+            && series(&page, "outbox_relay_backlog") == Some(10.0);
+        *last.lock().unwrap() = page;
+        done
+    })
+    .await;
+    let page = last.into_inner().unwrap();
+    assert_eq!(
+        series(&page, "outbox_relay_tenants{state=\"not_served\"}"),
+        Some(1.0),
+        "{page}"
+    );
+    // Only the two worst tenants have series of their own.
+    let own: Vec<&str> = page
+        .lines()
+        .filter(|l| l.starts_with("outbox_relay_tenant_backlog{"))
+        .collect();
+    assert_eq!(
+        own,
+        [
+            format!(
+                "outbox_relay_tenant_backlog{{database=\"{}\",schema=\"tenant_02\"}} 7",
+                dbs[1].name
+            ),
+            format!(
+                "outbox_relay_tenant_backlog{{database=\"{}\",schema=\"tenant_04\"}} 3",
+                dbs[0].name
+            ),
+        ],
+        "{page}"
+    );
+    assert_eq!(
+        series(
+            &page,
+            &format!(
+                "outbox_relay_tenant_published_total{{database=\"{}\",schema=\"tenant_02\"}}",
+                dbs[1].name
+            )
+        ),
+        Some(20.0),
+        "{page}"
+    );
+    let (status, ready) = e2e::http_get(&addr, "/readyz").await.unwrap();
+    assert_eq!(status, 200, "{ready}");
+
+    let code = e2e::stop_child(
+        &mut child,
+        nix::sys::signal::Signal::SIGTERM,
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(code, Some(0), "{}", logs.tails());
+    collector.drain(Duration::from_secs(30)).await;
+    assert_eq!(
+        collector.distinct(),
+        ids.len(),
+        "the due events, each once, none of those due later"
+    );
+    for db in dbs {
+        db.cleanup().await;
+    }
+    broker.cleanup().await;
+}

@@ -109,6 +109,19 @@ impl Broker {
     pub(crate) fn gone(&self) {
         self.nodes.gone();
     }
+
+    /// Connects (with failover, as the workers do), opens a confirm-mode
+    /// channel and closes both again: fails fast, naming the node, when
+    /// no node takes a connection or opens the channel.
+    pub(crate) async fn check(&self) -> Result<()> {
+        let session = self.connect("start-up check").await?;
+        let publisher = crate::publish::Publisher::open(&session.conn, self.timeout).await;
+        if let Ok(p) = &publisher {
+            p.close().await;
+        }
+        session.close(self.timeout).await;
+        publisher.map(drop)
+    }
 }
 
 /// Declares `name` durable with `kind`, idempotently.

@@ -100,6 +100,7 @@ mod quarantine;
 mod relay;
 mod settle;
 mod sql;
+mod stages;
 mod stats;
 mod supervisor;
 mod wakeup;

@@ -6,7 +6,6 @@
 //! `publish/`, `settle.rs`, `quarantine.rs` (batches that panic).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use outbox::Ident;
 use sqlx::PgPool;
@@ -14,14 +13,12 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::broker::Broker;
-use crate::claim::floor::Floor;
 use crate::config::RelayConfig;
 use crate::error::{Error, Result};
 use crate::health::Health;
-use crate::lease::Leases;
-use crate::maintenance::Maintenance;
+#[cfg(feature = "testing")]
 use crate::publish::Publisher;
-use crate::settle::Settle;
+use crate::stages::Stages;
 use crate::stats::Stats;
 use crate::supervisor::Supervisor;
 use crate::wakeup::Wakeups;
@@ -52,7 +49,8 @@ pub struct Relay {
 struct Inner {
     /// This relay's identity in `outbox_relays` and `outbox_leases`.
     id: Uuid,
-    broker_timeout: Duration,
+    #[cfg(feature = "testing")]
+    broker_timeout: std::time::Duration,
     health: Arc<Health>,
     wakeups: Wakeups,
     broker: Arc<Broker>,
@@ -81,40 +79,25 @@ impl Relay {
             Some(reader) => Some((reader, wal_slot(&pool, &schema).await?)),
             None => None,
         };
-        let wakeups = Wakeups::new();
         let id = Uuid::new_v4();
         let nodes = Broker::nodes(&config);
         let health = Arc::new(Health::new(nodes.clone()));
         let broker = Arc::new(Broker::new(&config, nodes, health.clone()));
         let broker_outage = Arc::new(Outage::new("broker", "outbox-relay"));
-        let stats = Arc::new(Stats::new(&schema));
-        let floor = Arc::new(Floor::new(&schema));
-        let leases = Arc::new(Leases::new(&schema, id, &config.name, config.lease_ttl));
-        let maintenance = Arc::new(Maintenance::new(
-            &config,
-            &schema,
-            pool.clone(),
-            health.clone(),
-            leases.clone(),
-            stats.clone(),
-            floor.clone(),
-            wakeups.clone(),
-        ));
-        let settle = Settle::new(&schema, &config);
-        let worker = Arc::new(Worker::new(
+        let Stages {
+            wakeups,
+            stats,
+            maintenance,
+            settle,
+            worker,
+        } = Stages::new(
             &config,
             &schema,
             id,
             pool.clone(),
-            floor,
-            leases,
-            stats.clone(),
             health.clone(),
             broker_outage.clone(),
-            wakeups.clone(),
-            maintenance.clone(),
-            settle.clone(),
-        ));
+        );
         let reader = reader.map(|(reader, slot)| {
             WalReader::new(
                 reader,
@@ -142,6 +125,7 @@ impl Relay {
         Ok(Self {
             inner: Arc::new(Inner {
                 id,
+                #[cfg(feature = "testing")]
                 broker_timeout: config.broker_timeout,
                 health,
                 wakeups,
@@ -200,14 +184,7 @@ impl Relay {
     /// `outbox-relay run` calls it before it starts; [`Relay::run`]
     /// itself keeps reconnecting instead.
     pub async fn check_broker(&self) -> Result<()> {
-        let timeout = self.inner.broker_timeout;
-        let session = self.inner.broker.connect("start-up check").await?;
-        let publisher = Publisher::open(&session.conn, timeout).await;
-        if let Ok(p) = &publisher {
-            p.close().await;
-        }
-        session.close(timeout).await;
-        publisher.map(drop)
+        self.inner.broker.check().await
     }
 
     /// Testing only (feature `testing`): a worker session of its own, for

@@ -363,6 +363,54 @@ pub(super) struct RunArgs {
     /// (a frozen or cut-off relay) before it frees the slot for a standby.
     #[arg(long, env = "OUTBOX_WAL_SENDER_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub(super) wal_sender_timeout: Duration,
+    /// A fleet: serve every schema of the database that holds the outbox
+    /// at this release's migration (a schema per tenant), instead of
+    /// --schema, found again every --discover-every: a tenant that is
+    /// migrated joins, one dropped leaves, no restart. One pool of
+    /// --workers + 2 connections and one LISTEN session per database, one
+    /// broker connection, the workers taking turns over the tenants with
+    /// work. Schemas behind or too new are reported (`status
+    /// --all-schemas`), not served. The outbox tables only: not with
+    /// --capture wal. docs/OPERATIONS.md, "Many tenants".
+    #[arg(long, env = "OUTBOX_ALL_SCHEMAS")]
+    pub(super) all_schemas: bool,
+    /// With --all-schemas: only the schemas whose name is LIKE this
+    /// pattern (`tenant_%`).
+    #[arg(
+        long,
+        env = "OUTBOX_LIKE",
+        value_name = "PATTERN",
+        requires = "all_schemas"
+    )]
+    pub(super) like: Option<String>,
+    /// With --all-schemas: more databases whose tenants the fleet serves
+    /// beside DATABASE_URL's (repeat the flag, or separate the URLs with
+    /// commas; a comma in a password as %2C). Never printed.
+    #[arg(
+        long,
+        env = "OUTBOX_MORE_DATABASE_URLS",
+        hide_env_values = true,
+        value_delimiter = ',',
+        value_name = "URL",
+        requires = "all_schemas"
+    )]
+    pub(super) more_database_url: Vec<String>,
+    /// With --all-schemas: how often each database is looked at again for
+    /// tenants that joined or left.
+    #[arg(long, env = "OUTBOX_DISCOVER_EVERY", default_value = "5s", value_parser = humantime::parse_duration, requires = "all_schemas")]
+    pub(super) discover_every: Duration,
+    /// With --all-schemas and --metrics-addr: how many tenants get series
+    /// of their own in /metrics (`outbox_relay_tenant_*{database,
+    /// schema}`): those with the oldest pending events, then the largest
+    /// backlogs. The others are in the sums (`outbox_relay_backlog`, ...),
+    /// so a thousand tenants do not make a thousand series. 0: none.
+    #[arg(
+        long,
+        env = "OUTBOX_METRICS_TENANTS",
+        value_name = "N",
+        default_value_t = 10
+    )]
+    pub(super) metrics_tenants: usize,
 }
 
 /// `outbox-relay migrate`'s flags.

@@ -76,15 +76,27 @@ fn one_line(e: &anyhow::Error) -> String {
     line
 }
 
+/// The command's other URLs (brokers, a fleet's more databases): scrubbed
+/// from its errors too.
 fn amqp_url(args: &Args) -> String {
     match &args.command {
-        Command::Run(r) => r.amqp_url.join(","),
+        Command::Run(r) => [r.amqp_url.as_slice(), r.more_database_url.as_slice()]
+            .concat()
+            .join(","),
         Command::Console(c) => c.amqp_url.join(","),
         _ => String::new(),
     }
 }
 
 async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
+    // The relay opens pools of its own (a fleet's, one per database).
+    if let Command::Run(r) = &args.command {
+        return if r.all_schemas {
+            run::run_fleet(url, r, args.slow_statement).await
+        } else {
+            run::run_relay(url, schema, r, args.slow_statement).await
+        };
+    }
     // Many schemas migrate on a connection each.
     let size = match &args.command {
         Command::Migrate(m) => 8.max(u32::from(m.jobs) + 1),
@@ -105,7 +117,8 @@ async fn dispatch(args: &Args, url: &str, schema: &Ident) -> Result<ExitCode> {
         Command::DeadLetters(cmd) => dead_letters::dead_letters(&pool, schema, cmd).await?,
         Command::Blocked(cmd) => blocked::blocked(&pool, schema, cmd).await?,
         Command::Ordering(cmd) => ordering::ordering(&pool, schema, cmd).await?,
-        Command::Run(r) => return run::run_relay(url, schema, r, args.slow_statement).await,
+        // Dispatched above, before this pool.
+        Command::Run(_) => {}
         Command::Console(c) => console::console(pool, schema, url, c).await?,
     }
     Ok(ExitCode::SUCCESS)

@@ -84,6 +84,9 @@ pub(crate) struct Shared {
     pub(crate) health: Arc<Health>,
     pub(crate) broker_outage: Arc<Outage>,
     pub(crate) ready: Ready,
+    /// Per database: whether its last census answered. `/readyz` says the
+    /// database is fine while every one did.
+    databases_up: Vec<std::sync::atomic::AtomicBool>,
     /// Cancelled when the fleet stops: the tenants' upkeep ends with it.
     pub(crate) root: CancellationToken,
     /// Each tenant's upkeep holds a clone; the fleet's stop waits until
@@ -93,6 +96,16 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Database `i`'s last census answered (`up`) or not.
+    pub(crate) fn database_up(&self, i: usize, up: bool) {
+        use std::sync::atomic::Ordering;
+        if let Some(flag) = self.databases_up.get(i) {
+            flag.store(up, Ordering::Release);
+        }
+        let all = self.databases_up.iter().all(|f| f.load(Ordering::Acquire));
+        self.health.set_database(all);
+    }
+
     /// Queues every share of `tenant` for a turn, unless it is backing off
     /// after a failure (its own timer queues it then).
     pub(crate) fn queue(&self, tenant: &Arc<tenant::Tenant>) {
@@ -156,6 +169,11 @@ impl Fleet {
             health,
             broker_outage: Arc::new(Outage::new("broker", "outbox-relay")),
             ready: Ready::default(),
+            databases_up: config
+                .databases
+                .iter()
+                .map(|_| std::sync::atomic::AtomicBool::new(false))
+                .collect(),
             config: config.relay,
         });
         let sites = config
@@ -173,26 +191,54 @@ impl Fleet {
         })
     }
 
-    /// Every tenant served now.
+    /// Readiness, shared with the HTTP endpoints: the broker connection
+    /// and its blocks (a tenant's failures are its own: see
+    /// [`tenants`](Self::tenants)).
+    pub fn health(&self) -> Arc<Health> {
+        self.inner.shared.health.clone()
+    }
+
+    /// As [`crate::Relay::check_broker`]: connects to a broker node and
+    /// closes the connection again, failing fast when none answers.
+    pub async fn check_broker(&self) -> Result<()> {
+        self.inner.broker.check().await
+    }
+
+    /// Every tenant the last census of each database found: those served
+    /// now, and those it does not serve ([`TenantHealth::NotServed`]).
     pub fn tenants(&self) -> Vec<TenantStatus> {
-        self.inner
-            .sites
-            .iter()
-            .enumerate()
-            .flat_map(|(i, site)| {
-                site.tenants().into_iter().map(move |t| TenantStatus {
-                    database: i,
-                    schema: t.schema.as_str().to_owned(),
-                    published: t.published(),
-                    health: t.health(),
-                })
-            })
-            .collect()
+        let mut all = Vec::new();
+        for (i, site) in self.inner.sites.iter().enumerate() {
+            all.extend(site.tenants().into_iter().map(|t| TenantStatus {
+                database: i,
+                schema: t.schema.as_str().to_owned(),
+                published: t.published(),
+                health: t.health(),
+            }));
+            all.extend(
+                site.refused()
+                    .into_iter()
+                    .map(|(schema, state)| TenantStatus {
+                        database: i,
+                        schema,
+                        published: 0,
+                        health: TenantHealth::NotServed {
+                            why: state.to_string(),
+                        },
+                    }),
+            );
+        }
+        all
     }
 
     /// Events published since start, every tenant's.
     pub fn published(&self) -> u64 {
-        self.tenants().iter().map(|t| t.published).sum()
+        self.inner
+            .sites
+            .iter()
+            .flat_map(|s| s.tenants())
+            .map(|t| t.published())
+            .sum()
     }
 
     /// Runs until `shutdown`: each database's census, probe and listener,

@@ -18,6 +18,7 @@ use super::tenant::Tenant;
 use crate::db::bounded;
 use crate::error::Result;
 use outbox_core::backoff::{Backoff, sleep_or_cancel};
+use outbox_core::outage::Outage;
 
 /// How many tenants one probe statement looks at.
 const PROBE_CHUNK: usize = 200;
@@ -34,9 +35,11 @@ pub(crate) struct Site {
     tenants: RwLock<BTreeMap<String, Arc<Tenant>>>,
     /// The schemas the census found but the fleet does not serve (behind,
     /// too new, unreadable), and why.
-    pub(crate) refused: RwLock<Vec<(String, SchemaState)>>,
+    refused: RwLock<Vec<(String, SchemaState)>>,
     /// Bumped when the tenants change (the listener's channels follow).
     changed: watch::Sender<u64>,
+    /// Whether its census answers (logged once per outage).
+    outage: Outage,
 }
 
 impl std::fmt::Debug for Site {
@@ -55,6 +58,7 @@ impl Site {
             tenants: RwLock::new(BTreeMap::new()),
             refused: RwLock::new(Vec::new()),
             changed: watch::channel(0).0,
+            outage: Outage::new("database", format!("outbox-relay fleet, database {index}")),
         }
     }
 
@@ -66,6 +70,14 @@ impl Site {
             .values()
             .cloned()
             .collect()
+    }
+
+    /// The schemas the last census found and the fleet does not serve.
+    pub(crate) fn refused(&self) -> Vec<(String, SchemaState)> {
+        self.refused
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn tenant(&self, schema: &str) -> Option<Arc<Tenant>> {
@@ -90,8 +102,16 @@ impl Site {
     /// queued once: it may hold a backlog) and removed.
     async fn keep_census(&self, shared: &Shared, stop: CancellationToken) {
         while !stop.is_cancelled() {
-            if let Err(e) = self.census(shared).await {
-                tracing::warn!(database = self.index, error = %e, "census of the tenants failed; the known ones go on, next census soon");
+            match self.census(shared).await {
+                Ok(()) => {
+                    self.outage.ok();
+                    shared.database_up(self.index, true);
+                }
+                Err(e) => {
+                    // The known tenants go on (their own batches tell).
+                    self.outage.failed(&e);
+                    shared.database_up(self.index, false);
+                }
             }
             for t in self.tenants() {
                 t.rest_if_idle();

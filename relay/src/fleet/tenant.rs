@@ -13,13 +13,11 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::claim::ClaimState;
-use crate::claim::floor::Floor;
 use crate::config::RelayConfig;
 use crate::health::Health;
-use crate::lease::Leases;
 use crate::maintenance::Maintenance;
 use crate::mutex::lock;
-use crate::settle::Settle;
+use crate::stages::Stages;
 use crate::stats::Stats;
 use crate::wakeup::Wakeups;
 use crate::worker::Worker;
@@ -31,6 +29,7 @@ pub(crate) const IDLE_AFTER: Duration = Duration::from_secs(60);
 
 /// What became of a tenant's last batches.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum TenantHealth {
     /// Its batches go through (or it had none).
     Ok,
@@ -41,6 +40,13 @@ pub enum TenantHealth {
         error: String,
         /// How many in a row.
         failures: u32,
+    },
+    /// The census found the schema but the fleet does not serve it: its
+    /// migrations are behind or too new for this release, or the role
+    /// cannot read them. Served once mended.
+    NotServed {
+        /// Why, as `outbox-relay schemas` says it.
+        why: String,
     },
 }
 
@@ -100,35 +106,13 @@ impl Tenant {
         health: Arc<Health>,
         broker_outage: Arc<Outage>,
     ) -> Self {
-        let wakeups = Wakeups::new();
-        let stats = Arc::new(Stats::new(&schema));
-        let floor = Arc::new(Floor::new(&schema));
-        let leases = Arc::new(Leases::new(&schema, id, &config.name, config.lease_ttl));
-        let maintenance = Arc::new(Maintenance::new(
-            config,
-            &schema,
-            pool.clone(),
-            health.clone(),
-            leases.clone(),
-            stats.clone(),
-            floor.clone(),
-            wakeups.clone(),
-        ));
-        let settle = Settle::new(&schema, config);
-        let worker = Arc::new(Worker::new(
-            config,
-            &schema,
-            id,
-            pool,
-            floor,
-            leases,
-            stats.clone(),
-            health,
-            broker_outage,
-            wakeups.clone(),
-            maintenance.clone(),
-            settle,
-        ));
+        let Stages {
+            wakeups,
+            stats,
+            maintenance,
+            worker,
+            ..
+        } = Stages::new(config, &schema, id, pool, health, broker_outage);
         let workers = config.workers.max(1);
         Self {
             schema,
@@ -277,7 +261,7 @@ impl Tenant {
         let mut health = lock(&self.health);
         let failures = match &*health {
             TenantHealth::Failing { failures, .. } => failures + 1,
-            TenantHealth::Ok => 1,
+            _ => 1,
         };
         if failures == 1 {
             tracing::warn!(schema = %self.schema, error = %error, "tenant's batch failed; retrying it with backoff, the other tenants go on");
