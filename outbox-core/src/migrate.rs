@@ -188,8 +188,24 @@ async fn apply_locked(
         tracing::info!(set = set.name, schema = %schema, version = m.version, name = m.name, "applied migration");
         applied.push(m.version);
     }
+    if !applied.is_empty() {
+        // A fleet serving this database looks for its tenants at once
+        // (its census runs every few seconds anyway: this is a hint).
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(SCHEMAS_CHANNEL)
+            .bind(schema.as_str())
+            .execute(&mut *conn)
+            .await?;
+    }
     Ok(applied)
 }
+
+/// The channel a migration that applied something notifies, with the
+/// schema's name as the payload: a relay fleet (`outbox-relay run
+/// --all-schemas`) listens on it and looks for new tenants at once. Not a
+/// schema's wake-up channel (those are `outbox_<schema>`; a schema name
+/// holds no dot).
+pub const SCHEMAS_CHANNEL: &str = "outbox.schemas";
 
 async fn current_version(
     conn: &mut PgConnection,

@@ -27,6 +27,23 @@ async fn insert(pool: &PgPool, schema: &str, n: usize) -> Vec<String> {
     ids.iter().map(Uuid::to_string).collect()
 }
 
+/// A fleet of `cfg` running: stop it with the token, then join the task.
+fn start(
+    cfg: FleetConfig,
+) -> (
+    Fleet,
+    CancellationToken,
+    tokio::task::JoinHandle<outbox_relay::Result<()>>,
+) {
+    let fleet = Fleet::new(cfg).unwrap();
+    let stop = CancellationToken::new();
+    let running = tokio::spawn({
+        let (fleet, stop) = (fleet.clone(), stop.clone());
+        async move { fleet.run(stop).await }
+    });
+    (fleet, stop, running)
+}
+
 fn config(broker: &TestBroker) -> RelayConfig {
     let mut c = RelayConfig::default();
     c.amqp_url = amqp_url().into();
@@ -85,12 +102,7 @@ async fn one_fleet_publishes_the_tenants_of_two_databases_finds_new_ones_and_out
     );
     cfg.like = Some("tenant\\_%".to_owned());
     cfg.discover_every = Duration::from_millis(500);
-    let fleet = Fleet::new(cfg).unwrap();
-    let stop = CancellationToken::new();
-    let running = tokio::spawn({
-        let (fleet, stop) = (fleet.clone(), stop.clone());
-        async move { fleet.run(stop).await }
-    });
+    let (fleet, stop, running) = start(cfg);
     wait_until(
         Duration::from_secs(120),
         "every tenant's events",
@@ -339,5 +351,37 @@ async fn outbox_relay_run_all_schemas_serves_two_databases_and_shows_only_the_wo
     for db in dbs {
         db.cleanup().await;
     }
+    broker.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_tenant_migrated_while_the_fleet_runs_is_served_at_once_not_at_the_next_census() {
+    let db = TestDatabase::create("fleet_join").await;
+    let broker = TestBroker::new("fleet_join", FieldTable::default()).await;
+    outbox::migrate(&db.pool, "tenant_a").await.unwrap();
+    let first = insert(&db.pool, "tenant_a", 5).await;
+    let collector = Collector::start(&broker.queue);
+    let mut cfg = FleetConfig::new(vec![relay_pool(&db).await], config(&broker));
+    // The census at start, then not for an hour: only the migration's
+    // notification can bring the new tenant in.
+    cfg.discover_every = Duration::from_secs(3600);
+    let (_fleet, stop, running) = start(cfg);
+    wait_until(
+        Duration::from_secs(30),
+        "the first tenant's events",
+        || async { first.iter().all(|id| collector.has(id)) },
+    )
+    .await;
+    outbox::migrate(&db.pool, "tenant_b").await.unwrap();
+    let joined = insert(&db.pool, "tenant_b", 5).await;
+    wait_until(
+        Duration::from_secs(30),
+        "the new tenant's events",
+        || async { joined.iter().all(|id| collector.has(id)) },
+    )
+    .await;
+    stop.cancel();
+    running.await.unwrap().expect("a clean stop");
+    db.cleanup().await;
     broker.cleanup().await;
 }

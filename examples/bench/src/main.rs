@@ -6,6 +6,7 @@
 mod common;
 mod console;
 mod consumer;
+mod fleet;
 mod latency;
 mod minimal;
 mod minimal_wal;
@@ -64,7 +65,7 @@ struct Args {
     /// Run only these sections (relay, growth, ordered, write,
     /// write-causes, latency, consumer, quorum, console, wal, wal-drain,
     /// wal-growth, wal-write, wal-latency, horizon, horizon-ordered,
-    /// horizon-latency, inbox); all by default. `horizon` runs the table
+    /// horizon-latency, inbox, fleet); all by default. `horizon` runs the table
     /// capture with unordered and with ordered events and the log's;
     /// `horizon-ordered` the ordered variant alone.
     #[arg(long, value_delimiter = ',')]
@@ -114,7 +115,7 @@ struct Args {
     child_relayer: Option<Vec<String>>,
 }
 
-const SECTIONS: [&str; 18] = [
+const SECTIONS: [&str; 19] = [
     "relay",
     "growth",
     "ordered",
@@ -133,6 +134,7 @@ const SECTIONS: [&str; 18] = [
     "horizon-ordered",
     "inbox",
     "horizon-latency",
+    "fleet",
 ];
 
 /// Counts and durations; `--smoke` shrinks all of them.
@@ -162,6 +164,7 @@ struct Sizes {
     /// snapshot held (after the warm-up).
     horizon_latency_secs: f64,
     console: console::Seed,
+    fleet: fleet::FleetSizes,
     /// `--latency-relay-in-process`.
     latency_in_process: bool,
     /// `--latency-rate`.
@@ -234,6 +237,13 @@ async fn main() -> Result<()> {
                 dead_letters: 2_000,
                 requests: 3,
             },
+            fleet: fleet::FleetSizes {
+                tenants: 20,
+                idle_secs: 1.0,
+                rest_secs: 0.0,
+                discoveries: 2,
+                drain: (5, 200, 1),
+            },
             latency_in_process: args.latency_relay_in_process,
             latency_rate: args.latency_rate,
             latency_stages: args.latency_stages,
@@ -263,6 +273,13 @@ async fn main() -> Result<()> {
                 outbox: 2_000_000,
                 dead_letters: 200_000,
                 requests: 40,
+            },
+            fleet: fleet::FleetSizes {
+                tenants: 1_000,
+                idle_secs: 60.0,
+                rest_secs: 65.0,
+                discoveries: 5,
+                drain: (100, 1_000, 4),
             },
             latency_in_process: args.latency_relay_in_process,
             latency_rate: args.latency_rate,
@@ -347,6 +364,9 @@ async fn main() -> Result<()> {
     }
     if run("inbox") {
         inbox_section(&mut r, &pool, url, &sizes, best_publish).await?;
+    }
+    if run("fleet") {
+        fleet_section(&mut r, &pool, &args.database_url, url, &sizes).await?;
     }
     r.tuning("load_average_at_end", load_average());
     r.print();
@@ -544,6 +564,73 @@ async fn inbox_section(
         m.retention_rows_deleted as f64,
         "  rows DELETEd by that pass (the day went whole)",
         "",
+    );
+    Ok(())
+}
+
+/// The fleet: idle tenants' cost, a new tenant's wait, and a backlog over
+/// many tenants against one schema's.
+async fn fleet_section(
+    r: &mut Report,
+    pool: &sqlx::PgPool,
+    database_url: &str,
+    url: &str,
+    sizes: &Sizes,
+) -> Result<()> {
+    let s = &sizes.fleet;
+    eprintln!("bench: fleet ({} idle tenants)", s.tenants);
+    let f = fleet::fleet(pool, database_url, url, s).await?;
+    r.add(
+        "fleet_idle_cpu_pct",
+        f.idle_cpu_pct,
+        &format!(
+            "fleet_idle_cpu_pct ({} idle tenants, % of a core)",
+            s.tenants
+        ),
+        "<= 2",
+    );
+    r.add(
+        "fleet_idle_cpu_metrics_pct",
+        f.idle_cpu_metrics_pct,
+        "  the same with --metrics-addr (each tenant's gauges every 15 s)",
+        "",
+    );
+    r.add(
+        "fleet_idle_connections",
+        f.idle_connections as f64,
+        "fleet_idle_connections (the most seen, --workers 2)",
+        "<= 5",
+    );
+    r.add(
+        "fleet_idle_rss_mib",
+        f.idle_rss_mib,
+        "fleet_idle_rss_mib (peak RSS)",
+        "<= 64",
+    );
+    r.stats(
+        "fleet_discovery_s",
+        &f.discovery_s,
+        "fleet_discovery_s (migrated -> its first event published)",
+        "<= 5",
+    );
+    let (spread, each, _) = s.drain;
+    r.stats(
+        "fleet_drain_per_s",
+        &f.fleet_rate,
+        &format!("fleet events/s, {spread} tenants x {each}"),
+        "",
+    );
+    r.stats(
+        "fleet_single_per_s",
+        &f.single_rate,
+        &format!("one relay events/s, {} in one schema", spread * each),
+        "",
+    );
+    r.stats(
+        "fleet_drain_ratio",
+        &f.drain_ratio,
+        "fleet_drain_ratio (many tenants / one schema)",
+        ">= 0.9",
     );
     Ok(())
 }

@@ -396,7 +396,8 @@ pub(super) struct RunArgs {
     )]
     pub(super) more_database_url: Vec<String>,
     /// With --all-schemas: how often each database is looked at again for
-    /// tenants that joined or left.
+    /// tenants that joined or left. A migration also notifies the fleet
+    /// (channel `outbox.schemas`): a tenant migrated is served at once.
     #[arg(long, env = "OUTBOX_DISCOVER_EVERY", default_value = "5s", value_parser = humantime::parse_duration, requires = "all_schemas")]
     pub(super) discover_every: Duration,
     /// With --all-schemas and --metrics-addr: how many tenants get series

@@ -18,6 +18,7 @@ use super::tenant::Tenant;
 use crate::db::bounded;
 use crate::error::Result;
 use outbox_core::backoff::{Backoff, sleep_or_cancel};
+use outbox_core::migrate::SCHEMAS_CHANNEL;
 use outbox_core::outage::Outage;
 
 /// How many tenants one probe statement looks at.
@@ -40,6 +41,8 @@ pub(crate) struct Site {
     changed: watch::Sender<u64>,
     /// Whether its census answers (logged once per outage).
     outage: Outage,
+    /// A migration notified: the census runs now, not at its interval.
+    census_now: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Site {
@@ -59,6 +62,7 @@ impl Site {
             refused: RwLock::new(Vec::new()),
             changed: watch::channel(0).0,
             outage: Outage::new("database", format!("outbox-relay fleet, database {index}")),
+            census_now: tokio::sync::Notify::new(),
         }
     }
 
@@ -90,7 +94,7 @@ impl Site {
 
     /// Everything beside the workers until `stop`: the census, the probe,
     /// the listener, and each tenant's rest once idle.
-    pub(crate) async fn run(&self, shared: &Shared, stop: CancellationToken) {
+    pub(crate) async fn run(&self, shared: &Arc<Shared>, stop: CancellationToken) {
         tokio::join!(
             self.keep_census(shared, stop.clone()),
             self.keep_probing(shared, stop.clone()),
@@ -98,8 +102,9 @@ impl Site {
         );
     }
 
-    /// The census now and every `discover_every`: tenants added (each
-    /// queued once: it may hold a backlog) and removed.
+    /// The census now and every `discover_every`, and at once when a
+    /// migration notifies ([`outbox_core::migrate::SCHEMAS_CHANNEL`]):
+    /// tenants added (each queued once: it may hold a backlog) and removed.
     async fn keep_census(&self, shared: &Shared, stop: CancellationToken) {
         while !stop.is_cancelled() {
             match self.census(shared).await {
@@ -116,7 +121,10 @@ impl Site {
             for t in self.tenants() {
                 t.rest_if_idle();
             }
-            sleep_or_cancel(shared.discover_every, &stop).await;
+            tokio::select! {
+                _ = sleep_or_cancel(shared.discover_every, &stop) => {}
+                _ = self.census_now.notified() => {}
+            }
         }
     }
 
@@ -192,10 +200,13 @@ impl Site {
         Ok(())
     }
 
-    /// The probe every poll interval: each tenant with a due event queued.
-    /// A chunk whose statement fails (a tenant's schema dropped since the
-    /// census) queues each of its tenants: their own batches tell.
-    async fn keep_probing(&self, shared: &Shared, stop: CancellationToken) {
+    /// The probe every poll interval: each tenant with a due event queued,
+    /// and its upkeep started when ordered events are due (without its
+    /// partition leases no claim takes them, and a claim that takes
+    /// nothing would not start it). A chunk whose statement fails (a
+    /// tenant's schema dropped since the census) queues each of its
+    /// tenants: their own batches tell.
+    async fn keep_probing(&self, shared: &Arc<Shared>, stop: CancellationToken) {
         while !stop.is_cancelled() {
             sleep_or_cancel(shared.config.poll_interval, &stop).await;
             // Tenants backing off are left out: one whose statements fail
@@ -204,7 +215,20 @@ impl Site {
             tenants.retain(|t| !t.backing_off());
             for chunk in tenants.chunks(PROBE_CHUNK) {
                 match self.probe(chunk, shared.config.database_timeout).await {
-                    Ok(due) => due.into_iter().for_each(|i| shared.queue(&chunk[i])),
+                    Ok(due) => {
+                        for (i, ordered) in due {
+                            let tenant = &chunk[i];
+                            if ordered && !tenant.upkeep_runs() {
+                                let (shared, tenant) = (shared.clone(), tenant.clone());
+                                tokio::spawn(async move {
+                                    shared.activate(&tenant).await;
+                                    shared.queue(&tenant);
+                                });
+                            } else {
+                                shared.queue(tenant);
+                            }
+                        }
+                    }
                     Err(e) => {
                         tracing::debug!(error = %e, "probe failed; queueing its tenants");
                         chunk.iter().for_each(|t| shared.queue(t));
@@ -214,7 +238,9 @@ impl Site {
         }
     }
 
-    async fn probe(&self, chunk: &[Arc<Tenant>], timeout: Duration) -> Result<Vec<usize>> {
+    /// The tenants of `chunk` with due events (their places in it), and
+    /// whether ordered ones are among them.
+    async fn probe(&self, chunk: &[Arc<Tenant>], timeout: Duration) -> Result<Vec<(usize, bool)>> {
         let branches: Vec<String> = chunk
             .iter()
             .enumerate()
@@ -227,13 +253,14 @@ impl Site {
         let sql = outbox_core::sql::Template::unqualified("{branches}")
             .with("branches", branches.join("\nUNION ALL\n"))
             .render();
-        let due: Vec<i32> = bounded("the probe", timeout, async {
-            sqlx::query_scalar(sql).fetch_all(&self.pool).await
+        let due: Vec<(i32, bool)> = bounded("the probe", timeout, async {
+            sqlx::query_as(sql).fetch_all(&self.pool).await
         })
         .await?;
         Ok(due
             .into_iter()
-            .filter_map(|i| usize::try_from(i).ok())
+            .filter_map(|(i, ordered)| Some((usize::try_from(i).ok()?, ordered)))
+            .filter(|(i, _)| *i < chunk.len())
             .collect())
     }
 
@@ -257,6 +284,7 @@ impl Site {
                 .tenants()
                 .iter()
                 .map(|t| outbox::wakeup_channel(&t.schema))
+                .chain([SCHEMAS_CHANNEL.to_owned()])
                 .collect();
             let listener = async {
                 let mut l = PgListener::connect_with(&own).await?;
@@ -279,7 +307,10 @@ impl Site {
                 }
             };
             backoff.reset();
+            // Notifications sent while it was away are gone: every tenant
+            // looked at, and the census run, now.
             self.tenants().iter().for_each(|t| shared.queue(t));
+            self.census_now.notify_one();
             loop {
                 tokio::select! {
                     _ = stop.cancelled() => return,
@@ -300,13 +331,17 @@ impl Site {
                         listening.extend(now);
                     }
                     r = listener.try_recv() => match r {
+                        Ok(Some(n)) if n.channel() == SCHEMAS_CHANNEL => self.census_now.notify_one(),
                         Ok(Some(n)) => {
                             let schema = n.channel().strip_prefix("outbox_").unwrap_or_default();
                             if let Some(t) = self.tenant(schema) {
                                 shared.queue(&t);
                             }
                         }
-                        Ok(None) => self.tenants().iter().for_each(|t| shared.queue(t)),
+                        Ok(None) => {
+                            self.tenants().iter().for_each(|t| shared.queue(t));
+                            self.census_now.notify_one();
+                        }
                         Err(_) => break,
                     },
                     _ = tokio::time::sleep(CHECK_WHEN_QUIET) => {

@@ -216,6 +216,13 @@ impl Tenant {
         true
     }
 
+    /// Its upkeep runs now.
+    pub(crate) fn upkeep_runs(&self) -> bool {
+        lock(&self.upkeep)
+            .as_ref()
+            .is_some_and(|t| !t.is_cancelled())
+    }
+
     /// The lease round (and the stats), now.
     pub(crate) async fn round(&self) {
         self.maintenance.round().await;
