@@ -278,25 +278,31 @@ async fn refresh_tenants(
             .map(|t| {
                 let pool = pools.get(t.database).cloned();
                 let database = names.get(t.database).cloned().unwrap_or_default();
+                let failing = matches!(t.health, TenantHealth::Failing { .. });
                 async move {
-                    let pool = pool?;
-                    let schema = Ident::new("schema", &t.schema).ok()?;
-                    let read = crate::admin::gauges(&pool, &schema);
-                    match tokio::time::timeout(Duration::from_secs(10), read).await {
-                        Ok(Ok(gauges)) => Some(TenantFigures {
-                            database,
-                            schema: t.schema,
-                            published: t.published,
-                            gauges,
-                        }),
-                        _ => None,
-                    }
+                    let read = async {
+                        let pool = pool?;
+                        let schema = Ident::new("schema", &t.schema).ok()?;
+                        let read = crate::admin::gauges(&pool, &schema);
+                        match tokio::time::timeout(Duration::from_secs(10), read).await {
+                            Ok(Ok(gauges)) => Some(TenantFigures {
+                                database,
+                                schema: t.schema,
+                                published: t.published,
+                                gauges,
+                            }),
+                            _ => None,
+                        }
+                    };
+                    (failing, read.await)
                 }
             })
             .buffer_unordered(TENANTS_AT_ONCE);
-        let read: Vec<Option<TenantFigures>> = reads.collect().await;
-        let unread = read.iter().filter(|r| r.is_none()).count() as u32;
-        let mut figures: Vec<TenantFigures> = read.into_iter().flatten().collect();
+        let read: Vec<(bool, Option<TenantFigures>)> = reads.collect().await;
+        // A tenant whose batches go through but whose figures cannot be
+        // read counts as failing too (once).
+        let unread = read.iter().filter(|(f, r)| !f && r.is_none()).count() as u32;
+        let mut figures: Vec<TenantFigures> = read.into_iter().filter_map(|(_, r)| r).collect();
         fleet_gauges(
             &figures,
             ok.saturating_sub(unread),
