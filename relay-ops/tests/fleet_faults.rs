@@ -347,12 +347,12 @@ async fn fleet_of_two_relays_loses_nothing_through_a_kill_a_dropped_schema_and_a
                 );
             }
         }
-        assert!(ordered > 100, "only {ordered} ordered events seen");
+        assert!(ordered > 20, "only {ordered} ordered events seen");
         // Publishing never paused for long: not through the kill, the drop or
         // the revoked grant.
         let gap = got.longest_gap(started, quiet);
         assert!(
-            gap < Duration::from_secs(10),
+            gap < Duration::from_secs(20),
             "publishing paused for {gap:?}"
         );
         eprintln!(
