@@ -45,16 +45,7 @@ fn start(
 }
 
 fn config(broker: &TestBroker) -> RelayConfig {
-    let mut c = RelayConfig::default();
-    c.amqp_url = amqp_url().into();
-    c.default_exchange = broker.exchange.clone();
-    c.declare_exchange = None;
-    c.poll_interval = Duration::from_millis(200);
-    c.retry_base = Duration::from_millis(50);
-    c.retry_max = Duration::from_millis(400);
-    c.reconnect_min = Duration::from_millis(50);
-    c.reconnect_max = Duration::from_millis(500);
-    c
+    e2e::TestRelay::broker_config(broker)
 }
 
 async fn relay_pool(db: &TestDatabase) -> PgPool {

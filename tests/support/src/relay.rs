@@ -46,9 +46,16 @@ impl TestRelay {
     /// up to 400 ms, reconnects after 50 ms up to 500 ms; everything else
     /// as [`RelayConfig::default`].
     pub fn config(db: &TestDb, broker: &TestBroker) -> RelayConfig {
+        let mut c = Self::broker_config(broker);
+        c.schema = db.schema.clone();
+        c
+    }
+
+    /// [`TestRelay::config`] without a schema (a fleet's: each tenant's is
+    /// its own).
+    pub fn broker_config(broker: &TestBroker) -> RelayConfig {
         let mut c = RelayConfig::default();
         c.amqp_url = amqp_url().into();
-        c.schema = db.schema.clone();
         c.default_exchange = broker.exchange.clone();
         c.declare_exchange = None;
         c.poll_interval = Duration::from_millis(200);
