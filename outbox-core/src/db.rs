@@ -23,6 +23,24 @@ pub fn is_transient(e: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether a sqlx error says the database cannot be reached now, whatever
+/// the statement: the connection lost or refused, the pool closed or out
+/// of time for a connection, the server shutting down, starting or full
+/// (SQLSTATE classes 08 and 57P, and 53300). A statement's own failure (a
+/// missing table, a refused grant) is not.
+pub fn is_unreachable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| {
+            c.starts_with("08") || matches!(&*c, "57P01" | "57P02" | "57P03" | "53300")
+        }),
+        _ => false,
+    }
+}
+
 /// A chunked `DELETE` that walks its table's time index forward: each
 /// statement starts where the previous one stopped, so the index entries
 /// of rows already deleted are not walked again. Without it every chunk

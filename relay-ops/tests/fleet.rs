@@ -232,6 +232,22 @@ async fn outbox_relay_run_all_schemas_serves_two_databases_and_shows_only_the_wo
     outbox::testing::migrate_to(&dbs[0].pool, "tenant_old", 5)
         .await
         .unwrap();
+    // The fleets' membership table in the first database, alone (nothing
+    // else migrated), then up to date: not a tenant (the census leaves
+    // it out: the totals below count twelve).
+    for said in [
+        "outbox_fleet (the fleets' membership): applied migrations [1]",
+        "outbox_fleet (the fleets' membership) is up to date",
+    ] {
+        let (code, text) = e2e::output(
+            std::process::Command::new(BIN)
+                .env("DATABASE_URL", &dbs[0].url)
+                .args(["migrate", "--fleet"]),
+        );
+        assert_eq!(code, Some(0), "{text}");
+        assert!(text.contains(said), "{text}");
+        assert!(!text.contains("schema public"), "{text}");
+    }
 
     // The write-ahead-log capture is a relay per schema: refused at once.
     let (code, text) = e2e::output(&mut fleet_command(
@@ -373,6 +389,107 @@ async fn a_tenant_migrated_while_the_fleet_runs_is_served_at_once_not_at_the_nex
     .await;
     stop.cancel();
     running.await.unwrap().expect("a clean stop");
+    db.cleanup().await;
+    broker.cleanup().await;
+}
+
+/// The tenants a fleet serves now.
+fn served(fleet: &Fleet) -> HashSet<String> {
+    fleet
+        .tenants()
+        .into_iter()
+        .filter(|t| t.served_here)
+        .map(|t| t.schema)
+        .collect()
+}
+
+/// Two fleets over a database whose fleets' table is migrated split its
+/// tenants: each serves some, none both, and each publishes only its own
+/// tenants' events; when one stops the other takes every tenant.
+#[tokio::test]
+async fn two_fleets_split_the_tenants_and_one_serves_them_all_once_the_other_stops() {
+    let db = TestDatabase::create("fleet_split").await;
+    let broker = TestBroker::new("fsplit", FieldTable::default()).await;
+    assert_eq!(outbox_relay::migrate_fleet(&db.pool).await.unwrap(), [1]);
+    let tenants: Vec<String> = (0..16).map(|i| format!("tenant_{i:02}")).collect();
+    for t in &tenants {
+        outbox::migrate(&db.pool, t).await.unwrap();
+    }
+    let collector = Collector::start(&broker.queue);
+    let mut fleets = Vec::new();
+    for name in ["fleet-a", "fleet-b"] {
+        let mut cfg = FleetConfig::new(vec![relay_pool(&db).await], config(&broker));
+        cfg.relay.name = name.to_owned();
+        // Rounds every 2 s, a heartbeat good for 6 s: a busy machine's
+        // late round does not make a live fleet look dead.
+        cfg.relay.lease_ttl = Duration::from_secs(6);
+        cfg.like = Some("tenant\\_%".to_owned());
+        cfg.discover_every = Duration::from_millis(500);
+        fleets.push(start(cfg));
+    }
+    // Each serves some (until they see each other, each serves all), and
+    // together all, none twice.
+    let split = || {
+        let (a, b) = (served(&fleets[0].0), served(&fleets[1].0));
+        let split = !a.is_empty()
+            && !b.is_empty()
+            && a.len() + b.len() == tenants.len()
+            && a.is_disjoint(&b);
+        (split, format!("{a:?} / {b:?}"))
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while !split().0 {
+        assert!(
+            std::time::Instant::now() < until,
+            "the tenants not split after 30 s: {}",
+            split().1
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut ids = Vec::new();
+    for t in &tenants {
+        ids.extend(insert(&db.pool, t, 20).await);
+    }
+    wait_until(Duration::from_secs(60), "every tenant's events", || async {
+        ids.iter().all(|id| collector.has(id))
+    })
+    .await;
+    for (fleet, _, _) in &fleets {
+        for t in fleet.tenants() {
+            assert!(
+                t.served_here || t.published == 0,
+                "{} published by a fleet that does not serve it",
+                t.schema
+            );
+        }
+    }
+
+    // One stops (and leaves): the other serves every tenant.
+    let (_, stop, running) = fleets.remove(0);
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    let stopped = std::time::Instant::now();
+    let (other, stop, running) = fleets.remove(0);
+    wait_until(Duration::from_secs(30), "one fleet serving all", || async {
+        served(&other).len() == tenants.len()
+    })
+    .await;
+    eprintln!(
+        "the other fleet served every tenant {:?} after the stop",
+        stopped.elapsed()
+    );
+    let mut after = Vec::new();
+    for t in &tenants {
+        after.extend(insert(&db.pool, t, 5).await);
+    }
+    wait_until(
+        Duration::from_secs(60),
+        "the events after the stop",
+        || async { after.iter().all(|id| collector.has(id)) },
+    )
+    .await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
     db.cleanup().await;
     broker.cleanup().await;
 }

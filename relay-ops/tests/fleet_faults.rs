@@ -1,8 +1,11 @@
 //! The fault oracle over a fleet: two `outbox-relay run --all-schemas`
 //! processes serving 24 tenants in two databases while producers write to
-//! every tenant, one relay SIGKILLed and started again, a tenant's schema
+//! every tenant (splitting the first database's tenants between them),
+//! one relay SIGKILLed and started again, a tenant's schema
 //! dropped and recreated, a tenant's grant revoked for a while and
-//! restored. Judged once all is quiet: nothing committed is lost, nothing
+//! restored, one database down for a while (every connection reset), then
+//! its link silent for a while (connections hang, no RST). Judged once all
+//! is quiet: nothing committed is lost, nothing
 //! is published that was not committed, each ordered aggregate's events
 //! first arrive in commit order, and publishing never paused for long.
 
@@ -11,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use e2e::{
-    Collector, KillOnDrop, ProcessLogs, SeqLog, TestBroker, TestDatabase, amqp_url,
+    Collector, KillOnDrop, Mode, ProcessLogs, Proxy, SeqLog, TestBroker, TestDatabase, amqp_url,
     declare_tap_queue, suffix, wait_until,
 };
 use lapin::types::FieldTable;
@@ -163,6 +166,7 @@ fn fleet(urls: &[String], broker: &TestBroker, logs: &ProcessLogs, what: &str) -
         .env("OUTBOX_LEASE_TTL", "3s")
         .env("OUTBOX_RETRY_BASE", "100ms")
         .env("OUTBOX_RETRY_MAX", "1s")
+        .env("OUTBOX_DATABASE_TIMEOUT", "3s")
         .env("RUST_LOG", "warn")
         .args([
             "run",
@@ -179,7 +183,8 @@ fn fleet(urls: &[String], broker: &TestBroker, logs: &ProcessLogs, what: &str) -
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn fleet_of_two_relays_loses_nothing_through_a_kill_a_dropped_schema_and_a_revoked_grant() {
+async fn fleet_of_two_relays_loses_nothing_through_a_kill_a_dropped_schema_a_revoked_grant_and_a_database_down()
+ {
     let dbs = [
         TestDatabase::create("ffault_a").await,
         TestDatabase::create("ffault_b").await,
@@ -197,6 +202,11 @@ async fn fleet_of_two_relays_loses_nothing_through_a_kill_a_dropped_schema_and_a
     .await;
     let role = format!("t_reader_{}", suffix());
     exec(&dbs[0].pool, &format!("CREATE ROLE \"{role}\" LOGIN")).await;
+    // The first database's fleets split its tenants (the SIGKILLed one's
+    // share goes to the other when its heartbeat lapses); the second's
+    // has no fleets' table: each fleet serves every tenant.
+    outbox_relay::migrate_fleet(&dbs[0].pool).await.unwrap();
+    exec(&dbs[0].pool, &grants(outbox_relay::FLEET_SCHEMA, &role)).await;
     let mut urls = Vec::new();
     for db in &dbs {
         for i in 0..TENANTS {
@@ -211,6 +221,10 @@ async fn fleet_of_two_relays_loses_nothing_through_a_kill_a_dropped_schema_and_a
         url.set_username(&role).unwrap();
         urls.push(url.to_string());
     }
+    // The relays reach the second database through a proxy that can take
+    // it away (the producers write to it directly).
+    let proxy = Proxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    urls[1] = proxy.url(&urls[1]);
 
     let collector = Collector::start(&broker.queue);
     let seqs = SeqLog::start(&seq_queue);
@@ -261,6 +275,36 @@ async fn fleet_of_two_relays_loses_nothing_through_a_kill_a_dropped_schema_and_a
     )
     .await;
     grows(500, "publishing after the grant is back").await;
+
+    // The second database away for ten seconds at least, twice: down
+    // (every connection reset, new ones refused), then back; its link
+    // silent (connections open and new ones hang, no RST), then new
+    // connections pass and the old stay dead. The first one's tenants go
+    // on meanwhile.
+    let outage = Instant::now();
+    for (away, back, meanwhile) in [
+        (
+            Mode::Reset,
+            Mode::Pass,
+            "the first database publishing while the second is down",
+        ),
+        (
+            Mode::Blackhole,
+            Mode::Silent,
+            "the first database publishing while the second is silent",
+        ),
+    ] {
+        let since = Instant::now();
+        proxy.set(away);
+        grows(500, meanwhile).await;
+        wait_until(DEADLINE, "ten seconds of it", || async {
+            since.elapsed() >= Duration::from_secs(10)
+        })
+        .await;
+        proxy.set(back);
+        grows(500, "publishing after it is back").await;
+    }
+    let healed = Instant::now();
 
     let written = producers.stop().await;
     let must: Vec<&Written> = written.iter().filter(|w| !w.doomed).collect();
@@ -355,15 +399,24 @@ async fn fleet_of_two_relays_loses_nothing_through_a_kill_a_dropped_schema_and_a
             gap < Duration::from_secs(20),
             "publishing paused for {gap:?}"
         );
+        // While the second database was away, the first one's tenants
+        // paused at most for one database timeout (3 s) of each worker
+        // caught on the silent link, and the time the load adds.
+        let away = got.longest_gap(outage, healed);
+        assert!(
+            away < Duration::from_secs(10),
+            "publishing paused for {away:?} while the second database was away"
+        );
         eprintln!(
-            "{} committed ({} in the dropped schema, {} of them published), {} duplicates, {ordered} ordered, longest pause {gap:?}",
+            "{} committed ({} in the dropped schema, {} of them published), {} duplicates, {ordered} ordered, longest pause {gap:?}, {away:?} while a database was away ({} connections left dead)",
             written.len(),
             written.len() - must.len(),
             written
                 .iter()
                 .filter(|w| w.doomed && got.counts.contains_key(&w.id))
                 .count(),
-            got.duplicates()
+            got.duplicates(),
+            proxy.dead()
         );
     }
     let ch = conn.create_channel().await.unwrap();

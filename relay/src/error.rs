@@ -72,6 +72,19 @@ impl Error {
         }
     }
 
+    /// True when the database could not be reached (whatever the
+    /// statement): a call timed out, the connection was lost or refused,
+    /// the server is shutting down or starting.
+    pub(crate) fn is_unreachable(&self) -> bool {
+        match self {
+            Error::DatabaseTimeout { .. } => true,
+            Error::Database(e) | Error::Outbox(outbox::Error::Database(e)) => {
+                outbox_core::db::is_unreachable(e)
+            }
+            _ => false,
+        }
+    }
+
     /// True when a later retry of the same operation may succeed.
     pub fn is_transient(&self) -> bool {
         match self {

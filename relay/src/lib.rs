@@ -115,7 +115,9 @@ pub use crate::error::{BrokerError, ConfigError, Error, Result};
 #[cfg(feature = "fault-injection")]
 #[doc(hidden)]
 pub use crate::fault::{FAULT_CHANNEL_EVENT_TYPE, FAULT_PANIC_EVENT_TYPE};
-pub use crate::fleet::{Fleet, FleetConfig, TenantHealth, TenantStatus};
+pub use crate::fleet::{
+    FLEET_SCHEMA, Fleet, FleetConfig, TenantHealth, TenantStatus, migrate_fleet,
+};
 pub use crate::health::Health;
 pub use crate::message::OutboxEvent;
 pub use crate::relay::Relay;

@@ -35,6 +35,17 @@ pub(crate) struct FleetSizes {
     pub(crate) discoveries: usize,
     /// Tenants with a backlog, events each, rounds of the drain.
     pub(crate) drain: (usize, usize, usize),
+    /// Fairness: tenants trickling, each at `rate` events/s, for `secs`,
+    /// with no backlog and then beside one tenant's `backlog`.
+    pub(crate) fairness: Fairness,
+}
+
+/// The fairness run's sizes.
+pub(crate) struct Fairness {
+    pub(crate) tenants: usize,
+    pub(crate) rate: f64,
+    pub(crate) secs: f64,
+    pub(crate) backlog: usize,
 }
 
 /// The fleet section's figures.
@@ -47,6 +58,13 @@ pub(crate) struct FleetFigures {
     pub(crate) drain_ratio: Stats,
     pub(crate) fleet_rate: Stats,
     pub(crate) single_rate: Stats,
+    /// Commit -> received latencies (ms) of the trickling tenants: with no
+    /// backlog, and beside one tenant's.
+    pub(crate) trickle_clean_ms: Vec<f64>,
+    pub(crate) trickle_backlog_ms: Vec<f64>,
+    /// Events of the backlog left when its window ended (0: it drained
+    /// within the window, which then did not all run beside it).
+    pub(crate) backlog_left: i64,
 }
 
 /// The database the section runs in: created, dropped by [`Database::drop`].
@@ -295,7 +313,14 @@ async fn measure(db: &Database, url: &str, sizes: &FleetSizes) -> Result<FleetFi
         single_rate.push(pair[1]);
         drain_ratio.push(pair[0] / pair[1]);
     }
+    drop_queue(&conn, &name).await?;
+
+    let (trickle_clean_ms, trickle_backlog_ms, backlog_left) =
+        fairness(db, url, &conn, &sizes.fairness).await?;
     Ok(FleetFigures {
+        trickle_clean_ms,
+        trickle_backlog_ms,
+        backlog_left,
         idle_cpu_pct,
         idle_cpu_metrics_pct,
         idle_connections,
@@ -305,6 +330,221 @@ async fn measure(db: &Database, url: &str, sizes: &FleetSizes) -> Result<FleetFi
         fleet_rate,
         single_rate,
     })
+}
+
+/// Tenants trickling events open-loop (each insert its own task, on a
+/// schedule: a slow commit delays no other), timed from their commit's
+/// return to their arrival on a queue: first with no backlog anywhere,
+/// then while the fleet drains one tenant's backlog. Returns both runs'
+/// latencies (ms) and what was left of the backlog when its run ended.
+async fn fairness(
+    db: &Database,
+    url: &str,
+    conn: &lapin::Connection,
+    f: &Fairness,
+) -> Result<(Vec<f64>, Vec<f64>, i64)> {
+    let trickles: Vec<String> = (0..f.tenants).map(|i| format!("fair_{i:03}")).collect();
+    migrate_all(db, &trickles).await?;
+    let heavy = "fair_heavy";
+    outbox::migrate(&db.pool, heavy).await?;
+    let mut latencies = [Vec::new(), Vec::new()];
+    let mut left = 0;
+    for (run, backlog) in [false, true].into_iter().enumerate() {
+        let exchange = format!("bench_fleet_fair_{}", suffix());
+        let ch = conn.create_channel().await?;
+        ch.exchange_declare(
+            exchange.as_str().into(),
+            lapin::ExchangeKind::Topic,
+            Default::default(),
+            Default::default(),
+        )
+        .await?;
+        // The backlog's events (`order.*`) go to a queue that keeps only
+        // the newest (it is measured by its outbox); the trickle's
+        // (`tenant.*`) to the queue timed.
+        let sink = format!("{exchange}.backlog");
+        let mut args = lapin::types::FieldTable::default();
+        args.insert(
+            "x-max-length".into(),
+            lapin::types::AMQPValue::LongInt(1_000),
+        );
+        let arrivals = format!("{exchange}.trickle");
+        for (queue, key, args) in [
+            (&sink, "order.#", args),
+            (&arrivals, "tenant.#", Default::default()),
+        ] {
+            ch.queue_declare(queue.as_str().into(), Default::default(), args)
+                .await?;
+            ch.queue_bind(
+                queue.as_str().into(),
+                exchange.as_str().into(),
+                key.into(),
+                Default::default(),
+                Default::default(),
+            )
+            .await?;
+        }
+        if backlog {
+            eprintln!("bench:   filling one tenant with {} events", f.backlog);
+            fill_outbox(&db.pool, heavy, f.backlog, OrderedAggregates::None, 1_000).await?;
+        }
+        let arrived = Arrivals::start(conn, &arrivals).await?;
+        let mut fleet = spawn_fleet(db, url, &exchange, "fair\\_%", &[])?;
+        let timed = async {
+            // Every tenant served once (and the backlog's drain under way)
+            // before the clock starts.
+            for t in &trickles {
+                insert_one(&db.pool, t).await?;
+            }
+            arrived
+                .wait_for(trickles.len(), Duration::from_secs(120))
+                .await?;
+            let committed = trickle(&db.pool, &trickles, f.rate, f.secs).await?;
+            if backlog {
+                left = crate::common::outbox_len(&db.pool, heavy).await?;
+            }
+            arrived
+                .wait_for(trickles.len() + committed.len(), Duration::from_secs(120))
+                .await?;
+            Ok::<_, anyhow::Error>(arrived.latencies_ms(&committed))
+        };
+        let timed = timed.await;
+        stop_child(&mut fleet)?;
+        arrived.stop();
+        latencies[run] = timed?;
+        sqlx::raw_sql(AssertSqlSafe(format!("TRUNCATE \"{heavy}\".outbox")))
+            .execute(&db.pool)
+            .await?;
+        for q in [&sink, &arrivals] {
+            ch.queue_delete(q.as_str().into(), Default::default())
+                .await?;
+        }
+        ch.exchange_delete(exchange.as_str().into(), Default::default())
+            .await?;
+        let pct = crate::latency::percentiles("", &latencies[run]);
+        eprintln!(
+            "bench:   {} tenants at {}/s, {}: p50 {:.1} ms, p99 {:.1} ms ({} events)",
+            f.tenants,
+            f.rate,
+            if backlog {
+                format!("one tenant draining {} ({left} left at the end)", f.backlog)
+            } else {
+                "no backlog".to_owned()
+            },
+            pct[0].1,
+            pct[2].1,
+            latencies[run].len()
+        );
+    }
+    let [clean, beside] = latencies;
+    Ok((clean, beside, left))
+}
+
+/// Commits events into `tenants` in turn, `rate` per tenant per second,
+/// for `secs`, each insert a task of its own started on schedule. Returns
+/// each event's id and when its commit returned.
+async fn trickle(
+    pool: &PgPool,
+    tenants: &[String],
+    rate: f64,
+    secs: f64,
+) -> Result<Vec<(String, Instant)>> {
+    let every = Duration::from_secs_f64(1.0 / (rate * tenants.len() as f64));
+    let start = tokio::time::Instant::now();
+    let mut tasks = Vec::new();
+    let mut k = 0usize;
+    while start.elapsed().as_secs_f64() < secs {
+        tokio::time::sleep_until(start + every * k as u32).await;
+        let (pool, schema) = (pool.clone(), tenants[k % tenants.len()].clone());
+        tasks.push(tokio::spawn(async move {
+            let id = uuid::Uuid::now_v7();
+            // As the table's contract says a producer wakes the relays:
+            // a notification in the event's transaction.
+            sqlx::query(AssertSqlSafe(format!(
+                "WITH e AS (INSERT INTO \"{schema}\".outbox (id, aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ($1, 'tenant', '1', 'Joined', '{{}}') RETURNING id)
+                 SELECT pg_notify($2, '') FROM e"
+            )))
+            .bind(id)
+            .bind(outbox::wakeup_channel(&outbox::Ident::new("schema", &schema)?))
+            .execute(&pool)
+            .await?;
+            anyhow::Ok((id.to_string(), Instant::now()))
+        }));
+        k += 1;
+    }
+    let mut committed = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        committed.push(t.await??);
+    }
+    Ok(committed)
+}
+
+/// A queue's deliveries as they arrive: message id and arrival time.
+struct Arrivals {
+    seen: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, Instant>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Arrivals {
+    async fn start(conn: &lapin::Connection, queue: &str) -> Result<Self> {
+        let ch = conn.create_channel().await?;
+        let mut deliveries = ch
+            .basic_consume(
+                queue.into(),
+                "fairness".into(),
+                lapin::options::BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                Default::default(),
+            )
+            .await?;
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+        let task = {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                while let Some(Ok(d)) = deliveries.next().await {
+                    let now = Instant::now();
+                    if let Some(id) = d.properties.message_id() {
+                        crate::common::lock(&seen)
+                            .entry(id.to_string())
+                            .or_insert(now);
+                    }
+                }
+            })
+        };
+        Ok(Self { seen, task })
+    }
+
+    async fn wait_for(&self, n: usize, limit: Duration) -> Result<()> {
+        let until = Instant::now() + limit;
+        loop {
+            let got = crate::common::lock(&self.seen).len();
+            if got >= n {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                Instant::now() < until,
+                "{got} of {n} trickled events arrived after {limit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Each committed event's wait from its commit to its arrival.
+    fn latencies_ms(&self, committed: &[(String, Instant)]) -> Vec<f64> {
+        let seen = crate::common::lock(&self.seen);
+        committed
+            .iter()
+            .filter_map(|(id, at)| seen.get(id).map(|got| got.saturating_duration_since(*at)))
+            .map(|d| d.as_secs_f64() * 1e3)
+            .collect()
+    }
+
+    fn stop(self) {
+        self.task.abort();
+    }
 }
 
 /// A loopback port free now.

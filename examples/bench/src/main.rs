@@ -243,6 +243,12 @@ async fn main() -> Result<()> {
                 rest_secs: 0.0,
                 discoveries: 2,
                 drain: (5, 200, 1),
+                fairness: fleet::Fairness {
+                    tenants: 5,
+                    rate: 10.0,
+                    secs: 1.0,
+                    backlog: 2_000,
+                },
             },
             latency_in_process: args.latency_relay_in_process,
             latency_rate: args.latency_rate,
@@ -280,6 +286,12 @@ async fn main() -> Result<()> {
                 rest_secs: 65.0,
                 discoveries: 5,
                 drain: (100, 1_000, 4),
+                fairness: fleet::Fairness {
+                    tenants: 50,
+                    rate: 10.0,
+                    secs: 30.0,
+                    backlog: 1_000_000,
+                },
             },
             latency_in_process: args.latency_relay_in_process,
             latency_rate: args.latency_rate,
@@ -631,6 +643,36 @@ async fn fleet_section(
         &f.drain_ratio,
         "fleet_drain_ratio (many tenants / one schema)",
         ">= 0.9",
+    );
+    let fair = &s.fairness;
+    let mut p99 = [f64::NAN; 2];
+    for (i, (key, samples)) in [
+        ("fleet_fairness_clean", &f.trickle_clean_ms),
+        ("fleet_fairness_backlog", &f.trickle_backlog_ms),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let pct = latency::percentiles(key, samples);
+        p99[i] = pct[2].1;
+        for (k, v) in pct {
+            r.add(&k, v, &k, "");
+        }
+    }
+    r.add(
+        "fleet_fairness_p99_ratio",
+        p99[1] / p99[0],
+        &format!(
+            "fleet_fairness_p99_ratio ({} tenants at {}/s each, commit -> received p99: one tenant draining {} / no backlog)",
+            fair.tenants, fair.rate, fair.backlog
+        ),
+        "<= 1.2",
+    );
+    r.add(
+        "fleet_fairness_backlog_left",
+        f.backlog_left as f64,
+        "  events of the backlog left when its window ended (0: it drained before)",
+        "",
     );
     Ok(())
 }

@@ -371,7 +371,9 @@ pub(super) struct RunArgs {
     /// broker connection, the workers taking turns over the tenants with
     /// work. Schemas behind or too new are reported (`status
     /// --all-schemas`), not served. The outbox tables only: not with
-    /// --capture wal. docs/OPERATIONS.md, "Many tenants".
+    /// --capture wal. Several fleets over a database where `migrate
+    /// --fleet` ran split its tenants between them (without it each serves
+    /// every tenant). docs/OPERATIONS.md, "Many tenants".
     #[arg(long, env = "OUTBOX_ALL_SCHEMAS")]
     pub(super) all_schemas: bool,
     /// With --all-schemas: only the schemas whose name is LIKE this
@@ -455,4 +457,12 @@ pub(super) struct MigrateArgs {
     /// database migrate in parallel; one schema never twice at once).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub(super) jobs: u16,
+    /// Also create (or upgrade) the fleets' membership table, in schema
+    /// `outbox_fleet`: fleets (`run --all-schemas`) over this database then
+    /// split its tenants between them (a fleet that joins takes its share,
+    /// one that stops or dies hands its tenants to the others) instead of
+    /// each serving every tenant. The fleets' role needs SELECT, INSERT,
+    /// UPDATE and DELETE on it. Alone, nothing else is migrated.
+    #[arg(long, conflicts_with_all = ["slot", "capture"])]
+    pub(super) fleet: bool,
 }

@@ -13,7 +13,22 @@ use sqlx::PgPool;
 use super::args::{CaptureArg, MigrateArgs};
 
 pub(super) async fn migrate(pool: &PgPool, schema: &Ident, args: &MigrateArgs) -> Result<ExitCode> {
-    if args.all_schemas || args.schemas_file.is_some() {
+    let many = args.all_schemas || args.schemas_file.is_some();
+    if args.fleet {
+        let applied = outbox_relay::migrate_fleet(pool)
+            .await
+            .context("creating the fleets' membership table")?;
+        let fleet = outbox_relay::FLEET_SCHEMA;
+        if applied.is_empty() {
+            say!("{fleet} (the fleets' membership) is up to date");
+        } else {
+            say!("{fleet} (the fleets' membership): applied migrations {applied:?}");
+        }
+        if !many {
+            return Ok(ExitCode::SUCCESS);
+        }
+    }
+    if many {
         return migrate_many(pool, args).await;
     }
     let capture = args.capture;

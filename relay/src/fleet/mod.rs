@@ -8,6 +8,7 @@
 //! [`crate::Relay`] on that schema would run). An idle tenant costs its
 //! share of the census and of the probe, nothing else.
 
+mod members;
 mod ready;
 mod site;
 mod tenant;
@@ -25,6 +26,7 @@ use crate::error::Result;
 use crate::health::Health;
 use crate::publish::Publisher;
 use crate::worker::WorkerSession;
+pub use members::{FLEET_SCHEMA, migrate_fleet};
 use outbox_core::backoff::{Backoff, sleep_or_cancel};
 use outbox_core::outage::Outage;
 use ready::Ready;
@@ -73,6 +75,9 @@ pub struct TenantStatus {
     pub published: u64,
     /// What became of its last batches.
     pub health: TenantHealth,
+    /// Whether this fleet serves it: fleets over one database split its
+    /// tenants ([`migrate_fleet`]); false when another one does.
+    pub served_here: bool,
 }
 
 /// What the fleet's parts share.
@@ -180,7 +185,7 @@ impl Fleet {
             .databases
             .into_iter()
             .enumerate()
-            .map(|(i, pool)| Arc::new(Site::new(i, pool)))
+            .map(|(i, pool)| Arc::new(Site::new(i, pool, shared.id)))
             .collect();
         Ok(Self {
             inner: Arc::new(Parts {
@@ -214,6 +219,7 @@ impl Fleet {
                 schema: t.schema.as_str().to_owned(),
                 published: t.published(),
                 health: t.health(),
+                served_here: site.owns(&t),
             }));
             all.extend(
                 site.refused()
@@ -225,6 +231,7 @@ impl Fleet {
                         health: TenantHealth::NotServed {
                             why: state.to_string(),
                         },
+                        served_here: false,
                     }),
             );
         }
@@ -359,7 +366,8 @@ impl Fleet {
             let Some((tenant, share)) = shared.ready.next(&stop).await else {
                 break;
             };
-            if tenant.backing_off() {
+            let database = &self.inner.sites[tenant.site];
+            if tenant.backing_off() || database.unreachable() || !database.owns(&tenant) {
                 continue;
             }
             if blocked_now(session.conn()) {
@@ -410,6 +418,12 @@ impl Fleet {
                     shared.ready.push_share(&tenant, share);
                     session.close_publisher().await;
                     return Err(e);
+                }
+                // Not the tenant's fault: its database's tenants wait
+                // for the census to reach it (which queues them all).
+                Ok(Some(Err(e))) if e.is_unreachable() => {
+                    database.lost(&e);
+                    session.release_db();
                 }
                 Ok(Some(Err(e))) => {
                     let pause = tenant.failed(&e);

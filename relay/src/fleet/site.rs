@@ -14,6 +14,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::Shared;
+use super::members::Members;
 use super::tenant::Tenant;
 use crate::db::bounded;
 use crate::error::Result;
@@ -43,6 +44,12 @@ pub(crate) struct Site {
     outage: Outage,
     /// A migration notified: the census runs now, not at its interval.
     census_now: tokio::sync::Notify,
+    /// A batch found the database unreachable: its tenants get no turns
+    /// (each would wait out the database timeout, holding a worker every
+    /// other database's tenants need) until the census reaches it again.
+    unreachable: std::sync::atomic::AtomicBool,
+    /// The fleets sharing its tenants, and which are this one's.
+    members: Members,
 }
 
 impl std::fmt::Debug for Site {
@@ -54,7 +61,7 @@ impl std::fmt::Debug for Site {
 }
 
 impl Site {
-    pub(crate) fn new(index: usize, pool: PgPool) -> Self {
+    pub(crate) fn new(index: usize, pool: PgPool, fleet: uuid::Uuid) -> Self {
         Self {
             index,
             pool,
@@ -63,7 +70,32 @@ impl Site {
             changed: watch::channel(0).0,
             outage: Outage::new("database", format!("outbox-relay fleet, database {index}")),
             census_now: tokio::sync::Notify::new(),
+            unreachable: std::sync::atomic::AtomicBool::new(false),
+            members: Members::new(fleet),
         }
+    }
+
+    /// Whether this fleet serves `tenant` (another fleet over the same
+    /// database may: [`Members`]).
+    pub(crate) fn owns(&self, tenant: &Tenant) -> bool {
+        self.members.owns(tenant.schema.as_str())
+    }
+
+    /// Whether its tenants wait for the database to answer again.
+    pub(crate) fn unreachable(&self) -> bool {
+        self.unreachable.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// A batch found the database unreachable (`error`): its tenants wait
+    /// until the census answers, tried at once and then every second.
+    pub(crate) fn lost(&self, error: &crate::error::Error) {
+        if !self
+            .unreachable
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            tracing::warn!(database = self.index, error = %error, "database unreachable: its tenants wait until it answers again; the other databases' go on");
+        }
+        self.census_now.notify_one();
     }
 
     /// Its tenants now.
@@ -96,24 +128,74 @@ impl Site {
     /// the listener, and each tenant's rest once idle.
     pub(crate) async fn run(&self, shared: &Arc<Shared>, stop: CancellationToken) {
         tokio::join!(
+            self.keep_members(shared, stop.clone()),
             self.keep_census(shared, stop.clone()),
             self.keep_probing(shared, stop.clone()),
             self.listen(shared, stop),
         );
     }
 
+    /// The membership round every third of the lease TTL until `stop`,
+    /// then leaving. When the live fleets change, the tenants this fleet
+    /// now serves are queued and those it gave up rest (their partition
+    /// leases released for the fleet that takes them).
+    async fn keep_members(&self, shared: &Shared, stop: CancellationToken) {
+        let cfg = &shared.config;
+        let every = (cfg.lease_ttl / 3).max(Duration::from_millis(100));
+        while !stop.is_cancelled() {
+            match self
+                .members
+                .round(&self.pool, &cfg.name, cfg.lease_ttl, cfg.database_timeout)
+                .await
+            {
+                Ok(true) => {
+                    tracing::info!(
+                        database = self.index,
+                        fleets = self.members.fleets(),
+                        "the fleets sharing this database's tenants changed"
+                    );
+                    for t in self.tenants() {
+                        if self.owns(&t) {
+                            shared.queue(&t);
+                        } else {
+                            t.rest();
+                        }
+                    }
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::debug!(database = self.index, error = %e, "the fleets' heartbeat failed; the last view holds")
+                }
+            }
+            sleep_or_cancel(every, &stop).await;
+        }
+        self.members.leave(&self.pool, cfg.database_timeout).await;
+    }
+
     /// The census now and every `discover_every`, and at once when a
     /// migration notifies ([`outbox_core::migrate::SCHEMAS_CHANNEL`]):
     /// tenants added (each queued once: it may hold a backlog) and removed.
     async fn keep_census(&self, shared: &Shared, stop: CancellationToken) {
+        use std::sync::atomic::Ordering;
         while !stop.is_cancelled() {
             match self.census(shared).await {
                 Ok(()) => {
                     self.outage.ok();
                     shared.database_up(self.index, true);
+                    if self.unreachable.swap(false, Ordering::AcqRel) {
+                        tracing::info!(
+                            database = self.index,
+                            "database answers again: its tenants are served"
+                        );
+                        self.tenants().iter().for_each(|t| shared.queue(t));
+                    }
                 }
                 Err(e) => {
-                    // The known tenants go on (their own batches tell).
+                    // The known tenants go on while their batches do;
+                    // unreachable, they wait for the census.
+                    if e.is_unreachable() {
+                        self.unreachable.store(true, Ordering::Release);
+                    }
                     self.outage.failed(&e);
                     shared.database_up(self.index, false);
                 }
@@ -121,8 +203,13 @@ impl Site {
             for t in self.tenants() {
                 t.rest_if_idle();
             }
+            let next = if self.unreachable() {
+                shared.discover_every.min(Duration::from_secs(1))
+            } else {
+                shared.discover_every
+            };
             tokio::select! {
-                _ = sleep_or_cancel(shared.discover_every, &stop) => {}
+                _ = sleep_or_cancel(next, &stop) => {}
                 _ = self.census_now.notified() => {}
             }
         }
@@ -180,7 +267,9 @@ impl Site {
         }
         for t in &added {
             tracing::info!(schema = %t.schema, "tenant joined the fleet");
-            shared.queue(t);
+            if self.owns(t) {
+                shared.queue(t);
+            }
         }
         for (schema, state) in &refused {
             let known = self
@@ -209,10 +298,13 @@ impl Site {
     async fn keep_probing(&self, shared: &Arc<Shared>, stop: CancellationToken) {
         while !stop.is_cancelled() {
             sleep_or_cancel(shared.config.poll_interval, &stop).await;
+            if self.unreachable() {
+                continue;
+            }
             // Tenants backing off are left out: one whose statements fail
             // (a grant revoked) would fail its chunk's probe.
             let mut tenants = self.tenants();
-            tenants.retain(|t| !t.backing_off());
+            tenants.retain(|t| !t.backing_off() && self.owns(t));
             for chunk in tenants.chunks(PROBE_CHUNK) {
                 match self.probe(chunk, shared.config.database_timeout).await {
                     Ok(due) => {

@@ -234,6 +234,12 @@ impl Tenant {
         if lock(&self.last_work).elapsed() < IDLE_AFTER {
             return;
         }
+        self.rest();
+    }
+
+    /// Stops its upkeep now (its leases are given up): another fleet
+    /// serves it.
+    pub(crate) fn rest(&self) {
         if let Some(stop) = lock(&self.upkeep).take() {
             stop.cancel();
         }
