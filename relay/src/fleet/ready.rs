@@ -1,9 +1,10 @@
 //! The fleet's ready queue: the tenants that may have work, as shares
-//! (each tenant has one per fleet worker, as a relay has workers: a share
-//! claims the ordered partitions `p % workers == share` and unordered
-//! events beside them), each share queued at most once and served in turn
-//! (one batch a turn), so a tenant with a million events waits its turn
-//! behind each tenant with ten.
+//! (each tenant has one fewer than the fleet has workers, at least one, as
+//! a relay has workers: a share claims the ordered partitions `p % shares
+//! == share` and unordered events beside them), each share queued at most
+//! once and served in turn (one batch a turn), so a tenant with a million
+//! events waits its turn behind each tenant with ten, and never holds
+//! every worker.
 
 use std::collections::VecDeque;
 use std::sync::Arc;

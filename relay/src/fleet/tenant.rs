@@ -50,7 +50,8 @@ pub enum TenantHealth {
     },
 }
 
-/// One share of a tenant: what a relay's worker holds of it.
+/// One share of a tenant: what a relay's worker holds of it (a tenant has
+/// one fewer than the fleet has workers, at least one).
 #[derive(Debug)]
 struct Share {
     claim: Mutex<ClaimState>,
@@ -70,7 +71,8 @@ pub(crate) struct Tenant {
     maintenance: Arc<Maintenance>,
     wakeups: Wakeups,
     stats: Arc<Stats>,
-    /// Its shares, one per fleet worker: each with its claim state (its
+    /// Its shares, one fewer than the fleet's workers (at least one): each
+    /// with its claim state (its
     /// ordered partitions and cursors).
     shares: Vec<Share>,
     /// The census removed it: no more turns, no upkeep.
@@ -113,7 +115,11 @@ impl Tenant {
             worker,
             ..
         } = Stages::new(config, &schema, id, pool, health, broker_outage);
-        let workers = config.workers.max(1);
+        // A tenant runs on all workers but one at most (each share is one
+        // worker's turn), so another tenant's event finds a worker free
+        // rather than waiting for a batch of a backlog; and a wake-up
+        // queues no more empty turns than that.
+        let workers = config.workers.saturating_sub(1).max(1);
         Self {
             schema,
             site,
