@@ -233,6 +233,8 @@ async fn fleet_of_two_relays_loses_nothing_through_a_kill_a_dropped_schema_a_rev
     let mut second = fleet(&urls, &broker, &logs, "fleet-2");
     let producers = Producers::start(dbs.iter().map(|d| d.pool.clone()).collect());
     let started = Instant::now();
+    // When each fault began, to say where a long pause fell.
+    let mut faults: Vec<(&str, Instant)> = Vec::new();
     let grows = |by: usize, what: &'static str| {
         let target = collector.distinct() + by;
         let collector = &collector;
@@ -244,12 +246,14 @@ async fn fleet_of_two_relays_loses_nothing_through_a_kill_a_dropped_schema_a_rev
 
     // A relay killed mid-stream: the other one goes on; a new one takes
     // its place.
+    faults.push(("SIGKILL", Instant::now()));
     first.kill().unwrap();
     first.wait().unwrap();
     grows(500, "the other relay publishing alone").await;
     first = fleet(&urls, &broker, &logs, "fleet-1b");
 
     // A tenant's schema dropped while it is written to, then recreated.
+    faults.push(("drop", Instant::now()));
     producers.doom(0, "tenant_05");
     exec(&dbs[0].pool, "DROP SCHEMA tenant_05 CASCADE").await;
     grows(300, "the others publishing after the drop").await;
@@ -258,6 +262,7 @@ async fn fleet_of_two_relays_loses_nothing_through_a_kill_a_dropped_schema_a_rev
     producers.resume(0, "tenant_05");
 
     // A tenant's grant revoked for a while: the others go on meanwhile.
+    faults.push(("revoke", Instant::now()));
     exec(
         &dbs[1].pool,
         &format!("REVOKE USAGE ON SCHEMA tenant_07 FROM \"{role}\""),
@@ -295,6 +300,7 @@ async fn fleet_of_two_relays_loses_nothing_through_a_kill_a_dropped_schema_a_rev
         ),
     ] {
         let since = Instant::now();
+        faults.push((meanwhile, since));
         proxy.set(away);
         grows(500, meanwhile).await;
         wait_until(DEADLINE, "ten seconds of it", || async {
@@ -395,9 +401,20 @@ async fn fleet_of_two_relays_loses_nothing_through_a_kill_a_dropped_schema_a_rev
         // Publishing never paused for long: not through the kill, the drop or
         // the revoked grant.
         let gap = got.longest_gap(started, quiet);
+        // Where it ended, against when each fault began.
+        let ended = got
+            .arrivals
+            .windows(2)
+            .find(|w| w[0] >= started && w[1] <= quiet && w[1] - w[0] == gap)
+            .map(|w| w[1] - started);
+        let when: Vec<String> = faults
+            .iter()
+            .map(|(what, at)| format!("{what} at {:?}", *at - started))
+            .collect();
         assert!(
             gap < Duration::from_secs(20),
-            "publishing paused for {gap:?}"
+            "publishing paused for {gap:?}, ending {ended:?} after the start; {when:?}; {}",
+            logs.tails()
         );
         // While the second database was away, the first one's tenants
         // paused at most for one database timeout (3 s) of each worker
