@@ -72,8 +72,7 @@ pub(crate) struct Tenant {
     wakeups: Wakeups,
     stats: Arc<Stats>,
     /// Its shares, one fewer than the fleet's workers (at least one): each
-    /// with its claim state (its
-    /// ordered partitions and cursors).
+    /// with its claim state (its ordered partitions and cursors).
     shares: Vec<Share>,
     /// The census removed it: no more turns, no upkeep.
     retired: AtomicBool,
